@@ -1,0 +1,73 @@
+"""The asyncio front: streams, aborts and n choices, with the engine loop in its thread."""
+
+import asyncio
+
+import pytest
+
+from vivace import EngineConfig, FinishReason, LLM, SamplingParams
+from vivace.engine.async_engine import AsyncEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128, block_size=4))
+    yield engine
+    engine.check_integrity()
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params, request_id):
+    texts, token_ids, finishes = {}, {}, {}
+    async for out in engine.generate(prompt, params, request_id):
+        for choice in out.outputs:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            token_ids.setdefault(choice.index, []).extend(choice.token_ids)
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    return texts, token_ids, finishes, out
+
+
+async def test_streamed_deltas_add_up_to_the_offline_output(engine, tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompt = "Once upon a time"
+    texts, token_ids, finishes, last = await collect(engine, prompt, params, "stream-1")
+    expected = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4).generate(prompt, params)[0].outputs[0]
+    assert texts[0] == expected.text and token_ids[0] == expected.token_ids
+    assert finishes[0] == FinishReason.LENGTH and last.finished
+    assert last.timings.first_token is not None and len(last.timings.token_times) == 20
+
+
+async def test_concurrent_streams_and_n_choices(engine):
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    results = await asyncio.gather(*(collect(engine, f"Story {i}:", params, f"multi-{i}") for i in range(6)))
+    for _, token_ids, finishes, last in results:
+        assert sorted(token_ids) == [0, 1] and all(len(t) == 12 for t in token_ids.values())
+        assert finishes == {0: FinishReason.LENGTH, 1: FinishReason.LENGTH} and last.finished
+
+
+async def test_abort_and_early_close_free_the_blocks(engine):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    stream = engine.generate("abort me", params, "to-abort")
+    first = await anext(stream)
+    assert first.outputs[0].token_ids
+    engine.abort("to-abort")
+    async for out in stream:
+        last = out
+    assert last.finished and last.outputs[0].finish_reason == FinishReason.ABORT
+
+    closed = engine.generate("close me", params, "to-close")
+    await anext(closed)
+    await closed.aclose()
+    for _ in range(200):  # the abort command is applied by the engine thread within a step
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+    engine.check_integrity()
+
+
+async def test_a_prompt_too_long_is_a_value_error(engine):
+    with pytest.raises(ValueError, match="maximum context length"):
+        async for _ in engine.generate([5] * 2000, SamplingParams(max_tokens=10), "too-long"):
+            pass

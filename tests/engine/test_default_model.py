@@ -1,0 +1,36 @@
+"""The bundled SmolLM2-135M-Instruct GGUF: vivace's greedy chat answers equal transformers'."""
+
+import pytest
+import torch
+import transformers
+
+from vivace import LLM, SamplingParams
+
+from .conftest import default_gguf
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+def test_greedy_chat_equals_transformers():
+    llm = LLM("default", dtype="float32", kv_cache_memory_gb=0.25)
+    tokenizer = llm.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                             tokenize=False) for c in CHATS]
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
+    llm.check_integrity()
+
+    path = default_gguf()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           torch_dtype=torch.float32).eval()
+    for ids, answer in zip(prompt_ids, ours):
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        assert answer == expected[0, len(ids):].tolist()
+    assert "Paris" in tokenizer.decode(ours[0])

@@ -1,0 +1,47 @@
+import pytest
+import transformers
+
+from vivace.engine.detokenizer import IncrementalDetokenizer
+
+TEXT = "Grüße aus Köln! 東京タワー 🎉🚀 naïve café — ok"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def stream(tokenizer, text: str, stop: list[str]) -> tuple[list[str], str | None]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop)
+    pieces, matched = [], None
+    for token_id in ids:
+        matched = detok.add_token(token_id)
+        pieces.append(detok.take_new_text(final=matched is not None))
+        if matched:
+            break
+    else:
+        pieces.append(detok.take_new_text(final=True))
+    return pieces, matched
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    pieces, _ = stream(tokenizer, TEXT, [])
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == TEXT
+    # Some emoji take several tokens: a step must have emitted nothing rather than half of one.
+    assert "" in pieces
+
+
+@pytest.mark.parametrize("stop", ["Köln", "タワー", "🚀", " ok", "aus K"])
+def test_stop_string_is_cut_exactly_and_never_emitted(tokenizer, stop):
+    pieces, matched = stream(tokenizer, TEXT, [stop, "never-there"])
+    assert matched == stop
+    assert "".join(pieces) == TEXT[:TEXT.index(stop)]
+
+
+def test_text_resembling_a_stop_string_is_released_once_it_diverges(tokenizer):
+    pieces, matched = stream(tokenizer, TEXT, ["Köln?"])
+    assert matched is None
+    assert "".join(pieces) == TEXT

@@ -1,0 +1,120 @@
+"""The engine on a tiny random Llama: exact against transformers, whatever the batch."""
+
+import random
+
+import pytest
+import torch
+
+from vivace import LLM, FinishReason, SamplingParams
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 70))] for _ in range(count)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    engine = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4)
+    yield engine
+    engine.check_integrity()
+    assert engine.engine.kv.num_free_blocks == 256
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_equals_transformers(llm, hf_tiny_llama):
+    for prompt in prompts(3, seed=1):
+        ours = llm.generate(prompt, greedy(24))[0].outputs[0].token_ids
+        ids = torch.tensor([prompt])
+        theirs = hf_tiny_llama.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert ours == theirs[0, len(prompt):].tolist()
+
+
+def test_batch_of_16_equals_each_alone(llm):
+    batch = prompts(16, seed=2)
+    params = [greedy(5 + 3 * i) for i in range(16)]
+    together = tokens(llm.generate(batch, params))
+    alone = [tokens(llm.generate(p, sp))[0] for p, sp in zip(batch, params)]
+    assert together == alone
+    assert [len(t) for t in together] == [p.max_tokens for p in params]
+
+
+def test_preemption_in_a_tiny_pool_keeps_outputs(tiny_llama_dir, llm):
+    batch = prompts(8, seed=3)
+    expected = tokens(llm.generate(batch, greedy(40)))
+    small = LLM(str(tiny_llama_dir), num_kv_blocks=40, block_size=4, enable_prefix_caching=False)
+    assert tokens(small.generate(batch, greedy(40))) == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    small.check_integrity()
+    assert small.engine.kv.num_free_blocks == 40
+
+
+def test_chunked_prefill_and_prefix_cache_keep_outputs(tiny_llama_dir, llm):
+    shared = prompts(1, seed=4)[0] * 3
+    batch = [shared + p for p in prompts(4, seed=5)]
+    expected = tokens(llm.generate(batch, greedy(12)))
+    chunked = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)
+    first = chunked.generate(batch, greedy(12))
+    second = chunked.generate(batch, greedy(12))
+    assert tokens(first) == expected and tokens(second) == expected
+    assert all(o.num_cached_tokens >= len(shared) // 4 * 4 for o in second)
+    chunked.check_integrity()
+
+
+def test_abort_mid_generation_frees_blocks(llm):
+    engine = llm.engine
+    for i, prompt in enumerate(prompts(4, seed=6)):
+        engine.add_request(f"abort-{i}", prompt, greedy(50))
+    for _ in range(5):
+        engine.step()
+    ended = [engine.abort_request(f"abort-{i}") for i in range(4)]
+    assert all(o.finished and o.outputs[0].finish_reason == FinishReason.ABORT for o in ended)
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == len(engine.kv.blocks)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    params = SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    noise = SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True)
+    target = prompts(1, seed=7)[0]
+    alone = tokens(llm.generate(target, params))[0]
+    mixed = tokens(llm.generate([target] + prompts(5, seed=8), [params] + [noise] * 5))[0]
+    assert alone == mixed
+    other_seed = SamplingParams(temperature=0.9, top_k=50, seed=99, max_tokens=20, ignore_eos=True)
+    assert tokens(llm.generate(target, other_seed))[0] != alone
+
+
+def test_stop_string_and_finish_reasons(llm):
+    prompt = prompts(1, seed=9)[0]
+    full = llm.generate(prompt, greedy(30))[0].outputs[0]
+    assert full.finish_reason == FinishReason.LENGTH and len(full.token_ids) == 30
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    assert stop.strip(), "the tiny model should produce visible text"
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))
+    out = cut[0].outputs[0]
+    assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
+    assert out.text == full.text[:full.text.index(stop)]
+
+
+def test_n_choices_and_logprobs(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, logprobs=2)
+    out = llm.generate(prompts(1, seed=10)[0], params)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for choice in out.outputs:
+        assert len(choice.logprobs) == 8
+        assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in choice.logprobs)
+        assert [lp.token_id for lp in choice.logprobs] == choice.token_ids
+
+
+def test_prompt_that_does_not_fit_is_rejected(llm):
+    with pytest.raises(ValueError, match="1000 prompt tokens plus 100"):
+        llm.generate([5] * 1000, greedy(100))
+    llm.check_integrity()

@@ -1,0 +1,66 @@
+import math
+
+import torch
+
+from vivace.engine.request import Request
+from vivace.engine.sampler import Sampler, filter_logits
+from vivace.engine.sampling_params import SamplingParams
+
+
+def request(tokens=(5, 6), output=(), **params) -> Request:
+    r = Request("r", list(tokens), SamplingParams(**params))
+    r.token_ids.extend(output)
+    return r
+
+
+def test_top_k_top_p_min_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    kept = lambda out: torch.isfinite(out).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(filter_logits(logits, 2, 1.0, 0.0)) == [0, 1]
+    assert kept(filter_logits(logits, 0, 0.7, 0.0)) == [0, 1]   # 0.5 < 0.7, 0.7 reached with token 1
+    assert kept(filter_logits(logits, 0, 0.71, 0.0)) == [0, 1, 2]
+    assert kept(filter_logits(logits, 0, 1.0, 0.3)) == [0, 1, 2]  # p >= 0.3 * 0.5
+    assert kept(filter_logits(logits, -1, 1.0, 0.0)) == [0, 1, 2, 3, 4]
+
+
+def test_penalties_follow_their_definitions():
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.tensor([[1.0, 2.0, -1.0, 3.0, 0.5, 0.0, 0.0]])
+    r = request(tokens=(2,), output=(3, 3, 4), repetition_penalty=2.0,
+                presence_penalty=0.5, frequency_penalty=0.25, logprobs=0)
+    out = sampler(logits.clone(), [r])
+    expected = torch.tensor([1.0, 2.0, -2.0, 1.5 - 0.5 - 0.5, 0.25 - 0.25 - 0.5, 0.0, 0.0])
+    assert out.token_ids == [1]
+    assert math.isclose(out.logprobs[0], expected.log_softmax(-1)[1].item(), rel_tol=1e-6)
+
+
+def test_min_tokens_forbids_eos_and_stop_ids():
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.tensor([[9.0, 8.0, 1.0]])
+    assert sampler(logits.clone(), [request(min_tokens=2, temperature=0)]).token_ids == [1]
+    assert sampler(logits.clone(), [request(min_tokens=2, temperature=0, stop_token_ids=[1])]).token_ids == [2]
+    assert sampler(logits.clone(), [request(temperature=0)]).token_ids == [0]
+
+
+def test_seeded_draws_do_not_depend_on_the_batch():
+    sampler = Sampler(eos_token_ids=(0,))
+    torch.manual_seed(1)
+    logits = torch.randn(4, 50)
+
+    def draws(rows: list[int], seeds: list[int | None]) -> list[list[int]]:
+        requests = [request(seed=s, temperature=1.0, top_p=0.9) for s in seeds]
+        return [sampler(logits[rows].clone(), requests).token_ids for _ in range(8)]
+
+    alone = [d[0] for d in draws([2], [7])]
+    mixed = [d[1] for d in draws([0, 2, 3], [None, 7, 3])]
+    assert alone == mixed
+    assert len(set(alone)) > 1  # the generator advances between draws
+
+
+def test_top_logprobs_are_sorted_and_include_the_argmax():
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    out = sampler(logits, [request(temperature=0, logprobs=3)])
+    assert out.top_ids == [[1, 3, 2]]
+    assert out.top_logprobs[0] == sorted(out.top_logprobs[0], reverse=True)
+    assert math.isclose(out.logprobs[0], out.top_logprobs[0][0])

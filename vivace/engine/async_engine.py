@@ -1,0 +1,162 @@
+"""The asyncio front of the engine. The engine loop runs in its own thread, so neither
+HTTP work nor a slow client ever delays a step, and a step never blocks the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from vivace.config import EngineConfig
+from vivace.engine.llm_engine import EngineStats, LLMEngine
+from vivace.engine.outputs import RequestOutput
+from vivace.engine.sampling_params import SamplingParams
+from vivace.models import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Parameters of choice ``index`` of an n-choice request: one sequence each, seeds apart."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed, stop=list(params.stop),
+                               stop_token_ids=list(params.stop_token_ids))
+
+
+class AsyncEngine:
+    """Loads the model, warms it up, and serves ``generate`` streams from an engine thread."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.engine = LLMEngine(config, loaded)
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None
+        self.warm_up()
+        self._thread = threading.Thread(target=self._run, name="vivace-engine", daemon=True)
+        self._thread.start()
+
+    def warm_up(self) -> None:
+        """Run a short request through every code path before declaring readiness."""
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+        self.engine.add_request("warmup", [self.engine.loaded.config.bos_token_id or 0] * 8, params)
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished())
+                with self._lock:
+                    outputs = self.engine.step()
+                self._deliver(outputs)
+        except BaseException as exc:  # the engine is broken: fail every stream, loudly
+            logger.exception("engine loop died")
+            self.error = exc
+            self._stopped.set()
+            for request_id in list(self._streams):
+                self._deliver_error(request_id, exc)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: tuple) -> None:
+        kind, request_id, *args = command
+        with self._lock:
+            if kind == "add":
+                try:
+                    self.engine.add_request(request_id, *args)
+                except ValueError as exc:
+                    self._deliver_error(request_id, exc)
+            elif kind == "abort":
+                output = self.engine.abort_request(request_id)
+                if output is not None:
+                    self._deliver([output])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                loop, sink, index = stream
+                output.outputs[0].index = index
+                loop.call_soon_threadsafe(sink.put_nowait, output)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream[0].call_soon_threadsafe(stream[1].put_nowait, exc)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream delta outputs of all ``params.n`` choices; the last has ``finished`` True.
+
+        Raises ValueError for a request that can never fit, EngineDeadError if the engine
+        died. Closing the iterator early aborts the request.
+        """
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        prompt_ids = self.engine.tokenize(prompt)
+        self.engine.validate(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        for index, sub_id in enumerate(ids):
+            self._streams[sub_id] = (loop, sink, index)
+            self._commands.put(("add", sub_id, prompt_ids, choice_params(params, index), priority))
+        remaining = set(ids)
+        try:
+            while remaining:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining.discard(item.request_id)
+                yield dataclasses.replace(item, request_id=request_id, finished=not remaining)
+        finally:
+            for sub_id in ids:
+                self._streams.pop(sub_id, None)
+                if sub_id in remaining:
+                    self._commands.put(("abort", sub_id))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (all its choices) within one step. Thread-safe and idempotent."""
+        for sub_id in [s for s in list(self._streams) if s == request_id or s.startswith(request_id + "-")]:
+            self._commands.put(("abort", sub_id))
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.engine.check_integrity()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=10)

@@ -1,0 +1,77 @@
+"""Incremental detokenization and stop strings.
+
+Text is decoded over a small window of recent tokens, so a token that completes a
+multi-byte character is emitted together with it and never as a broken "\ufffd".
+Text that could still grow into a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Decoding a few tokens before the new ones gives tokenizers the context they need
+# for leading spaces (sentencepiece) and byte-level merges.
+_CONTEXT_TOKENS = 5
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: object
+    token_ids: list[int]
+    stop: list[str]
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    text: str = ""          # everything decoded so far (cut at a stop string if one matched)
+    num_emitted: int = 0    # characters of ``text`` already handed out
+    prefix_offset: int = field(init=False)
+    read_offset: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int, match_stop: bool = True) -> str | None:
+        """Append a token; return the stop string it completed, if any (and if asked)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return None  # an incomplete character: wait for the next token
+        start = len(self.text)
+        self.text += new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return self._match_stop(start) if match_stop else None
+
+    def _match_stop(self, new_start: int) -> str | None:
+        longest = max((len(s) for s in self.stop), default=0)
+        search_from = max(new_start - longest + 1, 0)
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            at = self.text.find(stop, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        self.text = self.text[:at + len(stop) if self.include_stop_str_in_output else at]
+        return stop
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of ``text`` that begins some stop string."""
+        for n in range(min(max((len(s) for s in self.stop), default=1) - 1, len(self.text)), 0, -1):
+            suffix = self.text[-n:]
+            if any(stop.startswith(suffix) for stop in self.stop):
+                return n
+        return 0
+
+    def take_new_text(self, final: bool) -> str:
+        """Text not yet handed out; while not final, keep back a possible stop-string start."""
+        end = len(self.text) if final else len(self.text) - self._held_back()
+        end = max(end, self.num_emitted)
+        delta = self.text[self.num_emitted:end]
+        self.num_emitted = end
+        return delta

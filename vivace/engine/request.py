@@ -1,0 +1,77 @@
+"""The state of one sequence inside the engine.
+
+There is no prefill or decode phase: a request has ``num_tokens`` tokens (prompt plus
+output) of which ``num_computed_tokens`` have K/V in the cache; each step the scheduler
+hands it some of the difference.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vivace.engine.outputs import FinishReason, Timings, TokenLogprob
+from vivace.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_order: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(init=False)  # prompt followed by output
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = field(init=False)
+    generator: torch.Generator | None = field(init=False)
+    timings: Timings = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        self.token_ids = list(self.prompt_token_ids)
+        self.logprobs = [] if self.params.logprobs is not None else None
+        self.generator = None
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        self.timings = Timings(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs sooner: priority first, then arrival."""
+        return (self.priority, self.arrival_order)

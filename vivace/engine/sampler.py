@@ -1,0 +1,102 @@
+"""Turn a batch of logits into next tokens, one row per request with its own parameters.
+
+Order: penalties, min_tokens masking, then (for non-greedy rows) temperature, top-k,
+top-p and min-p, then a draw from the request's own generator, so a seeded request
+samples the same tokens whatever else shares its batch. Logprobs are those of the
+model's distribution after penalties, before temperature and truncation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vivace.engine.request import Request
+
+
+@dataclass
+class SampledTokens:
+    token_ids: list[int]
+    logprobs: list[float] | None  # of the chosen token, per row (None if no row asked)
+    top_ids: list[list[int]]      # per row, the top-N alternatives (empty if not asked)
+    top_logprobs: list[list[float]]
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition (on prompt and output tokens), presence and frequency (on output) penalties."""
+    for row, request in enumerate(requests):
+        params = request.params
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                            values * params.repetition_penalty)
+        if params.presence_penalty or params.frequency_penalty:
+            output = request.output_token_ids
+            if output:
+                ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
+                logits[row, ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+
+
+def mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]) -> None:
+    """Forbid eos and stop tokens until a request has its min_tokens."""
+    for row, request in enumerate(requests):
+        params = request.params
+        if request.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+            if banned:
+                logits[row, banned] = float("-inf")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Set tokens outside the top-k / top-p nucleus / min-p floor to -inf (one row)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+        logits = logits.float()
+        apply_penalties(logits, requests)
+        mask_stop_tokens(logits, requests, self.eos_token_ids)
+        token_ids = logits.argmax(-1).tolist()
+        for row, request in enumerate(requests):
+            if not request.params.greedy:
+                token_ids[row] = self._draw(logits[row], request)
+        return self._with_logprobs(logits, requests, token_ids)
+
+    def _draw(self, logits: torch.Tensor, request: Request) -> int:
+        params = request.params
+        logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+        probs = logits.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=request.generator or self.generator))
+
+    def _with_logprobs(self, logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> SampledTokens:
+        wanted = [r.params.logprobs for r in requests]
+        if all(n is None for n in wanted):
+            return SampledTokens(token_ids, None, [[] for _ in requests], [[] for _ in requests])
+        logprobs = logits.log_softmax(-1)
+        chosen = logprobs.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
+        max_n = max(n or 0 for n in wanted)
+        top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
+        top_id_rows, top_lp_rows = [], []
+        for row, n in enumerate(wanted):
+            n = n or 0
+            top_id_rows.append(top_ids[row, :n].tolist() if n else [])
+            top_lp_rows.append(top_values[row, :n].tolist() if n else [])
+        return SampledTokens(token_ids, chosen, top_id_rows, top_lp_rows)

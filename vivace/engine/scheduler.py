@@ -1,0 +1,128 @@
+"""Continuous batching under a token budget, decode first.
+
+Each step: every running request gets its next tokens first (one for a decode, a chunk
+for an unfinished prompt), then waiting requests are admitted in (priority, arrival)
+order while the budget, ``max_num_seqs`` and the KV pool allow. When the pool cannot
+grow a running request, the lowest-priority, newest running request is preempted by
+recompute: its blocks are freed and it waits to be computed again from its tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from vivace.engine.kv_cache import KVCacheManager
+from vivace.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Requests to run this step, each with how many of its tokens to compute."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk: int | None = None) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
+        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        heapq.heappush(self.waiting, (request.sort_key(), request))
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.max_prefill_chunk)
+            if not self._make_room(request, num_new, batch):
+                continue
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
+        """Allocate slots for a running request, preempting others (or itself) as needed."""
+        while not self.kv.allocate_slots(request, num_new):
+            victim = max(self.running, key=Request.sort_key)
+            self._preempt(victim, batch)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(victim)
+        if victim in batch.requests:
+            i = batch.requests.index(victim)
+            del batch.requests[i], batch.num_new_tokens[i]
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(victim)
+        self.add(victim)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0][1]
+            computed = self.kv.get_computed_blocks(request)
+            num_computed = len(computed) * self.kv.block_size
+            num_new = min(request.num_tokens - num_computed, budget, self.max_prefill_chunk)
+            if not self.kv.allocate_slots(request, num_new, computed):
+                break
+            heapq.heappop(self.waiting)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def finish(self, request: Request) -> None:
+        """Remove a finished or aborted request wherever it is and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            entries = [e for e in self.waiting if e[1] is not request]
+            if len(entries) != len(self.waiting):
+                self.waiting = entries
+                heapq.heapify(self.waiting)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
