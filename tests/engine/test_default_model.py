@@ -6,7 +6,7 @@ import transformers
 
 from vivace import LLM, SamplingParams
 
-from .conftest import default_gguf
+from vivace.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def test_greedy_chat_equals_transformers():
     ours = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
     llm.check_integrity()
 
-    path = default_gguf()
+    path = default_model_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                            torch_dtype=torch.float32).eval()
     for ids, answer in zip(prompt_ids, ours):

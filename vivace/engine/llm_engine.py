@@ -119,11 +119,11 @@ class LLMEngine:
                 request.timings.scheduled = now
         sample_rows = [i for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
                        if r.num_computed_tokens + n == r.num_tokens]
-        logits = self.runner.execute(batch, self.kv, sample_rows) if sample_rows else None
+        logits = self.runner.execute(batch, self.kv, sample_rows)
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)
-        if logits is None:
+        if not sample_rows:
             return []
         sampling = [batch.requests[i] for i in sample_rows]
         sampled = self.sampler(logits, sampling)

@@ -54,10 +54,11 @@ class ModelRunner:
         return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, kv: KVCacheManager, sample_rows: list[int]) -> torch.Tensor:
-        """Run the batch; return float32 logits ``[len(sample_rows), vocab]`` taken at the last
-        new token of each request listed (by index into ``batch.requests``)."""
+    def execute(self, batch: ScheduledBatch, kv: KVCacheManager, sample_rows: list[int]) -> torch.Tensor | None:
+        """Run the batch (writing its K/V); return float32 logits ``[len(sample_rows), vocab]``
+        taken at the last new token of each request listed (by index into ``batch.requests``),
+        or None when no request samples this step."""
         input_ids, positions, meta = self.build_inputs(batch, kv)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         ends = torch.tensor(batch.num_new_tokens).cumsum(0) - 1
-        return self.model.compute_logits(hidden[ends[sample_rows]])
+        return self.model.compute_logits(hidden[ends[sample_rows]]) if sample_rows else None
