@@ -39,4 +39,4 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 
 @pytest.fixture(scope="session")
 def hf_tiny_llama(tiny_llama_dir: Path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

@@ -31,7 +31,8 @@ def tokens(outputs) -> list[list[int]]:
 
 def test_greedy_equals_transformers(llm, hf_tiny_llama):
     for prompt in prompts(3, seed=1):
-        ours = llm.generate(prompt, greedy(24))[0].outputs[0].token_ids
+        # min_tokens masks eos exactly as transformers' min_new_tokens does.
+        ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, min_tokens=24))[0].outputs[0].token_ids
         ids = torch.tensor([prompt])
         theirs = hf_tiny_llama.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
         assert ours == theirs[0, len(prompt):].tolist()
