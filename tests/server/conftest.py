@@ -1,0 +1,37 @@
+"""Fixtures of the server tests: one tiny-model engine per session, one server per module;
+after every test the engine must go idle with every KV block free and its accounting intact."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vivace.config import EngineConfig
+from vivace.engine.async_engine import AsyncEngine
+from vivace.server import ServerSettings
+
+from .harness import RunningServer, assert_engine_idle, serving
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN,
+                                      num_kv_blocks=128, max_num_seqs=32))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _engine_integrity(tiny_engine: AsyncEngine) -> Iterator[None]:
+    yield
+    assert_engine_idle(tiny_engine)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine: AsyncEngine) -> Iterator[RunningServer]:
+    with serving(tiny_engine, ServerSettings(served_model_name="tiny")) as running:
+        yield running

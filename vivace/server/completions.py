@@ -1,0 +1,107 @@
+"""``POST /v1/completions``: one engine request per prompt, ``n`` choices each; choice
+``index`` is ``prompt_index * n + choice``, as in OpenAI's API."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from vivace.engine.outputs import RequestOutput, TokenLogprob
+from vivace.server.errors import APIError
+from vivace.server.generation import (
+    ClientDisconnected, EngineRequest, merge, timings_of, unless_disconnected, usage_of)
+from vivace.server.prompts import completion_prompt_ids, fit_max_tokens, parse_body, sampling_params
+from vivace.server.protocol import CompletionRequest
+from vivace.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
+from vivace.server.sse import sse_event, sse_response
+from vivace.server.state import server_state
+
+
+async def create_completion(request: Request) -> Response:
+    """OpenAI text completions; see ``vivace.server.protocol.CompletionRequest``."""
+    state = server_state(request)
+    body = await parse_body(request, CompletionRequest)
+    engine = state.engine_for(body.model)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    jobs, echoes = [], []
+    for i, prompt in enumerate(body.prompts()):
+        ids = completion_prompt_ids(engine.tokenizer, prompt)
+        max_tokens = fit_max_tokens(len(ids), body.max_tokens, engine.max_model_len, "prompt")
+        params = sampling_params(body, max_tokens, body.logprobs)
+        jobs.append(EngineRequest(engine, state.metrics, ids, params, f"{request_id}-{i}",
+                                  body.priority))
+        echoes.append((prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids))
+                      if body.echo else "")
+    if body.stream:
+        return sse_response(_chunks(jobs, echoes, request_id, state.model_name(),
+                                    body.include_usage()))
+    try:
+        await unless_disconnected(request, _run_all(jobs))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(_response(jobs, echoes, request_id, state.model_name())
+                        .model_dump(mode="json"))
+
+
+async def _run_all(jobs: list[EngineRequest]) -> None:
+    async for _ in merge([job.deltas() for job in jobs]):
+        pass
+
+
+def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None,
+              offset: int) -> CompletionLogprobs | None:
+    if job.params.logprobs is None:
+        return None
+    result = CompletionLogprobs()
+    for lp in logprobs or []:
+        result.tokens.append(lp.token)
+        result.token_logprobs.append(lp.logprob)
+        result.top_logprobs.append({text: value for _, text, value in lp.top})
+        result.text_offset.append(offset)
+        offset += len(lp.token)
+    return result
+
+
+def _response(jobs: list[EngineRequest], echoes: list[str], request_id: str,
+              model: str) -> CompletionResponse:
+    choices = [
+        CompletionChoice(index=i * job.params.n + c.index, text=echo + c.text,
+                         logprobs=_logprobs(job, c.logprobs, 0), finish_reason=c.finish_reason)
+        for i, (job, echo) in enumerate(zip(jobs, echoes)) for c in job.choices]
+    timings = timings_of(jobs[0]) if len(jobs) == 1 else None
+    return CompletionResponse(id=request_id, model=model, choices=choices,
+                              usage=usage_of(jobs), timings=timings)
+
+
+async def _tagged(i: int, job: EngineRequest) -> AsyncIterator[tuple[int, EngineRequest, RequestOutput]]:
+    async for out in job.deltas():
+        yield i, job, out
+
+
+async def _chunks(jobs: list[EngineRequest], echoes: list[str], request_id: str, model: str,
+                  include_usage: bool) -> AsyncIterator[str]:
+    def chunk(choices: list[CompletionChoice], **extra: object) -> str:
+        return sse_event(CompletionResponse(id=request_id, model=model, choices=choices, **extra))
+
+    n = jobs[0].params.n
+    if any(echoes):
+        yield chunk([CompletionChoice(index=i * n + c, text=echo)
+                     for i, echo in enumerate(echoes) for c in range(n)])
+    async for i, job, out in merge([_tagged(i, job) for i, job in enumerate(jobs)]):
+        choices = []
+        for delta in out.outputs:
+            reason = delta.finish_reason.value if delta.finish_reason else None
+            if delta.text or reason or delta.logprobs:
+                offset = len(job.choices[delta.index].text) - len(delta.text)
+                choices.append(CompletionChoice(
+                    index=i * n + delta.index, text=delta.text, finish_reason=reason,
+                    logprobs=_logprobs(job, delta.logprobs, offset)))
+        if choices or out.finished:
+            yield chunk(choices, timings=timings_of(job) if out.finished else None)
+    if include_usage:
+        yield chunk([], usage=usage_of(jobs))

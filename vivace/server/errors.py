@@ -1,0 +1,93 @@
+"""OpenAI-shaped error bodies and the exception handlers that make every failure one.
+
+Contract: a client's mistake is a 4xx with ``{"error": {"message", "type", "param", "code"}}``;
+only a fault of the server itself is a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("vivace.server")
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class APIError(Exception):
+    """An error to answer with ``status`` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """A 400 naming an offending field, e.g. ``param="messages.0.role"``. Of a union's
+    failures the deepest is the informative one ("content.0.type", not "content: not a str")."""
+    first = max(exc.errors(), key=lambda error: len(error.get("loc", ())))
+    # Unions add the member type to the location ("prompt.list[int].0"); keep the field path only.
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(part for part in loc if "[" not in part and part not in _UNION_TAGS) or None
+    if first.get("type") == "extra_forbidden":
+        message = f"Unsupported or unknown field '{param}'"
+    else:
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ValidationError | RequestValidationError)
+    return from_validation_error(exc).response()
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
+    return APIError(exc.status_code, str(exc.detail or phrase)).response()
+
+
+async def _server_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("internal error", exc_info=exc)
+    return APIError(500, "Internal server error").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception type the app can raise to an OpenAI error body."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)

@@ -1,0 +1,166 @@
+"""Running engine requests from HTTP handlers: per-choice accumulation, abort when abandoned,
+merging several requests' streams, and racing a handler against the client's disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+from starlette.requests import Request
+
+from vivace.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from vivace.engine.sampling_params import SamplingParams
+from vivace.server.errors import APIError
+from vivace.server.responses import ResponseTimings, Usage
+
+if TYPE_CHECKING:
+    from vivace.engine.async_engine import AsyncEngine
+    from vivace.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice has produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or [])
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason.value
+
+
+class EngineRequest:
+    """One request on the engine. Iterate :meth:`deltas` once; ``choices`` and ``last``
+    accumulate as it goes. Abandoning the iteration aborts the request in the engine;
+    metrics are recorded when it ends either way."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int],
+                 params: SamplingParams, request_id: str, priority: int = 0) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.request_id = request_id
+        self.priority = priority
+        self.choices = [ChoiceState(i) for i in range(params.n)]
+        self.last: RequestOutput | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(choice.token_ids) for choice in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    async def deltas(self) -> AsyncIterator[RequestOutput]:
+        """The engine's delta outputs, each already folded into ``choices``."""
+        stream = self.engine.generate(self.prompt_ids, self.params, self.request_id, self.priority)
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    for delta in out.outputs:
+                        self.choices[delta.index].add(delta)
+                    self.last = out
+                    yield out
+        except ValueError as exc:  # the engine refuses requests that can never fit its KV pool
+            raise APIError(400, str(exc), code="invalid_request") from None
+        finally:
+            if not self.finished:
+                self.engine.abort(self.request_id)
+                for choice in self.choices:
+                    choice.finish_reason = choice.finish_reason or "abort"
+            self.metrics.record_request(self)
+
+    async def run(self) -> EngineRequest:
+        """Runs to the end and returns itself."""
+        async for _ in self.deltas():
+            pass
+        return self
+
+
+def usage_of(jobs: list[EngineRequest]) -> Usage:
+    """Token counts summed over ``jobs``."""
+    usage = Usage()
+    for job in jobs:
+        usage.add(len(job.prompt_ids), job.completion_tokens,
+                  job.last.num_cached_tokens if job.last else 0)
+    return usage
+
+
+def timings_of(job: EngineRequest) -> ResponseTimings | None:
+    """The job's timings once it has produced output."""
+    if job.last is None:
+        return None
+    return ResponseTimings.of(job.last, job.completion_tokens, job.params.n)
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Items of all ``streams`` as they come. Closing the merged stream closes them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]):  # type: ignore[type-var]
+            async for item in streams[0]:
+                yield item
+        return
+    queue: asyncio.Queue[tuple[bool, T | BaseException | None]] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((False, item))
+            await queue.put((True, None))
+        except Exception as exc:  # re-raised in the consumer
+            await queue.put((True, exc))
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        for _ in range(len(tasks)):
+            while True:
+                done, item = await queue.get()
+                if done:
+                    break
+                yield item  # type: ignore[misc]
+            if isinstance(item, BaseException):
+                raise item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has closed its connection (needs the body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits ``work``; if the client disconnects first, cancels it and raises ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()

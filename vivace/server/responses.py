@@ -1,0 +1,140 @@
+"""OpenAI response and stream-chunk schemas, plus vivace's llama.cpp-like ``timings`` extra."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from vivace.engine.outputs import RequestOutput
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    def add(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+        self.prompt_tokens_details.cached_tokens += cached_tokens
+
+
+class ResponseTimings(BaseModel):
+    """Where one request's time went, like llama.cpp's ``timings`` (milliseconds)."""
+
+    queue_ms: float
+    prefill_ms: float
+    decode_ms: float
+    ttft_ms: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    prompt_tokens_per_s: float | None
+    decode_tokens_per_s: float | None
+
+    @classmethod
+    def of(cls, out: RequestOutput, completion_tokens: int, num_choices: int) -> ResponseTimings:
+        """Timings of a finished request; ``completion_tokens`` summed over its ``num_choices``."""
+        t = out.timings
+        prefilled = out.prompt_tokens - out.num_cached_tokens
+        decoded = completion_tokens - num_choices  # each choice's first token comes from prefill
+        return cls(
+            queue_ms=t.queue_time * 1e3, prefill_ms=t.prefill_time * 1e3,
+            decode_ms=t.decode_time * 1e3,
+            ttft_ms=None if t.first_token is None else (t.first_token - t.arrival) * 1e3,
+            prompt_tokens=out.prompt_tokens, cached_tokens=out.num_cached_tokens,
+            completion_tokens=completion_tokens,
+            prompt_tokens_per_s=prefilled / t.prefill_time if t.prefill_time > 0 else None,
+            decode_tokens_per_s=decoded / t.decode_time if t.decode_time > 0 and decoded > 0 else None,
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+def _created() -> int:
+    return int(time.time())
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=_created)
+    model: str
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+    timings: ResponseTimings | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionResponse(_Response):
+    """Also the shape of each streamed chunk (OpenAI uses ``text_completion`` for both)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+

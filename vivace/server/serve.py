@@ -1,0 +1,58 @@
+"""Running the server process: listen at once, load the model in the background (``/health``
+503 until ready), and on SIGTERM stop accepting, drain in-flight requests, exit 0."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import uvicorn
+
+from vivace.config import EngineConfig
+from vivace.server.app import build_app
+from vivace.server.settings import ServerSettings
+from vivace.server.state import ServerState
+
+logger = logging.getLogger("vivace.server")
+
+
+def _load_engine(config: EngineConfig, state: ServerState, server: uvicorn.Server,
+                 failures: list[BaseException]) -> None:
+    from vivace.engine.async_engine import AsyncEngine
+    try:
+        engine = AsyncEngine(config)
+    except BaseException as exc:
+        logger.exception("could not load the model %r", config.model)
+        failures.append(exc)
+        server.should_exit = True
+        return
+    state.attach_engine(engine)
+    logger.info("model %r ready", state.model_name())
+
+
+def _keep_exit_status_zero() -> None:
+    # uvicorn re-raises the signal that stopped it once it has drained; with a no-op handler in
+    # place that re-raise is harmless and a SIGTERM-ed server exits 0 after a clean drain.
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+
+
+def run_server(config: EngineConfig, settings: ServerSettings) -> int:
+    """Serves until SIGTERM/SIGINT; returns the process exit status (0 clean, 1 load failure)."""
+    app = build_app(None, settings)
+    state: ServerState = app.state.vivace
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s, lifespan="off"))
+    failures: list[BaseException] = []
+    loader = threading.Thread(target=_load_engine, args=(config, state, server, failures),
+                              name="vivace-loader", daemon=True)
+    loader.start()
+    _keep_exit_status_zero()
+    server.run()
+    loader.join(timeout=settings.shutdown_timeout_s)
+    if state.engine is not None:
+        state.engine.shutdown()
+    return 1 if failures or loader.is_alive() else 0
