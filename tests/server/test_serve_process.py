@@ -1,0 +1,68 @@
+"""What ``make serve`` runs: ``python -m vivace.cli serve`` with the default model answers
+/health and a completion, drains an in-flight stream on SIGTERM, and exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .harness import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_healthy(base_url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the server exited during start-up"
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server never became healthy")
+
+
+def stream_text(base_url: str, out: list[str]) -> None:
+    body = {"prompt": "Count to twenty:", "max_tokens": 24, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
+        out.extend(line for line in response.iter_lines() if line.startswith("data:"))
+
+
+@pytest.mark.slow
+def test_serve_default_model_then_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vivace.cli", "serve", "--port", str(port)], cwd=REPO,
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VIVACE_LOG_LEVEL": "warning"})
+    try:
+        wait_healthy(base_url, process)
+        reply = httpx.post(f"{base_url}/v1/completions", timeout=120,
+                           json={"prompt": "The capital of France is", "max_tokens": 5})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+        events: list[str] = []
+        streamer = threading.Thread(target=stream_text, args=(base_url, events))
+        streamer.start()
+        deadline = time.monotonic() + 60
+        while not events:
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
+        streamer.join(timeout=10)
+        assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
+    finally:
+        if process.poll() is None:
+            process.kill()
+        log.close()

@@ -1,0 +1,52 @@
+"""The ``vivace`` command: env twins of flags, and ``generate`` printing its speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vivace.cli import engine_config, main, parse_args
+
+
+def test_env_twin_sets_a_flag_and_the_command_line_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VIVACE_PORT", "9123")
+    monkeypatch.setenv("VIVACE_MAX_MODEL_LEN", "512")
+    monkeypatch.setenv("VIVACE_NO_PREFIX_CACHING", "true")
+    monkeypatch.setenv("VIVACE_API_KEY", "a,b")
+    monkeypatch.setenv("VIVACE_MODEL", "/models/x")
+    args = parse_args(["serve"])
+    assert (args.port, args.max_model_len, args.api_key, args.model) == (9123, 512, ["a", "b"],
+                                                                         "/models/x")
+    assert engine_config(args).enable_prefix_caching is False
+    args = parse_args(["serve", "other", "--port", "8001", "--api-key", "c"])
+    assert (args.port, args.api_key, args.model) == (8001, ["c"], "other")
+
+
+def test_defaults_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VIVACE_PORT", "VIVACE_HOST", "VIVACE_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    args = parse_args(["serve"])
+    assert (args.host, args.port, args.model, args.api_key) == ("127.0.0.1", 8000, "default", [])
+
+
+def test_bad_env_value_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VIVACE_PORT", "eighty")
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["serve"])
+    assert exited.value.code == 2
+
+
+def test_bench_arguments_pass_through() -> None:
+    args = parse_args(["bench", "--url", "http://127.0.0.1:8000", "-n", "3"])
+    assert args.command == "bench" and args.bench_args == ["--url", "http://127.0.0.1:8000", "-n", "3"]
+
+
+def test_generate_streams_then_prints_speed(tiny_model_dir: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["generate", "Hello there", "--model", str(tiny_model_dir), "--max-tokens", "8",
+                   "--max-model-len", "128", "--num-kv-blocks", "16"])
+    printed = capsys.readouterr().out
+    assert status == 0
+    for figure in ("TTFT", "mean ITL", "tokens/s", "bandwidth achieved"):
+        assert figure in printed
