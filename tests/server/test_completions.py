@@ -19,6 +19,9 @@ def test_whole_and_streamed_text_agree(server: RunningServer) -> None:
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == 9 and chunks[-1].choices == []
+    finish = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finish.choices[0].finish_reason == "length"
+    assert finish.model_extra["timings"]["completion_tokens"] == 9
 
 
 def test_default_max_tokens_is_sixteen(server: RunningServer) -> None:

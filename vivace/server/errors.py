@@ -7,7 +7,6 @@ only a fault of the server itself is a 500.
 from __future__ import annotations
 
 import logging
-from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -75,8 +74,7 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
-    return APIError(exc.status_code, str(exc.detail or phrase)).response()
+    return APIError(exc.status_code, str(exc.detail)).response()
 
 
 async def _server_error(_: Request, exc: Exception) -> JSONResponse:
