@@ -108,6 +108,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one batch; return a delta output for every request that got a token or ended."""
         batch = self.scheduler.schedule()

@@ -53,7 +53,6 @@ class ModelRunner:
         )
         return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv: KVCacheManager, sample_rows: list[int]) -> torch.Tensor | None:
         """Run the batch (writing its K/V); return float32 logits ``[len(sample_rows), vocab]``
         taken at the last new token of each request listed (by index into ``batch.requests``),

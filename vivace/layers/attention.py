@@ -52,25 +52,56 @@ def paged_attention(
     """Causal attention for a batch mixing prefill chunks and decodes.
 
     q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
-    Writes k, v to the cache, then returns ``[num_tokens, num_heads, head_dim]``.
+    Writes k, v to the cache, then returns ``[num_tokens, num_heads, head_dim]``. Decodes
+    (one new token) are attended together in one padded call; prefill chunks one by one.
     """
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    start = 0
+    starts = [0]
+    for q_len in meta.query_lens:
+        starts.append(starts[-1] + q_len)
+    decodes = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
+    if decodes:
+        rows = torch.tensor([starts[i] for i in decodes])
+        out[rows] = _decode_attention(q[rows], kv_cache, meta, decodes, scale)
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
-        keys, values = _gather(kv_cache, meta.block_tables[i], seq_len)
-        query = q[start:start + q_len].transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
-        keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        mask = None
         if q_len > 1:
-            # Query j sits at position seq_len - q_len + j and sees keys up to there.
-            key_pos = torch.arange(seq_len)
-            query_pos = torch.arange(seq_len - q_len, seq_len)
-            mask = key_pos[None, :] <= query_pos[:, None]
-        attended = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scale,
-            enable_gqa=keys.shape[1] != query.shape[1])
-        out[start:start + q_len] = attended[0].transpose(0, 1)
-        start += q_len
+            start = starts[i]
+            out[start:start + q_len] = _prefill_attention(
+                q[start:start + q_len], kv_cache, meta.block_tables[i], seq_len, scale)
     return out
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      seqs: list[int], scale: float) -> torch.Tensor:
+    """One query token per sequence ``[len(seqs), num_heads, head_dim]``, keys padded to the longest."""
+    seq_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
+    num_blocks = -(-int(seq_lens.max()) // meta.block_size)
+    tables = meta.block_tables[seqs, :num_blocks]
+    blocks = kv_cache[:, tables].flatten(2, 3)  # [2, seqs, num_blocks * block_size, kv_heads, d]
+    keys = blocks[0].transpose(1, 2).to(q.dtype)
+    values = blocks[1].transpose(1, 2).to(q.dtype)
+    mask = torch.arange(keys.shape[2])[None, :] < seq_lens[:, None]
+    attended = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=keys.shape[1] != q.shape[1])
+    return attended.squeeze(2)
+
+
+def _prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       seq_len: int, scale: float) -> torch.Tensor:
+    """A chunk of ``q_len`` queries at the end of a ``seq_len``-token sequence."""
+    q_len = q.shape[0]
+    keys, values = _gather(kv_cache, block_table, seq_len)
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
+    keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    if q_len == seq_len:
+        attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
+                                                  enable_gqa=keys.shape[1] != query.shape[1])
+    else:
+        # Query j sits at position seq_len - q_len + j and sees keys up to there.
+        mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                                  enable_gqa=keys.shape[1] != query.shape[1])
+    return attended[0].transpose(0, 1)
