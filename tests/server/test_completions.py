@@ -74,6 +74,7 @@ def test_logprobs_per_token(server: RunningServer) -> None:
 def test_min_tokens_and_extras_are_accepted(server: RunningServer) -> None:
     reply = server.client().completions.create(
         model="tiny", prompt="x", max_tokens=6,
-        extra_body={"min_tokens": 6, "ignore_eos": True, "top_k": 5, "min_p": 0.05,
+        presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"min_tokens": 6, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
                     "priority": 1})
     assert reply.usage.completion_tokens == 6

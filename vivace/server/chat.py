@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -67,16 +68,17 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput) -> ChatChunkChoic
                            logprobs=_logprobs(job, delta.logprobs), finish_reason=reason)
 
 
-async def _chunks(job: EngineRequest, model: str, include_usage: bool) -> AsyncIterator[str]:
+async def _chunks(job: EngineRequest, model: str, include_usage: bool) -> AsyncGenerator[str, None]:
     def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
         return sse_event(ChatCompletionChunk(id=job.request_id, model=model, choices=choices,
                                              **extra))
 
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(job.params.n)])
-    async for out in job.deltas():
-        choices = [c for c in (_chunk_choice(job, d) for d in out.outputs) if c is not None]
-        if choices or out.finished:
-            yield chunk(choices, timings=timings_of(job) if out.finished else None)
+    async with contextlib.aclosing(job.deltas()) as deltas:
+        async for out in deltas:
+            choices = [c for c in (_chunk_choice(job, d) for d in out.outputs) if c is not None]
+            if choices or out.finished:
+                yield chunk(choices, timings=timings_of(job) if out.finished else None)
     if include_usage:
         yield chunk([], usage=usage_of([job]))

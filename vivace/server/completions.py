@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vivace.engine.outputs import RequestOutput, TokenLogprob
+from vivace.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vivace.server.errors import APIError
 from vivace.server.generation import (
     ClientDisconnected, EngineRequest, merge, timings_of, unless_disconnected, usage_of)
@@ -49,8 +50,9 @@ async def create_completion(request: Request) -> Response:
 
 
 async def _run_all(jobs: list[EngineRequest]) -> None:
-    async for _ in merge([job.deltas() for job in jobs]):
-        pass
+    async with contextlib.aclosing(merge([job.deltas() for job in jobs])) as outputs:
+        async for _ in outputs:
+            pass
 
 
 def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None,
@@ -78,13 +80,23 @@ def _response(jobs: list[EngineRequest], echoes: list[str], request_id: str,
                               usage=usage_of(jobs), timings=timings)
 
 
-async def _tagged(i: int, job: EngineRequest) -> AsyncIterator[tuple[int, EngineRequest, RequestOutput]]:
-    async for out in job.deltas():
-        yield i, job, out
+def _chunk_choice(job: EngineRequest, delta: CompletionOutput, first_index: int) -> CompletionChoice:
+    offset = len(job.choices[delta.index].text) - len(delta.text)  # ``delta`` is already folded in
+    return CompletionChoice(
+        index=first_index + delta.index, text=delta.text,
+        finish_reason=delta.finish_reason.value if delta.finish_reason else None,
+        logprobs=_logprobs(job, delta.logprobs, offset))
+
+
+async def _tagged(i: int, job: EngineRequest
+                  ) -> AsyncGenerator[tuple[int, EngineRequest, RequestOutput], None]:
+    async with contextlib.aclosing(job.deltas()) as deltas:
+        async for out in deltas:
+            yield i, job, out
 
 
 async def _chunks(jobs: list[EngineRequest], echoes: list[str], request_id: str, model: str,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool) -> AsyncGenerator[str, None]:
     def chunk(choices: list[CompletionChoice], **extra: object) -> str:
         return sse_event(CompletionResponse(id=request_id, model=model, choices=choices, **extra))
 
@@ -92,16 +104,11 @@ async def _chunks(jobs: list[EngineRequest], echoes: list[str], request_id: str,
     if any(echoes):
         yield chunk([CompletionChoice(index=i * n + c, text=echo)
                      for i, echo in enumerate(echoes) for c in range(n)])
-    async for i, job, out in merge([_tagged(i, job) for i, job in enumerate(jobs)]):
-        choices = []
-        for delta in out.outputs:
-            reason = delta.finish_reason.value if delta.finish_reason else None
-            if delta.text or reason or delta.logprobs:
-                offset = len(job.choices[delta.index].text) - len(delta.text)
-                choices.append(CompletionChoice(
-                    index=i * n + delta.index, text=delta.text, finish_reason=reason,
-                    logprobs=_logprobs(job, delta.logprobs, offset)))
-        if choices or out.finished:
-            yield chunk(choices, timings=timings_of(job) if out.finished else None)
+    async with contextlib.aclosing(merge([_tagged(i, job) for i, job in enumerate(jobs)])) as outs:
+        async for i, job, out in outs:
+            choices = [_chunk_choice(job, delta, i * n) for delta in out.outputs
+                       if delta.text or delta.finish_reason or delta.logprobs]
+            if choices or out.finished:
+                yield chunk(choices, timings=timings_of(job) if out.finished else None)
     if include_usage:
         yield chunk([], usage=usage_of(jobs))

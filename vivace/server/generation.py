@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -69,7 +69,7 @@ class EngineRequest:
     def finished(self) -> bool:
         return self.last is not None and self.last.finished
 
-    async def deltas(self) -> AsyncIterator[RequestOutput]:
+    async def deltas(self) -> AsyncGenerator[RequestOutput, None]:
         """The engine's delta outputs, each already folded into ``choices``."""
         stream = self.engine.generate(self.prompt_ids, self.params, self.request_id, self.priority)
         try:
@@ -111,22 +111,24 @@ def timings_of(job: EngineRequest) -> ResponseTimings | None:
     return ResponseTimings.of(job.last, job.completion_tokens, job.params.n)
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
-    """Items of all ``streams`` as they come. Closing the merged stream closes them all."""
+async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[T, None]:
+    """Items of all ``streams`` as they come. Closing the merged stream closes them all;
+    the first stream to fail closes the others and its exception is raised."""
     if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]):  # type: ignore[type-var]
+        async with contextlib.aclosing(streams[0]):
             async for item in streams[0]:
                 yield item
         return
     queue: asyncio.Queue[tuple[bool, T | BaseException | None]] = asyncio.Queue()
 
-    async def pump(stream: AsyncIterator[T]) -> None:
+    async def pump(stream: AsyncGenerator[T, None]) -> None:
         try:
-            async for item in stream:
-                await queue.put((False, item))
-            await queue.put((True, None))
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((False, item))
+            queue.put_nowait((True, None))
         except Exception as exc:  # re-raised in the consumer
-            await queue.put((True, exc))
+            queue.put_nowait((True, exc))
 
     tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
     try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from vivace.server.errors import APIError
 
@@ -20,10 +22,22 @@ def sse_event(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
-async def _framed(events: AsyncIterator[str]) -> AsyncIterator[str]:
+class _EventStream(StreamingResponse):
+    """Closes its event generator when the response ends, however it ends, so that a
+    generator left at a ``yield`` by a disconnect still runs its clean-up (the abort) now."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _framed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
     try:
-        async for event in events:
-            yield event
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
     except Exception as exc:  # headers are gone: the error travels as an event
         logger.exception("stream failed", exc_info=exc)
         error = exc if isinstance(exc, APIError) else APIError(500, "Internal server error")
@@ -31,7 +45,7 @@ async def _framed(events: AsyncIterator[str]) -> AsyncIterator[str]:
     yield SSE_DONE
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:
     """A streaming response of ``events``, ended by ``[DONE]`` even after an error."""
-    return StreamingResponse(_framed(events), media_type="text/event-stream",
+    return _EventStream(_framed(events), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
