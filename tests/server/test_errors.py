@@ -80,7 +80,9 @@ def test_context_overflow_names_both_numbers(server: RunningServer) -> None:
     assert str(MAX_MODEL_LEN) in error["message"] and "300" in error["message"]
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b'{"max_tokens": NaN}'])
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b'{"max_tokens": NaN}',
+                                 b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                                 b"[" * 100_000])
 def test_malformed_json_is_a_400(server: RunningServer, raw: bytes) -> None:
     with server.http() as http:
         response = http.post(CHAT, content=raw, headers={"content-type": "application/json"})

@@ -55,11 +55,13 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     # Unions add the member type to the location ("prompt.list[int].0"); keep the field path only.
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(part for part in loc if "[" not in part and part not in _UNION_TAGS) or None
-    if first.get("type") == "extra_forbidden":
+    kind = first.get("type")
+    if kind == "extra_forbidden":
         message = f"Unsupported or unknown field '{param}'"
     else:
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return APIError(400, message, param=param, code="invalid_value")
+        message = f"{param or 'Request body'}: {first.get('msg')}"
+    return APIError(400, message, param=param,
+                    code="invalid_json" if kind == "json_invalid" else "invalid_value")
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:

@@ -3,7 +3,6 @@ and token-id checks, sampling parameters. Every failure here is a 400 APIError."
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 import jinja2
@@ -17,21 +16,11 @@ from vivace.server.protocol import ChatCompletionRequest, SamplingRequest
 Schema = TypeVar("Schema", bound=BaseModel)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 async def parse_body(request: Request, schema: type[Schema]) -> Schema:
-    """The body as ``schema``; 400 for malformed JSON or a schema violation."""
-    raw = await request.body()
+    """The body as ``schema``; 400 for malformed JSON (lone surrogates and NaN included) or a
+    schema violation."""
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        raise APIError(400, f"Malformed JSON body: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "The JSON body must be an object", code="invalid_json")
-    try:
-        return schema.model_validate(data)
+        return schema.model_validate_json(await request.body())
     except ValidationError as exc:
         raise from_validation_error(exc) from None
 
