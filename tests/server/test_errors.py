@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from vivace.config import EngineConfig
+from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
 
 from .conftest import MAX_MODEL_LEN
-from .harness import RunningServer, serving
+from .harness import RunningServer, assert_engine_idle, serving
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -133,3 +136,20 @@ def test_not_ready_until_an_engine_is_attached(tiny_engine) -> None:
             loading.app.state.vivace.attach_engine(tiny_engine)
             assert http.get("/health").status_code == 200
             assert http.post(COMPLETIONS, json=completion(model=None)).status_code == 200
+
+
+def test_request_beyond_the_kv_pool_is_refused_whole_or_streamed(tiny_model_dir: Path) -> None:
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN,
+                                      num_kv_blocks=4, block_size=16))
+    try:
+        with serving(engine, ServerSettings()) as small, small.http() as http:
+            body = completion(model=None, max_tokens=100)
+            whole = http.post(COMPLETIONS, json=body)
+            assert whole.status_code == 400 and "KV" in whole.json()["error"]["message"]
+            streamed = http.post(COMPLETIONS, json={**body, "stream": True})
+            events = [line for line in streamed.text.splitlines() if line.startswith("data:")]
+            assert '"error"' in events[0] and events[-1] == "data: [DONE]"
+            assert http.post(COMPLETIONS, json=completion(model=None)).status_code == 200
+        assert_engine_idle(engine)
+    finally:
+        engine.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from vivace.engine.sampling_params import SamplingParams
 
@@ -39,10 +39,13 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-def _reject_if_set(value: Any, what: str) -> Any:
-    if value:
-        raise ValueError(f"{what} are not supported")
-    return value
+def _unsupported(what: str) -> AfterValidator:
+    """Rejects any value but an empty one: the field exists in OpenAI's API, not in vivace yet."""
+    def reject(value: Any) -> Any:
+        if value:
+            raise ValueError(f"{what} are not supported")
+        return value
+    return AfterValidator(reject)
 
 
 class SamplingRequest(_Strict):
@@ -59,7 +62,7 @@ class SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # only identifies the caller; does not change the result
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float] | None, _unsupported("logit_bias values")] = None
     # vLLM extras
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -70,11 +73,6 @@ class SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict | None) -> dict | None:
-        return _reject_if_set(value, "logit_bias values")
 
     @field_validator("stream_options")
     @classmethod
@@ -110,15 +108,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, _unsupported("tools")] = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools
     add_generation_prompt: bool = True
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list | None) -> list | None:
-        return _reject_if_set(value, "tools")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -141,12 +134,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        return _reject_if_set(value, "suffix (fill-in-the-middle) values")
+    suffix: Annotated[str | None, _unsupported("suffix (fill-in-the-middle) values")] = None
 
     @field_validator("best_of")
     @classmethod

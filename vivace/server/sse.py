@@ -38,14 +38,15 @@ async def _framed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None
         async with contextlib.aclosing(events):
             async for event in events:
                 yield event
-    except Exception as exc:  # headers are gone: the error travels as an event
+    except APIError as exc:  # headers are gone: the error travels as an event
+        yield f"data: {exc.response().body.decode()}\n\n"
+    except Exception as exc:
         logger.exception("stream failed", exc_info=exc)
-        error = exc if isinstance(exc, APIError) else APIError(500, "Internal server error")
-        yield f"data: {error.response().body.decode()}\n\n"
+        yield f"data: {APIError(500, 'Internal server error').response().body.decode()}\n\n"
     yield SSE_DONE
 
 
 def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:
     """A streaming response of ``events``, ended by ``[DONE]`` even after an error."""
     return _EventStream(_framed(events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
