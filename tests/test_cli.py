@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import re
 from pathlib import Path
 
 import pytest
@@ -42,11 +44,24 @@ def test_bench_arguments_pass_through() -> None:
     assert args.command == "bench" and args.bench_args == ["--url", "http://127.0.0.1:8000", "-n", "3"]
 
 
+TINY_ENGINE = ["--max-model-len", "128", "--num-kv-blocks", "16"]
+
+
 def test_generate_streams_then_prints_speed(tiny_model_dir: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["generate", "Hello there", "--model", str(tiny_model_dir), "--max-tokens", "8",
-                   "--max-model-len", "128", "--num-kv-blocks", "16"])
+                   *TINY_ENGINE])
     printed = capsys.readouterr().out
     assert status == 0
     for figure in ("TTFT", "mean ITL", "tokens/s", "bandwidth achieved"):
         assert figure in printed
+
+
+def test_chat_keeps_the_history(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nand then?\n/exit\n"))
+    status = main(["chat", "--model", str(tiny_model_dir), "--max-tokens", "4", *TINY_ENGINE])
+    printed = capsys.readouterr().out
+    assert status == 0
+    prompt_sizes = [int(total) for total in re.findall(r"/(\d+) prompt tokens cached", printed)]
+    assert len(prompt_sizes) == 2 and prompt_sizes[1] > prompt_sizes[0] + 4

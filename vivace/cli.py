@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import statistics
 import sys
@@ -130,8 +131,6 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
     from vivace.server.serve import run_server
     from vivace.server.settings import ServerSettings
 
