@@ -27,6 +27,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    speculative: str | None = None  # "ngram" or "draft:<model>"
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 4  # no speculation when more requests are decoding
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -37,6 +40,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.speculative is not None and self.speculative != "ngram" and not self.speculative.startswith("draft:"):
+            raise ValueError(f"speculative must be 'ngram' or 'draft:<model>', got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

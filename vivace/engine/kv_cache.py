@@ -117,7 +117,7 @@ class KVCacheManager:
             return
         table = self.tables[request.request_id]
         start = self.num_hashed[request.request_id]
-        end = min(request.num_computed_tokens // self.block_size, len(table))
+        end = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(table))
         parent = table[start - 1].block_hash if start else None
         for i in range(start, end):
             block = table[i]
@@ -127,6 +127,18 @@ class KVCacheManager:
                 block.block_hash, block.token_ids = parent, tokens
                 self.cached.setdefault(parent, block)
         self.num_hashed[request.request_id] = max(start, end)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's trailing blocks that hold no token below ``num_tokens``
+        (slots reserved for rejected speculative tokens)."""
+        table = self.tables.get(request.request_id, [])
+        keep = -(-num_tokens // self.block_size)
+        while len(table) > keep:
+            block = table.pop()
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = block
+                self.free_queue.move_to_end(block.block_id, last=False)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks go to the front of the eviction order."""

@@ -18,6 +18,7 @@ from vivace.engine.runner import ModelRunner, num_blocks_for_budget
 from vivace.engine.sampler import SampledTokens, Sampler
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import Scheduler
+from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
 from vivace.models import LoadedModel, load_model
 
 
@@ -31,6 +32,9 @@ class EngineStats:
     num_total_blocks: int
     prefix_queries: int
     prefix_hits: int
+    spec_steps: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 class LLMEngine:
@@ -48,6 +52,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.torch_dtype)
         self.sampler = Sampler(self.loaded.config.eos_token_ids, config.seed)
+        self.spec_stats = SpecStats()
+        self.adaptive_k = AdaptiveK(config.num_speculative_tokens)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
@@ -102,34 +108,100 @@ class LLMEngine:
         if request is None:
             return None
         request.finish_reason = FinishReason.ABORT
-        return self._finish(request, CompletionOutput(0, "", [], [] if request.logprobs is not None else None,
-                                                      FinishReason.ABORT))
+        request.timings.finished = time.perf_counter()
+        self._release(request)
+        delta = CompletionOutput(0, "", [], [] if request.logprobs is not None else None, FinishReason.ABORT)
+        return self._output(request, delta, finished=True)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return a delta output for every request that got a token or ended."""
+        """Run one batch; return a delta output for every token emitted (several for a request
+        whose proposals were accepted, so clients still see one token per chunk)."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         now = time.perf_counter()
-        for request in batch.requests:
+        plan: list[tuple[Request, int, int]] = []  # request, first logits row, number of rows
+        logit_indices: list[int] = []
+        offset = 0
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.timings.scheduled is None:
                 request.timings.scheduled = now
-        sample_rows = [i for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-                       if r.num_computed_tokens + n == r.num_tokens]
-        logits = self.runner.execute(batch, self.kv, sample_rows)
+            offset += num_new
+            num_spec = len(request.spec_token_ids)
+            if request.num_computed_tokens + num_new == request.num_tokens + num_spec:
+                plan.append((request, len(logit_indices), num_spec + 1))
+                logit_indices.extend(range(offset - 1 - num_spec, offset))
+        logits = self.runner.execute(batch, self.kv, logit_indices)
+        sampling = {request.request_id for request, _, _ in plan}
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += num_new
+            if request.request_id not in sampling:
+                request.num_computed_tokens += num_new  # a prompt chunk that samples nothing yet
+        outputs: list[RequestOutput] = []
+        for request, sampled in self._sample(plan, logits):
+            outputs.extend(self._emit(request, sampled))
+        for request in batch.requests:
             self.kv.cache_full_blocks(request)
-        if not sample_rows:
-            return []
-        sampling = [batch.requests[i] for i in sample_rows]
-        sampled = self.sampler(logits, sampling)
+            if request.finish_reason is not None:
+                self._release(request)
+            else:
+                self.kv.trim(request, request.num_tokens)
+        self._propose()
+        return outputs
+
+    def _sample(self, plan: list[tuple[Request, int, int]], logits: torch.Tensor | None
+                ) -> list[tuple[Request, SampledTokens]]:
+        """Sample plain rows together; verify each request's proposals on its own rows."""
+        plain = [(request, row) for request, row, num_rows in plan if num_rows == 1]
+        results = []
+        if plain:
+            sampled = self.sampler(logits[[row for _, row in plain]], [r for r, _ in plain])
+            results = [(request, sampled.row(i)) for i, (request, _) in enumerate(plain)]
+        for request, row, num_rows in plan:
+            if num_rows > 1:
+                proposal = request.spec_token_ids
+                sampled = self.sampler.verify(logits[row:row + num_rows], request, proposal)
+                self._record_speculation(request, len(proposal), len(sampled.token_ids) - 1)
+                request.spec_token_ids = []
+                results.append((request, sampled))
+        return results
+
+    def _record_speculation(self, request: Request, proposed: int, accepted: int) -> None:
+        self.spec_stats.num_steps += 1
+        self.spec_stats.num_proposed += proposed
+        self.spec_stats.num_accepted += accepted
+        self.adaptive_k.update(request, proposed, accepted)
+
+    def _propose(self) -> None:
+        """Queue n-gram proposals for the next step, when few requests are decoding."""
+        if self.config.speculative is None:
+            return
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        if len(decoding) > self.config.speculative_max_batch:
+            return
+        for request in decoding:
+            params = request.params
+            if not params.speculative or params.has_penalties or request.num_output_tokens < params.min_tokens:
+                continue
+            room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            k = min(self.adaptive_k.next_k(request), room)
+            if k > 0:
+                request.spec_token_ids = propose_ngram(request.token_ids, k)
+
+    def _emit(self, request: Request, sampled: SampledTokens) -> list[RequestOutput]:
+        """Append sampled tokens one by one until the request finishes."""
+        # K/V now holds every real token and each accepted proposal.
+        request.num_computed_tokens = request.num_tokens + len(sampled.token_ids) - 1
         now = time.perf_counter()
-        return [self._append_token(request, sampled, row, now) for row, request in enumerate(sampling)]
+        outputs = []
+        for row in range(len(sampled.token_ids)):
+            outputs.append(self._append_token(request, sampled, row, now))
+            if request.finish_reason is not None:
+                break
+        return outputs
 
     def _append_token(self, request: Request, sampled: SampledTokens, row: int, now: float) -> RequestOutput:
         token_id = sampled.token_ids[row]
@@ -154,23 +226,21 @@ class LLMEngine:
             elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 request.finish_reason = FinishReason.LENGTH
         finished = request.finish_reason is not None
+        if finished:
+            request.timings.finished = now
         delta = CompletionOutput(0, detokenizer.take_new_text(final=finished), [token_id],
                                  [logprob] if logprob is not None else None, request.finish_reason, request.stop_reason)
-        if finished:
-            return self._finish(request, delta)
-        return self._output(request, delta, finished=False)
+        return self._output(request, delta, finished)
 
     def _token_logprob(self, token_id: int, sampled: SampledTokens, row: int) -> TokenLogprob:
         decode = self.tokenizer.decode
         top = [(i, decode([i]), lp) for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row])]
         return TokenLogprob(token_id, decode([token_id]), sampled.logprobs[row], top)
 
-    def _finish(self, request: Request, delta: CompletionOutput) -> RequestOutput:
-        request.timings.finished = time.perf_counter()
+    def _release(self, request: Request) -> None:
         self.scheduler.finish(request)
         del self.requests[request.request_id]
         del self.detokenizers[request.request_id]
-        return self._output(request, delta, finished=True)
 
     def _output(self, request: Request, delta: CompletionOutput, finished: bool) -> RequestOutput:
         return RequestOutput(request.request_id, request.prompt_token_ids, [delta], finished,
@@ -180,7 +250,8 @@ class LLMEngine:
         kv = self.kv
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, kv.usage,
                            self.scheduler.num_preemptions, kv.num_free_blocks, len(kv.blocks),
-                           kv.stats.prefix_queries, kv.stats.prefix_hits)
+                           kv.stats.prefix_queries, kv.stats.prefix_hits, self.spec_stats.num_steps,
+                           self.spec_stats.num_proposed, self.spec_stats.num_accepted)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -38,6 +38,7 @@ class ModelRunner:
             end = start + num_new
             table = kv.block_ids(request.request_id)
             input_ids.extend(request.token_ids[start:end])
+            input_ids.extend(request.spec_token_ids[:max(end - request.num_tokens, 0)])
             positions.extend(range(start, end))
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
             tables.append(table)
@@ -53,11 +54,9 @@ class ModelRunner:
         )
         return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
-    def execute(self, batch: ScheduledBatch, kv: KVCacheManager, sample_rows: list[int]) -> torch.Tensor | None:
-        """Run the batch (writing its K/V); return float32 logits ``[len(sample_rows), vocab]``
-        taken at the last new token of each request listed (by index into ``batch.requests``),
-        or None when no request samples this step."""
+    def execute(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
+        """Run the batch (writing its K/V); return float32 logits ``[len(logit_indices), vocab]``
+        at those flat token indices, or None when no logits are wanted this step."""
         input_ids, positions, meta = self.build_inputs(batch, kv)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        ends = torch.tensor(batch.num_new_tokens).cumsum(0) - 1
-        return self.model.compute_logits(hidden[ends[sample_rows]]) if sample_rows else None
+        return self.model.compute_logits(hidden[logit_indices]) if logit_indices else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vivace.engine.request import Request
+from vivace.engine.speculative import verify
 
 
 @dataclass
@@ -21,6 +22,11 @@ class SampledTokens:
     logprobs: list[float] | None  # of the chosen token, per row (None if no row asked)
     top_ids: list[list[int]]      # per row, the top-N alternatives (empty if not asked)
     top_logprobs: list[list[float]]
+
+    def row(self, i: int) -> SampledTokens:
+        """The one-row result of row ``i``."""
+        return SampledTokens([self.token_ids[i]], None if self.logprobs is None else [self.logprobs[i]],
+                             [self.top_ids[i]], [self.top_logprobs[i]])
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -80,10 +86,26 @@ class Sampler:
                 token_ids[row] = self._draw(logits[row], request)
         return self._with_logprobs(logits, requests, token_ids)
 
-    def _draw(self, logits: torch.Tensor, request: Request) -> int:
+    def verify(self, logits: torch.Tensor, request: Request, proposal: list[int]) -> SampledTokens:
+        """Verify a proposal from the target's ``len(proposal) + 1`` logits rows; one row of the
+        result per emitted token. Callers propose only for requests without penalties or
+        pending min_tokens, whose rows need no processing beyond temperature and truncation."""
+        logits = logits.float()
         params = request.params
-        logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
-        probs = logits.softmax(-1)
+        if params.greedy:
+            scores = logits
+        else:
+            scores = torch.stack([self._probs(row, params) for row in logits])
+        emitted = verify(scores, proposal, params.greedy, request.generator or self.generator)
+        rows = logits[:len(emitted)]
+        return self._with_logprobs(rows, [request] * len(emitted), emitted)
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params) -> torch.Tensor:
+        return filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
+
+    def _draw(self, logits: torch.Tensor, request: Request) -> int:
+        probs = self._probs(logits, request.params)
         return int(torch.multinomial(probs, 1, generator=request.generator or self.generator))
 
     def _with_logprobs(self, logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> SampledTokens:

@@ -31,6 +31,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # allow speculative decoding for this request (when the engine has it)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,3 +59,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

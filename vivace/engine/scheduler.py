@@ -67,6 +67,11 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.max_prefill_chunk)
+            if request.spec_token_ids:
+                # Proposals ride along only behind a request's last real token, within budget.
+                room = budget - num_new if num_new == request.num_tokens - request.num_computed_tokens else 0
+                del request.spec_token_ids[max(room, 0):]
+                num_new += len(request.spec_token_ids)
             if not self._make_room(request, num_new, batch):
                 continue
             batch.requests.append(request)
@@ -92,6 +97,7 @@ class Scheduler:
             del batch.requests[i], batch.num_new_tokens[i]
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids.clear()
         victim.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(victim)

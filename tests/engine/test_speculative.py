@@ -1,0 +1,100 @@
+"""Speculative decoding: exact under greedy, distribution-preserving above it, leak-free."""
+
+import random
+
+import pytest
+import torch
+
+from vivace import LLM, SamplingParams
+from vivace.engine.speculative import propose_ngram, verify
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], k=3) == [7, 5, 1]
+    assert propose_ngram([4, 5, 6, 4, 5], k=2) == [6, 4]
+    assert propose_ngram([1, 2, 3], k=2) == []
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(with_draft):
+    """Chi-square over many draws: the first emitted token is distributed as the target's p."""
+    p = torch.tensor([[0.05, 0.4, 0.25, 0.2, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.5, 0.1, 0.1, 0.2, 0.1]])
+    generator = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    draws = 20000
+    counts = torch.zeros(5)
+    for _ in range(draws):
+        if with_draft:
+            proposal = [int(torch.multinomial(q[0], 1, generator=generator))]
+            emitted = verify(p, proposal, greedy=False, generator=generator, draft_probs=q)
+        else:
+            emitted = verify(p, [rng.choice([0, 1, 3])], greedy=False, generator=generator)
+        counts[emitted[0]] += 1
+    expected = p[0] * draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.47  # p = 0.001 with 4 degrees of freedom
+
+
+def test_greedy_verification_accepts_the_matching_prefix():
+    logits = torch.eye(6)[[3, 4, 5, 2]]  # argmax per row: 3, 4, 5, 2
+    generator = torch.Generator()
+    assert verify(logits, [3, 4, 5], greedy=True, generator=generator) == [3, 4, 5, 2]
+    assert verify(logits, [3, 0, 5], greedy=True, generator=generator) == [3, 4]
+    assert verify(logits, [1, 4, 5], greedy=True, generator=generator) == [3]
+
+
+def repetitive_prompts(count: int) -> list[list[int]]:
+    rng = random.Random(11)
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(3, 49152) for _ in range(rng.randrange(4, 9))]
+        prompts.append(phrase * rng.randrange(3, 6))
+    return prompts
+
+
+def test_greedy_output_is_identical_with_ngram_speculation(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    batch = repetitive_prompts(6)
+    plain = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4)
+    spec = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4, speculative="ngram",
+               num_speculative_tokens=4, speculative_max_batch=8)
+    expected = [o.outputs[0].token_ids for o in plain.generate(batch, params)]
+    got = [o.outputs[0].token_ids for o in spec.generate(batch, params)]
+    alone = [spec.generate(p, params)[0].outputs[0].token_ids for p in batch[:2]]
+    assert got == expected and alone == expected[:2]
+    stats = spec.engine.spec_stats
+    assert stats.num_accepted > 0 and stats.num_proposed > stats.num_accepted
+    spec.check_integrity()
+    assert spec.engine.kv.num_free_blocks == 256
+
+
+def test_speculation_survives_preemption_and_aborts(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    batch = repetitive_prompts(6)
+    expected = [o.outputs[0].token_ids for o in
+                LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4).generate(batch, params)]
+    small = LLM(str(tiny_llama_dir), num_kv_blocks=36, block_size=4, speculative="ngram",
+                speculative_max_batch=8, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in small.generate(batch, params)] == expected
+    assert small.engine.scheduler.num_preemptions > 0 and small.engine.spec_stats.num_accepted > 0
+    engine = small.engine
+    for i, prompt in enumerate(batch[:3]):
+        engine.add_request(f"a{i}", prompt, params)
+    for _ in range(6):
+        engine.step()
+    for i in range(3):
+        engine.abort_request(f"a{i}")
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == 36
+
+
+def test_sampled_output_with_speculation_is_valid_and_seeded(tiny_llama_dir):
+    spec = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=4, speculative="ngram")
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=30, ignore_eos=True, logprobs=1)
+    prompt = repetitive_prompts(1)[0]
+    first = spec.generate(prompt, params)[0].outputs[0]
+    again = spec.generate(prompt, params)[0].outputs[0]
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 30
+    assert [lp.token_id for lp in first.logprobs] == first.token_ids
+    spec.check_integrity()

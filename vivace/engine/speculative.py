@@ -1,0 +1,101 @@
+"""Speculative decoding: propose k tokens cheaply, verify them in one target forward.
+
+The n-gram proposer looks the last n tokens up earlier in the request (prompt and
+output) and proposes what followed. Verification keeps the target's distribution
+exactly: at temperature 0 a proposal survives only if it is the target's argmax; above
+it, a proposal x drawn from a draft distribution q is accepted with probability
+min(1, p(x) / q(x)), and on rejection the token comes from the residual max(0, p - q)
+renormalized (an n-gram proposal is a point mass, so q(x) = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vivace.engine.request import Request
+
+
+def propose_ngram(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
+    suffix (``max_n`` down to ``min_n`` tokens) of ``token_ids``; [] when none recurs."""
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = token_ids[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start:start + n] == suffix:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
+@dataclass
+class SpecStats:
+    num_steps: int = 0          # verification forwards that carried proposals
+    num_proposed: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step (accepted proposals plus the target's own)."""
+        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+
+class AdaptiveK:
+    """Per-request proposal length: grows while proposals land, shrinks when they miss,
+    and pauses speculation for a while after repeated misses."""
+
+    def __init__(self, max_k: int, pause_steps: int = 16) -> None:
+        self.max_k = max_k
+        self.pause_steps = pause_steps
+
+    def next_k(self, request: Request) -> int:
+        if request.spec_pause > 0:
+            request.spec_pause -= 1
+            return 0
+        return request.spec_k or self.max_k
+
+    def update(self, request: Request, proposed: int, accepted: int) -> None:
+        if accepted == proposed:
+            request.spec_k = min((request.spec_k or self.max_k) + 1, self.max_k)
+        elif accepted == 0:
+            request.spec_k = max((request.spec_k or self.max_k) // 2, 1)
+            request.spec_misses += 1
+            if request.spec_misses >= 3:
+                request.spec_pause, request.spec_misses = self.pause_steps, 0
+        else:
+            request.spec_k, request.spec_misses = max(accepted, 1), 0
+
+
+def verify(probs_or_logits: torch.Tensor, proposal: list[int], greedy: bool,
+           generator: torch.Generator, draft_probs: torch.Tensor | None = None) -> list[int]:
+    """Tokens to emit for one request: the accepted prefix of ``proposal`` then one token of
+    the target's own (a correction or, when all are accepted, a bonus).
+
+    ``probs_or_logits`` has ``len(proposal) + 1`` rows: argmax-ready logits when ``greedy``,
+    else the target's sampling probabilities. ``draft_probs`` (one row per proposal) is the
+    draft's distribution; None means each proposal was certain (n-gram).
+    """
+    if greedy:
+        targets = probs_or_logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(proposal) and proposal[accepted] == targets[accepted]:
+            accepted += 1
+        return proposal[:accepted] + [targets[accepted]]
+    probs = probs_or_logits
+    for j, token in enumerate(proposal):
+        q = 1.0 if draft_probs is None else float(draft_probs[j, token])
+        p = float(probs[j, token])
+        if torch.rand((), generator=generator).item() * q < p:
+            continue
+        residual = probs[j].clone()
+        if draft_probs is None:
+            residual[token] = 0.0
+        else:
+            residual = (residual - draft_probs[j]).clamp_min(0.0)
+        return proposal[:j] + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
+    return proposal + [int(torch.multinomial(probs[-1], 1, generator=generator))]
