@@ -17,10 +17,12 @@ def test_env_twin_sets_a_flag_and_the_command_line_wins(monkeypatch: pytest.Monk
     monkeypatch.setenv("VIVACE_NO_PREFIX_CACHING", "true")
     monkeypatch.setenv("VIVACE_API_KEY", "a,b")
     monkeypatch.setenv("VIVACE_MODEL", "/models/x")
+    monkeypatch.setenv("VIVACE_SPECULATIVE", "ngram")
     args = parse_args(["serve"])
     assert (args.port, args.max_model_len, args.api_key, args.model) == (9123, 512, ["a", "b"],
                                                                          "/models/x")
-    assert engine_config(args).enable_prefix_caching is False
+    config = engine_config(args)
+    assert config.enable_prefix_caching is False and config.speculative == "ngram"
     args = parse_args(["serve", "other", "--port", "8001", "--api-key", "c"])
     assert (args.port, args.api_key, args.model) == (8001, ["c"], "other")
 

@@ -52,6 +52,9 @@ ENGINE_FLAGS = (
     Flag("--block-size", 16, "tokens per KV block", int),
     Flag("--no-prefix-caching", False, "do not reuse KV blocks of shared prefixes", kind="switch"),
     Flag("--num-threads", None, "torch CPU threads (default: torch's choice)", int),
+    Flag("--speculative", None, "speculative decoding: 'ngram' or 'draft:<model>' (default: off)"),
+    Flag("--num-speculative-tokens", 4, "tokens proposed per speculative step", int),
+    Flag("--speculative-max-batch", 4, "no speculation when more requests are decoding", int),
     Flag("--seed", 0, "engine seed for requests that give none", int),
 )
 SERVER_FLAGS = (
@@ -119,7 +122,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.num_threads, seed=args.seed)
+        num_threads=args.num_threads, speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_max_batch=args.speculative_max_batch, seed=args.seed)
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
