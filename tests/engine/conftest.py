@@ -20,12 +20,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def build_tiny_llama(out: Path, tokenizer_dir: Path, **overrides: object) -> Path:
+def build_tiny_llama(out: Path, tokenizer_dir: Path, seed: int = 0, **overrides: object) -> Path:
     config = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.08)
     config.update(overrides)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     model.save_pretrained(out, safe_serialization=True)
     transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)

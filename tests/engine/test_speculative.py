@@ -8,6 +8,8 @@ import torch
 from vivace import LLM, SamplingParams
 from vivace.engine.speculative import propose_ngram, verify
 
+from conftest import build_tiny_llama
+
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], k=3) == [7, 5, 1]
@@ -98,3 +100,25 @@ def test_sampled_output_with_speculation_is_valid_and_seeded(tiny_llama_dir):
     assert first.token_ids == again.token_ids and len(first.token_ids) == 30
     assert [lp.token_id for lp in first.logprobs] == first.token_ids
     spec.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, tokenizer_dir):
+    return build_tiny_llama(tmp_path_factory.mktemp("draft"), tokenizer_dir, num_hidden_layers=1, seed=1)
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_greedy_output_is_identical_with_a_draft_model(tiny_llama_dir, draft_dir, draft):
+    draft_path = tiny_llama_dir if draft == "same" else draft_dir
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    batch = repetitive_prompts(4)
+    expected = [o.outputs[0].token_ids for o in
+                LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4).generate(batch, params)]
+    spec = LLM(str(tiny_llama_dir), num_kv_blocks=40, block_size=4, speculative=f"draft:{draft_path}",
+               speculative_max_batch=8, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in spec.generate(batch, params)] == expected
+    stats = spec.engine.spec_stats
+    if draft == "same":  # the target itself as draft: only float near-ties may reject
+        assert stats.num_accepted >= 0.8 * stats.num_proposed > 0
+    spec.check_integrity()
+    assert spec.engine.draft.kv.num_free_blocks == 40 and not spec.engine.draft.shadows

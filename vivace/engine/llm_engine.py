@@ -11,6 +11,7 @@ import torch
 
 from vivace.config import EngineConfig
 from vivace.engine.detokenizer import IncrementalDetokenizer
+from vivace.engine.draft import DraftProposer
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from vivace.engine.request import Request
@@ -54,6 +55,11 @@ class LLMEngine:
         self.sampler = Sampler(self.loaded.config.eos_token_ids, config.seed)
         self.spec_stats = SpecStats()
         self.adaptive_k = AdaptiveK(config.num_speculative_tokens)
+        self.draft: DraftProposer | None = None
+        if config.speculative and config.speculative.startswith("draft:"):
+            draft_model = load_model(config.speculative.removeprefix("draft:"), config.torch_dtype)
+            self.draft = DraftProposer(draft_model, num_blocks, config.block_size, config.torch_dtype,
+                                       self.loaded.config.vocab_size)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
@@ -165,7 +171,7 @@ class LLMEngine:
                 proposal = request.spec_token_ids
                 sampled = self.sampler.verify(logits[row:row + num_rows], request, proposal)
                 self._record_speculation(request, len(proposal), len(sampled.token_ids) - 1)
-                request.spec_token_ids = []
+                request.spec_token_ids, request.spec_draft_probs = [], None
                 results.append((request, sampled))
         return results
 
@@ -176,12 +182,13 @@ class LLMEngine:
         self.adaptive_k.update(request, proposed, accepted)
 
     def _propose(self) -> None:
-        """Queue n-gram proposals for the next step, when few requests are decoding."""
+        """Queue proposals for the next step (n-gram or draft), when few requests are decoding."""
         if self.config.speculative is None:
             return
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         if len(decoding) > self.config.speculative_max_batch:
             return
+        chosen, ks = [], []
         for request in decoding:
             params = request.params
             if not params.speculative or params.has_penalties or request.num_output_tokens < params.min_tokens:
@@ -189,6 +196,12 @@ class LLMEngine:
             room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
             k = min(self.adaptive_k.next_k(request), room)
             if k > 0:
+                chosen.append(request)
+                ks.append(k)
+        if self.draft is not None:
+            self.draft.propose(chosen, ks, self.sampler)
+        else:
+            for request, k in zip(chosen, ks):
                 request.spec_token_ids = propose_ngram(request.token_ids, k)
 
     def _emit(self, request: Request, sampled: SampledTokens) -> list[RequestOutput]:
@@ -239,6 +252,8 @@ class LLMEngine:
 
     def _release(self, request: Request) -> None:
         self.scheduler.finish(request)
+        if self.draft is not None:
+            self.draft.release(request.request_id)
         del self.requests[request.request_id]
         del self.detokenizers[request.request_id]
 
@@ -258,3 +273,5 @@ class LLMEngine:
         live = {r.request_id for r in self.scheduler.running} | {e[1].request_id for e in self.scheduler.waiting}
         assert live == set(self.requests), "scheduler and engine disagree on live requests"
         assert set(self.kv.tables) <= {r.request_id for r in self.scheduler.running}, "a waiting request holds blocks"
+        if self.draft is not None:
+            self.draft.check_integrity(live)

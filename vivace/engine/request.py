@@ -36,6 +36,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify next step
+    spec_draft_probs: torch.Tensor | None = None  # the draft's distribution per proposal (sampling)
     spec_k: int = 0       # adaptive proposal length (0: not yet set)
     spec_misses: int = 0  # consecutive steps with nothing accepted
     spec_pause: int = 0   # steps left without speculation

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vivace.engine.request import Request
+from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.speculative import verify
 
 
@@ -95,17 +96,19 @@ class Sampler:
         if params.greedy:
             scores = logits
         else:
-            scores = torch.stack([self._probs(row, params) for row in logits])
-        emitted = verify(scores, proposal, params.greedy, request.generator or self.generator)
+            scores = torch.stack([self.probabilities(row, params) for row in logits])
+        emitted = verify(scores, proposal, params.greedy, request.generator or self.generator,
+                         request.spec_draft_probs)
         rows = logits[:len(emitted)]
         return self._with_logprobs(rows, [request] * len(emitted), emitted)
 
     @staticmethod
-    def _probs(logits: torch.Tensor, params) -> torch.Tensor:
+    def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The distribution a non-greedy request samples from (temperature, then truncation)."""
         return filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
 
     def _draw(self, logits: torch.Tensor, request: Request) -> int:
-        probs = self._probs(logits, request.params)
+        probs = self.probabilities(logits, request.params)
         return int(torch.multinomial(probs, 1, generator=request.generator or self.generator))
 
     def _with_logprobs(self, logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> SampledTokens:

@@ -97,7 +97,7 @@ class Scheduler:
             del batch.requests[i], batch.num_new_tokens[i]
         self.kv.free(victim)
         victim.num_computed_tokens = 0
-        victim.spec_token_ids.clear()
+        victim.spec_token_ids, victim.spec_draft_probs = [], None
         victim.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(victim)
