@@ -29,20 +29,30 @@ def default_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
-    """A 2-layer, 64-wide random Llama (4 heads, 2 KV heads) plus tokenizer, as safetensors."""
+def make_tiny_llama(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path):
+    """``make_tiny_llama(seed=0, **config)``: a random Llama (2 layers, 64 wide, 4 heads,
+    2 KV heads unless overridden) plus the default tokenizer, saved as safetensors."""
     import torch
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, initializer_range=0.08)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    out = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+
+    def make(seed: int = 0, **overrides: object) -> Path:
+        config = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, initializer_range=0.08)
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **overrides})).eval()
+        out = tmp_path_factory.mktemp("tiny-model")
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        return out
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(make_tiny_llama) -> Path:
+    """The default tiny random Llama (seed 0)."""
+    return make_tiny_llama()

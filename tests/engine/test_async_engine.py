@@ -9,8 +9,8 @@ from vivace.engine.async_engine import AsyncEngine
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128, block_size=4))
+def engine(tiny_model_dir):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, block_size=4))
     yield engine
     engine.check_integrity()
     engine.shutdown()
@@ -27,11 +27,11 @@ async def collect(engine, prompt, params, request_id):
     return texts, token_ids, finishes, out
 
 
-async def test_streamed_deltas_add_up_to_the_offline_output(engine, tiny_llama_dir):
+async def test_streamed_deltas_add_up_to_the_offline_output(engine, tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompt = "Once upon a time"
     texts, token_ids, finishes, last = await collect(engine, prompt, params, "stream-1")
-    expected = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4).generate(prompt, params)[0].outputs[0]
+    expected = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4).generate(prompt, params)[0].outputs[0]
     assert texts[0] == expected.text and token_ids[0] == expected.token_ids
     assert finishes[0] == FinishReason.LENGTH and last.finished
     assert last.timings.first_token is not None and len(last.timings.token_times) == 20

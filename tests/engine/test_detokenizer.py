@@ -7,8 +7,8 @@ TEXT = "Grüße aus Köln! 東京タワー 🎉🚀 naïve café — ok"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir):
-    return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+def tokenizer(default_tokenizer_dir):
+    return transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
 
 
 def stream(tokenizer, text: str, stop: list[str]) -> tuple[list[str], str | None]:

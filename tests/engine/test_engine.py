@@ -18,8 +18,8 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    engine = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4)
+def llm(tiny_model_dir):
+    engine = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4)
     yield engine
     engine.check_integrity()
     assert engine.engine.kv.num_free_blocks == 256
@@ -47,21 +47,21 @@ def test_batch_of_16_equals_each_alone(llm):
     assert [len(t) for t in together] == [p.max_tokens for p in params]
 
 
-def test_preemption_in_a_tiny_pool_keeps_outputs(tiny_llama_dir, llm):
+def test_preemption_in_a_tiny_pool_keeps_outputs(tiny_model_dir, llm):
     batch = prompts(8, seed=3)
     expected = tokens(llm.generate(batch, greedy(40)))
-    small = LLM(str(tiny_llama_dir), num_kv_blocks=40, block_size=4, enable_prefix_caching=False)
+    small = LLM(str(tiny_model_dir), num_kv_blocks=40, block_size=4, enable_prefix_caching=False)
     assert tokens(small.generate(batch, greedy(40))) == expected
     assert small.engine.scheduler.num_preemptions > 0
     small.check_integrity()
     assert small.engine.kv.num_free_blocks == 40
 
 
-def test_chunked_prefill_and_prefix_cache_keep_outputs(tiny_llama_dir, llm):
+def test_chunked_prefill_and_prefix_cache_keep_outputs(tiny_model_dir, llm):
     shared = prompts(1, seed=4)[0] * 3
     batch = [shared + p for p in prompts(4, seed=5)]
     expected = tokens(llm.generate(batch, greedy(12)))
-    chunked = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)
+    chunked = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)
     first = chunked.generate(batch, greedy(12))
     second = chunked.generate(batch, greedy(12))
     assert tokens(first) == expected and tokens(second) == expected

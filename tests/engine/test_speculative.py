@@ -8,8 +8,6 @@ import torch
 from vivace import LLM, SamplingParams
 from vivace.engine.speculative import propose_ngram, verify
 
-from conftest import build_tiny_llama
-
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], k=3) == [7, 5, 1]
@@ -55,11 +53,11 @@ def repetitive_prompts(count: int) -> list[list[int]]:
     return prompts
 
 
-def test_greedy_output_is_identical_with_ngram_speculation(tiny_llama_dir):
+def test_greedy_output_is_identical_with_ngram_speculation(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     batch = repetitive_prompts(6)
-    plain = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4)
-    spec = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4, speculative="ngram",
+    plain = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4)
+    spec = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4, speculative="ngram",
                num_speculative_tokens=4, speculative_max_batch=8)
     expected = [o.outputs[0].token_ids for o in plain.generate(batch, params)]
     got = [o.outputs[0].token_ids for o in spec.generate(batch, params)]
@@ -71,12 +69,12 @@ def test_greedy_output_is_identical_with_ngram_speculation(tiny_llama_dir):
     assert spec.engine.kv.num_free_blocks == 256
 
 
-def test_speculation_survives_preemption_and_aborts(tiny_llama_dir):
+def test_speculation_survives_preemption_and_aborts(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     batch = repetitive_prompts(6)
     expected = [o.outputs[0].token_ids for o in
-                LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4).generate(batch, params)]
-    small = LLM(str(tiny_llama_dir), num_kv_blocks=36, block_size=4, speculative="ngram",
+                LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4).generate(batch, params)]
+    small = LLM(str(tiny_model_dir), num_kv_blocks=36, block_size=4, speculative="ngram",
                 speculative_max_batch=8, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in small.generate(batch, params)] == expected
     assert small.engine.scheduler.num_preemptions > 0 and small.engine.spec_stats.num_accepted > 0
@@ -91,8 +89,8 @@ def test_speculation_survives_preemption_and_aborts(tiny_llama_dir):
     assert engine.kv.num_free_blocks == 36
 
 
-def test_sampled_output_with_speculation_is_valid_and_seeded(tiny_llama_dir):
-    spec = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=4, speculative="ngram")
+def test_sampled_output_with_speculation_is_valid_and_seeded(tiny_model_dir):
+    spec = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, speculative="ngram")
     params = SamplingParams(temperature=0.7, seed=3, max_tokens=30, ignore_eos=True, logprobs=1)
     prompt = repetitive_prompts(1)[0]
     first = spec.generate(prompt, params)[0].outputs[0]
@@ -103,18 +101,18 @@ def test_sampled_output_with_speculation_is_valid_and_seeded(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory, tokenizer_dir):
-    return build_tiny_llama(tmp_path_factory.mktemp("draft"), tokenizer_dir, num_hidden_layers=1, seed=1)
+def draft_dir(make_tiny_llama):
+    return make_tiny_llama(seed=1, num_hidden_layers=1)
 
 
 @pytest.mark.parametrize("draft", ["same", "other"])
-def test_greedy_output_is_identical_with_a_draft_model(tiny_llama_dir, draft_dir, draft):
-    draft_path = tiny_llama_dir if draft == "same" else draft_dir
+def test_greedy_output_is_identical_with_a_draft_model(tiny_model_dir, draft_dir, draft):
+    draft_path = tiny_model_dir if draft == "same" else draft_dir
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     batch = repetitive_prompts(4)
     expected = [o.outputs[0].token_ids for o in
-                LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4).generate(batch, params)]
-    spec = LLM(str(tiny_llama_dir), num_kv_blocks=40, block_size=4, speculative=f"draft:{draft_path}",
+                LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4).generate(batch, params)]
+    spec = LLM(str(tiny_model_dir), num_kv_blocks=40, block_size=4, speculative=f"draft:{draft_path}",
                speculative_max_batch=8, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in spec.generate(batch, params)] == expected
     stats = spec.engine.spec_stats
