@@ -60,11 +60,15 @@ class GGUFFile:
         self.tensors = {name: TensorInfo(name, shape, kind, data_start + offset, _nbytes(name, shape, kind))
                         for name, shape, kind, offset in table}
 
-    def dequantize(self, info: TensorInfo) -> np.ndarray:
-        """The tensor as a new, writable float32 array of shape ``info.shape``."""
+    def blocks(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's raw bytes, a read-only view of the map: ``[*shape[:-1], bytes per row]`` uint8."""
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[info.ggml_type]
         raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        raw = raw.reshape(*info.shape[:-1], info.shape[-1] // block_size * block_bytes)
+        return raw.reshape(*info.shape[:-1], info.shape[-1] // block_size * block_bytes)
+
+    def dequantize(self, info: TensorInfo) -> np.ndarray:
+        """The tensor as a new, writable float32 array of shape ``info.shape``."""
+        raw = self.blocks(info)
         try:
             values = gguf.quants.dequantize(raw, info.ggml_type)
         except NotImplementedError as error:

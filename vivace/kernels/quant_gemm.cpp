@@ -1,0 +1,199 @@
+// Weight-only int8/int4 GEMM for small and large M on AVX-512 VNNI.
+//
+// Weights are tiled so that one 64-byte vector holds 16 output rows x 4 consecutive k
+// (int8) or 16 rows x 8 k as nibbles (int4: low nibbles k 0..3, high nibbles k 4..7).
+// Codes are unsigned; each (row, weight group) has an fp16 scale d and either an fp16
+// min m (w = d*q + m) or a fixed zero point z (w = d*(q - z)).
+// Activations are quantized on the fly to int8 per group of 32 (scale dx, code sum s),
+// so every 32-k group is an exact integer dot product done by vpdpbusd, then
+//   y += d * dx * dot + m * dx * s        (min)      or
+//   y += d * (dx * dot - z * dx * s)      (zero point).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+
+namespace {
+
+constexpr int kTile = 16;   // output rows per vector
+constexpr int kGroup = 32;  // activation quantization group
+
+struct QuantizedActivations {
+  at::Tensor codes;   // [M, K] int8
+  at::Tensor scales;  // [M, K/32] fp32: dx
+  at::Tensor offsets; // [M, K/32] fp32: dx * sum(codes) (times -z when a zero point is used)
+};
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t k, float offset_factor, int8_t* q, float* dx, float* off) {
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    __m512 a = load16(x + g * kGroup), b = load16(x + g * kGroup + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float d = amax / 127.0f;
+    __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+    __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
+    dx[g] = d;
+    off[g] = offset_factor * d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  }
+}
+
+QuantizedActivations quantize_activations(const at::Tensor& x, float offset_factor) {
+  const int64_t m = x.size(0), k = x.size(1);
+  QuantizedActivations out{at::empty({m, k}, at::kChar), at::empty({m, k / kGroup}, at::kFloat),
+                           at::empty({m, k / kGroup}, at::kFloat)};
+  int8_t* q = out.codes.data_ptr<int8_t>();
+  float* dx = out.scales.data_ptr<float>();
+  float* off = out.offsets.data_ptr<float>();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "quantize_activations",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const float* xp = x.data_ptr<float>();
+      at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * (k / kGroup), off + r * (k / kGroup));
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+      at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * (k / kGroup), off + r * (k / kGroup));
+      });
+    }));
+  return out;
+}
+
+struct Problem {
+  const uint8_t* codes; const at::Half* scales; const at::Half* mins; const float* bias;
+  const int8_t* xq; const float* dx; const float* off; float* y;
+  int64_t m, n, k, weight_group;
+};
+
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v);
+}
+
+// NT tiles of 16 rows against MB activation rows starting at row m0.
+template <int BITS, bool HAS_MIN, int MB, int NT>
+void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
+  const int64_t groups = p.k / kGroup, wgroups = p.k / p.weight_group;
+  const int64_t per_wgroup = p.weight_group / kGroup;
+  const int64_t tile_bytes = p.k * kTile * BITS / 8;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 accf[MB][NT];
+  for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) accf[i][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[MB][NT];
+    for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_si512();
+    const int8_t* xg = p.xq + m0 * p.k + g * kGroup;
+    if constexpr (BITS == 8) {
+      for (int j = 0; j < kGroup / 4; ++j) {
+        for (int t = 0; t < NT; ++t) {
+          __m512i w = _mm512_loadu_si512(p.codes + (tile0 + t) * tile_bytes + (g * 8 + j) * 64);
+          for (int i = 0; i < MB; ++i) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], w, bcast4(xg + i * p.k + 4 * j));
+        }
+      }
+    } else {
+      for (int j = 0; j < kGroup / 8; ++j) {
+        for (int t = 0; t < NT; ++t) {
+          __m512i w = _mm512_loadu_si512(p.codes + (tile0 + t) * tile_bytes + (g * 4 + j) * 64);
+          __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+          for (int i = 0; i < MB; ++i) {
+            acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+          }
+        }
+      }
+    }
+    const int64_t wg = g / per_wgroup;
+    for (int t = 0; t < NT; ++t) {
+      const int64_t sidx = ((tile0 + t) * wgroups + wg) * kTile;
+      __m512 d = load_half16(p.scales + sidx);
+      __m512 mn = HAS_MIN ? load_half16(p.mins + sidx) : d;
+      for (int i = 0; i < MB; ++i) {
+        const int64_t xi = (m0 + i) * groups + g;
+        __m512 dot = _mm512_cvtepi32_ps(acc[i][t]);
+        __m512 off = _mm512_set1_ps(p.off[xi]);
+        if constexpr (HAS_MIN) {
+          accf[i][t] = _mm512_fmadd_ps(d, _mm512_mul_ps(dot, _mm512_set1_ps(p.dx[xi])), accf[i][t]);
+          accf[i][t] = _mm512_fmadd_ps(mn, off, accf[i][t]);
+        } else {
+          accf[i][t] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(dot, _mm512_set1_ps(p.dx[xi]), off), accf[i][t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    __m512 b = p.bias ? _mm512_loadu_ps(p.bias + (tile0 + t) * kTile) : _mm512_setzero_ps();
+    for (int i = 0; i < MB; ++i)
+      _mm512_storeu_ps(p.y + (m0 + i) * p.n + (tile0 + t) * kTile, _mm512_add_ps(accf[i][t], b));
+  }
+}
+
+template <int BITS, bool HAS_MIN, int MB>
+void rows_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0) {
+  constexpr int NT = MB <= 2 ? 4 : (MB <= 4 ? 2 : 1);
+  int64_t t = tile0;
+  for (; t + NT <= tile1; t += NT) tile_block<BITS, HAS_MIN, MB, NT>(p, t, m0);
+  for (; t < tile1; ++t) tile_block<BITS, HAS_MIN, MB, 1>(p, t, m0);
+}
+
+template <int BITS, bool HAS_MIN>
+void run(const Problem& p) {
+  const int64_t tiles = p.n / kTile;
+  // Split output tiles across threads in blocks of 4 tiles; within a block every
+  // activation row reuses the block's weights from cache.
+  at::parallel_for(0, (tiles + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t t0 = b0 * 4, t1 = std::min(tiles, b1 * 4);
+    int64_t m0 = 0;
+    for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, HAS_MIN, 8>(p, t0, t1, m0);
+    if (p.m - m0 >= 4) { rows_block<BITS, HAS_MIN, 4>(p, t0, t1, m0); m0 += 4; }
+    if (p.m - m0 >= 2) { rows_block<BITS, HAS_MIN, 2>(p, t0, t1, m0); m0 += 2; }
+    if (p.m - m0 >= 1) rows_block<BITS, HAS_MIN, 1>(p, t0, t1, m0);
+  });
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
+                        int64_t bits, int64_t n, int64_t weight_group, int64_t zero_point) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(n % kTile == 0 && k % kGroup == 0 && weight_group % kGroup == 0 && k % weight_group == 0,
+              "need N % 16 == 0, K % 32 == 0 and a weight group that is a multiple of 32 dividing K");
+  TORCH_CHECK(codes.numel() == n * k * bits / 8 && scales.numel() == n * (k / weight_group), "packed sizes mismatch");
+  const bool has_min = mins.has_value();
+  QuantizedActivations xa = quantize_activations(x, has_min ? 1.0f : -static_cast<float>(zero_point));
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(scales.scalar_type() == at::kShort && (!has_min || mins->scalar_type() == at::kShort),
+              "scales and mins must be float16 bit patterns stored as int16");
+  const at::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  Problem p{codes.data_ptr<uint8_t>(), reinterpret_cast<const at::Half*>(scales.data_ptr<int16_t>()),
+            has_min ? reinterpret_cast<const at::Half*>(mins->data_ptr<int16_t>()) : nullptr,
+            bias32.defined() ? bias32.data_ptr<float>() : nullptr,
+            xa.codes.data_ptr<int8_t>(), xa.scales.data_ptr<float>(), xa.offsets.data_ptr<float>(),
+            y.data_ptr<float>(), m, n, k, weight_group};
+  if (bits == 8) { if (has_min) run<8, true>(p); else run<8, false>(p); }
+  else { if (has_min) run<4, true>(p); else run<4, false>(p); }
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear,
+        "y[M, N] fp32 = x[M, K] @ dequant(W)^T + bias for tiled int8/int4 weights (see file header)");
+}

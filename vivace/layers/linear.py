@@ -1,0 +1,120 @@
+"""Weight-only quantized linear layers (int8 per output row, int4 per group, GGUF Q8_0/Q4_0/Q4_1).
+
+``QuantizedLinear`` keeps its weight in the tiled layout of ``vivace.layers.quant_format`` and
+runs the native AVX-512 VNNI kernel (activations quantized to int8 per group of 32 on the fly)
+when it is available, else a pure-PyTorch fallback that dequantizes and calls ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vivace.kernels import native_ops
+from vivace.layers import quant_format as qf
+
+QuantMode = Literal["int8", "int4"]
+Backend = Literal["native", "torch"]
+ACTIVATION_GROUP = 32
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W^T + b`` for a quantized ``W [out_features, in_features]``.
+
+    Accepts float32 or bfloat16 ``x [..., in_features]`` and returns the same dtype.
+    ``backend`` is "native" when the extension loaded, else "torch"; set it to "torch" to
+    force the fallback for this layer (``VIVACE_KERNELS=torch`` forces it everywhere).
+    """
+
+    def __init__(self, weight: qf.QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        n, k = weight.codes.shape
+        if k % ACTIVATION_GROUP or k % weight.group_size or weight.group_size % ACTIVATION_GROUP:
+            raise ValueError(f"in_features {k} and group_size {weight.group_size} must be multiples of "
+                             f"{ACTIVATION_GROUP}, with the group size dividing in_features")
+        self.in_features, self.out_features = k, n
+        self.bits, self.group_size, self.zero_point = weight.bits, weight.group_size, weight.zero_point
+        weight = _pad_rows(weight)
+        self.register_buffer("codes", qf.tile_codes(weight.codes, weight.bits))
+        # float16 scales and mins are kept as int16 bit patterns so that ``module.to(dtype)`` keeps them.
+        self.register_buffer("scales", qf.tile_groups(weight.scales).view(torch.int16))
+        self.register_buffer("mins", None if weight.mins is None else qf.tile_groups(weight.mins).view(torch.int16))
+        padded_bias = None
+        if bias is not None:
+            padded_bias = torch.zeros(weight.codes.shape[0], dtype=torch.float32)
+            padded_bias[:n] = bias.detach().to(torch.float32)
+        self.register_buffer("bias", padded_bias)
+        self.backend: Backend = "native" if native_ops() is not None else "torch"
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: QuantMode = "int8",
+                   group_size: int = 32) -> QuantizedLinear:
+        """Quantize a float weight: int8 symmetric per output row, or int4 asymmetric per group."""
+        if mode == "int8":
+            return cls(qf.quantize_int8(weight), bias)
+        if mode == "int4":
+            return cls(qf.quantize_int4(weight, group_size), bias)
+        raise ValueError(f"quantization mode must be 'int8' or 'int4', got {mode!r}")
+
+    @classmethod
+    def from_gguf(cls, data: np.ndarray, ggml_type: gguf.GGMLQuantizationType,
+                  bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """Build from GGUF Q8_0 / Q4_0 / Q4_1 block bytes ``[out_features, row_bytes]``."""
+        return cls(qf.from_gguf_blocks(data, ggml_type), bias)
+
+    @property
+    def padded_out_features(self) -> int:
+        return self.scales.shape[0] * qf.TILE_ROWS
+
+    def quantized_rows(self, rows: torch.Tensor | None = None) -> qf.QuantizedWeight:
+        """The row-major quantized weight, of all rows or of the output rows ``rows``."""
+        if rows is None:
+            rows = torch.arange(self.out_features)
+        tile, lane = rows // qf.TILE_ROWS, rows % qf.TILE_ROWS
+        codes = self.codes[tile, :, lane]  # [R, K/4 or K/8, 4]
+        if self.bits == 4:
+            codes = torch.stack([codes & 0x0F, codes >> 4], dim=2)
+        mins = None if self.mins is None else self.mins[tile, :, lane].view(torch.float16)
+        scales = self.scales[tile, :, lane].view(torch.float16)
+        return qf.QuantizedWeight(codes.reshape(len(rows), self.in_features), scales,
+                                  mins, self.zero_point, self.bits, self.group_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight ``[out_features, in_features]`` this layer multiplies by."""
+        return self.quantized_rows().dequantize(dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of codes, scales and mins one forward pass reads."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        ops = native_ops() if self.backend == "native" else None
+        if ops is None or flat.dtype not in (torch.float32, torch.bfloat16):
+            bias = None if self.bias is None else self.bias[: self.out_features].to(x.dtype)
+            return F.linear(x, self.dequantize(x.dtype), bias)
+        y = ops.quant_linear(flat.contiguous(), self.codes, self.scales, self.mins, self.bias, self.bits,
+                             self.padded_out_features, self.group_size, self.zero_point)
+        if self.padded_out_features != self.out_features:
+            y = y[:, : self.out_features]
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}, backend={self.backend}")
+
+
+def _pad_rows(weight: qf.QuantizedWeight) -> qf.QuantizedWeight:
+    """Pad the output rows to a multiple of 16 with zero-scale rows (their outputs are dropped)."""
+    n = weight.codes.shape[0]
+    pad = -n % qf.TILE_ROWS
+    if pad == 0:
+        return weight
+    mins = None if weight.mins is None else F.pad(weight.mins, (0, 0, 0, pad))
+    return qf.QuantizedWeight(F.pad(weight.codes, (0, 0, 0, pad)), F.pad(weight.scales, (0, 0, 0, pad)),
+                              mins, weight.zero_point, weight.bits, weight.group_size)

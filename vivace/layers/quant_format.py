@@ -1,0 +1,121 @@
+"""Weight-only quantized formats: quantizing float weights, reading GGUF blocks, and the tiled
+layout the native kernels read.
+
+A quantized weight ``[N, K]`` is ``QuantizedWeight``: unsigned codes (0..255 for 8 bits, 0..15
+for 4 bits) and, per row and group of ``group_size`` columns, a scale ``d`` and either a min
+``m`` (``w = d * q + m``) or a fixed ``zero_point`` z (``w = d * (q - z)``).
+The tiled layout groups 16 output rows: codes ``[N/16, K/4, 16, 4]`` bytes for 8 bits, or
+``[N/16, K/8, 16, 4]`` bytes for 4 bits (low nibble k in 8j..8j+3, high nibble 8j+4..8j+7);
+scales and mins ``[N/16, K/group_size, 16]`` float16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+TILE_ROWS = 16
+GGUF_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """Row-major (untiled) quantized weight; see the module docstring for the encoding."""
+
+    codes: torch.Tensor  # [N, K] uint8
+    scales: torch.Tensor  # [N, K / group_size] float16
+    mins: torch.Tensor | None  # like scales, or None when zero_point applies
+    zero_point: int
+    bits: int
+    group_size: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight ``[N, K]`` these codes stand for."""
+        n, k = self.codes.shape
+        codes = self.codes.view(n, k // self.group_size, self.group_size).to(torch.float32)
+        scales = self.scales.to(torch.float32).unsqueeze(-1)
+        if self.mins is None:
+            weight = (codes - self.zero_point) * scales
+        else:
+            weight = codes * scales + self.mins.to(torch.float32).unsqueeze(-1)
+        return weight.view(n, k).to(dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 with one scale per output row (codes offset by 128)."""
+    w = weight.detach().to(torch.float32)
+    scales = (w.abs().amax(dim=1, keepdim=True) / 127).to(torch.float16)
+    safe = torch.where(scales == 0, 1.0, scales.to(torch.float32))
+    codes = (torch.round(w / safe).clamp(-127, 127) + 128).to(torch.uint8)
+    return QuantizedWeight(codes, scales, None, 128, 8, w.shape[1])
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
+    """Asymmetric int4 per group of ``group_size`` columns (scale and min, like GGUF Q4_1)."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
+    w = weight.detach().to(torch.float32).view(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15).to(torch.float16)
+    mins = lo.to(torch.float16)
+    safe = torch.where(scales == 0, 1.0, scales.to(torch.float32)).unsqueeze(-1)
+    codes = torch.round((w - mins.to(torch.float32).unsqueeze(-1)) / safe).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(codes.view(n, k), scales, mins, 0, 4, group_size)
+
+
+def from_gguf_blocks(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> QuantizedWeight:
+    """Codes and scales straight from GGUF Q8_0 / Q4_0 / Q4_1 block bytes ``[N, row_bytes]``.
+
+    Raises ValueError for any other type. No float copy of the weight is made.
+    """
+    blocks = np.array(data, dtype=np.uint8, copy=True)  # the source may be a read-only file map
+    n = blocks.shape[0]
+    layouts = {gguf.GGMLQuantizationType.Q8_0: 34, gguf.GGMLQuantizationType.Q4_0: 18,
+               gguf.GGMLQuantizationType.Q4_1: 20}
+    if ggml_type not in layouts:
+        raise ValueError(f"GGUF type {ggml_type.name} has no direct quantized form; supported: Q8_0, Q4_0, Q4_1")
+    blocks = torch.from_numpy(blocks).view(n, -1, layouts[ggml_type])
+    scales = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    if ggml_type == gguf.GGMLQuantizationType.Q8_0:
+        codes = (blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return QuantizedWeight(codes.reshape(n, -1), scales, None, 128, 8, GGUF_BLOCK)
+    has_min = ggml_type == gguf.GGMLQuantizationType.Q4_1
+    packed = blocks[..., 4:] if has_min else blocks[..., 2:]
+    # A block's byte j holds element j (low nibble) and element j + 16 (high nibble).
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, -1)
+    mins = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1) if has_min else None
+    return QuantizedWeight(codes, scales, mins, 0 if has_min else 8, 4, GGUF_BLOCK)
+
+
+def tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Row-major codes ``[N, K]`` to the kernels' tiled bytes (module docstring)."""
+    n, k = codes.shape
+    if bits == 8:
+        return codes.view(n // TILE_ROWS, TILE_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    quads = codes.view(n // TILE_ROWS, TILE_ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
+    return (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous()
+
+
+def untile_codes(tiled: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``tile_codes``: row-major codes ``[N, K]``."""
+    tiles, kq = tiled.shape[:2]
+    if bits == 8:
+        return tiled.permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, kq * 4)
+    quads = torch.stack([tiled & 0x0F, tiled >> 4], dim=2)  # [tiles, K/8, 2, 16, 4]
+    return quads.permute(0, 3, 1, 2, 4).reshape(tiles * TILE_ROWS, kq * 8)
+
+
+def tile_groups(values: torch.Tensor) -> torch.Tensor:
+    """Per-group values ``[N, G]`` to ``[N/16, G, 16]`` float16."""
+    n, groups = values.shape
+    return values.to(torch.float16).view(n // TILE_ROWS, TILE_ROWS, groups).transpose(1, 2).contiguous()
+
+
+def untile_groups(tiled: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``tile_groups``: ``[N, G]``."""
+    tiles, groups, _ = tiled.shape
+    return tiled.transpose(1, 2).reshape(tiles * TILE_ROWS, groups)
