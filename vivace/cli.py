@@ -184,7 +184,7 @@ def _speed_line(engine: Any, last: Any) -> str:
             f"{tokens / max(t.finished - t.arrival, 1e-9):.1f} tokens/s | {tokens} tokens | "
             f"{last.num_cached_tokens}/{last.prompt_tokens} prompt tokens cached")
     if itl > 0:
-        line += f" | bandwidth achieved {engine.engine.loaded.weight_bytes / itl / 1e9:.2f} GB/s"
+        line += f" | bandwidth achieved {engine.weight_bytes / itl / 1e9:.2f} GB/s"
     return line
 
 

@@ -24,6 +24,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+class EngineStepError(RuntimeError):
+    """A step failed while this request was in flight; the engine itself goes on."""
+
+
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Parameters of choice ``index`` of an n-choice request: one sequence each, seeds apart."""
     seed = None if params.seed is None else params.seed + index
@@ -64,14 +68,24 @@ class AsyncEngine:
             while not self._stopped.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
                 with self._lock:
-                    outputs = self.engine.step()
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as exc:  # fail the requests in flight, keep serving
+                        logger.exception("engine step failed; aborting the requests in flight")
+                        self._fail_in_flight(exc)
+                        continue
                 self._deliver(outputs)
-        except BaseException as exc:  # the engine is broken: fail every stream, loudly
+        except BaseException as exc:  # the loop itself is broken: fail every stream, loudly
             logger.exception("engine loop died")
             self.error = exc
             self._stopped.set()
             for request_id in list(self._streams):
                 self._deliver_error(request_id, exc)
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self._deliver_error(request_id, EngineStepError(f"the engine failed while serving this request: {exc}"))
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -122,7 +136,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         request_id = request_id or uuid.uuid4().hex
         prompt_ids = self.engine.tokenize(prompt)
-        self.engine.validate(prompt_ids, params)
+        self.validate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
@@ -143,6 +157,15 @@ class AsyncEngine:
                 self._streams.pop(sub_id, None)
                 if sub_id in remaining:
                     self._commands.put(("abort", sub_id))
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when the request can never be served (context, vocabulary, KV pool)."""
+        self.engine.validate(prompt_ids, params)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of model weights as held in memory (for "bandwidth achieved")."""
+        return self.engine.loaded.weight_bytes
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its choices) within one step. Thread-safe and idempotent."""

@@ -60,6 +60,10 @@ class EngineRequest:
         self.priority = priority
         self.choices = [ChoiceState(i) for i in range(params.n)]
         self.last: RequestOutput | None = None
+        try:
+            engine.validate(prompt_ids, params)
+        except ValueError as exc:  # e.g. more KV cache than the whole pool: a 400 before any stream starts
+            raise APIError(400, str(exc), code="invalid_request") from None
 
     @property
     def completion_tokens(self) -> int:
