@@ -108,3 +108,10 @@ def test_logprobs_have_top_alternatives(server: RunningServer) -> None:
 def test_models_lists_the_served_name(server: RunningServer) -> None:
     models = server.client().models.list().data
     assert [m.id for m in models] == ["tiny"]
+
+
+def test_bookkeeping_fields_clients_send_are_accepted(server: RunningServer) -> None:
+    reply = server.client().chat.completions.create(
+        model="tiny", max_tokens=4, user="u-1", store=False, metadata={"trace": "abc"},
+        service_tier="auto", messages=[{"role": "user", "content": "Hi", "name": "alice"}])
+    assert reply.choices[0].message.content is not None

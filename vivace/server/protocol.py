@@ -32,6 +32,7 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # a participant's name; the chat template decides whether it shows
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -61,7 +62,11 @@ class SamplingRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # only identifies the caller; does not change the result
+    # Bookkeeping fields OpenAI clients send; none of them changes the result.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     logit_bias: Annotated[dict[str, float] | None, _unsupported("logit_bias values")] = None
     # vLLM extras
     top_k: int = Field(0, ge=-1)
