@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vivace.kernels import native_ops
+from vivace.kernels import quant_linear_kernel
 from vivace.layers import quant_format as qf
 from vivace.layers.linear import QuantizedLinear
 
 BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
-    native_ops() is None, reason="native kernels unavailable (CPU without AVX-512 VNNI, or build failed)"))]
+    quant_linear_kernel() is None, reason="native kernels unavailable (CPU without AVX-512 VNNI, or build failed)"))]
 GGUF_TYPES = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
 
 
@@ -104,4 +104,4 @@ def test_rejects_bad_shapes_and_modes() -> None:
 
 def test_fallback_forced_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VIVACE_KERNELS", "torch")
-    assert native_ops() is None
+    assert quant_linear_kernel() is None

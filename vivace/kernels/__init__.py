@@ -1,6 +1,7 @@
 """Native CPU kernels, built on first use with ``torch.utils.cpp_extension`` and cached on disk.
 
-``native_ops()`` returns the loaded extension, or None when it cannot be used: the CPU lacks
+``quant_linear_kernel()`` returns the op ``torch.ops.vivace_kernels.quant_linear`` (schema in
+``quant_gemm.cpp``), or None when it cannot be used: the CPU lacks
 AVX-512 VNNI, the build fails (no compiler, no ninja), or ``VIVACE_KERNELS=torch`` forces the
 pure-PyTorch fallback. Callers must work either way.
 """
@@ -12,7 +13,9 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from types import ModuleType
+from collections.abc import Callable
+
+import torch
 
 _SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
@@ -36,7 +39,7 @@ def _build_dir(source_hash: str) -> Path:
 
 
 @functools.cache
-def _load() -> ModuleType | None:
+def _load() -> Callable[..., torch.Tensor] | None:
     if not _cpu_supported():
         logger.info("vivace kernels: CPU lacks AVX-512 VNNI; using the PyTorch fallback")
         return None
@@ -45,15 +48,24 @@ def _load() -> ModuleType | None:
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         from torch.utils.cpp_extension import load
-        return load(name=f"vivace_quant_gemm_{source_hash}", sources=[str(_SOURCE)],
-                    extra_cflags=_CFLAGS, build_directory=str(build_dir), verbose=False)
-    except Exception as exc:  # any build or import failure means: use the fallback
+        load(name=f"vivace_quant_gemm_{source_hash}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+             build_directory=str(build_dir), is_python_module=False, verbose=False)
+    except Exception as exc:  # any build or load failure means: use the fallback
         logger.warning("vivace kernels: native build failed (%s); using the PyTorch fallback", exc)
         return None
+    torch.library.register_fake("vivace_kernels::quant_linear")(_quant_linear_shape)
+    return torch.ops.vivace_kernels.quant_linear.default  # the overload: cheaper to call than the packet
 
 
-def native_ops() -> ModuleType | None:
-    """The native extension, or None when the fallback is forced or the build is unavailable."""
+def _quant_linear_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                        bias: torch.Tensor | None, bits: int, out_features: int, group_size: int,
+                        zero_point: int) -> torch.Tensor:
+    """Output shape and dtype of ``vivace_kernels::quant_linear``, for tracing (torch.compile)."""
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def quant_linear_kernel() -> Callable[..., torch.Tensor] | None:
+    """The native op, or None when the fallback is forced or the build is unavailable."""
     if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch":
         return None
     return _load()

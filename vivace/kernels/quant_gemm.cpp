@@ -11,17 +11,19 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <cmath>
+#include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int kTile = 16;   // output rows per vector
 constexpr int kGroup = 32;  // activation quantization group
 
+// Per-thread scratch for the quantized activations, reused across calls (no allocation).
 struct QuantizedActivations {
-  at::Tensor codes;   // [M, K] int8
-  at::Tensor scales;  // [M, K/32] fp32: dx
-  at::Tensor offsets; // [M, K/32] fp32: dx * sum(codes) (times -z when a zero point is used)
+  std::vector<int8_t> codes;   // [M, K]
+  std::vector<float> scales;   // [M, K/32]: dx
+  std::vector<float> offsets;  // [M, K/32]: dx * sum(codes), times -z when a zero point is used
 };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -46,26 +48,28 @@ void quantize_row(const T* x, int64_t k, float offset_factor, int8_t* q, float* 
   }
 }
 
-QuantizedActivations quantize_activations(const at::Tensor& x, float offset_factor) {
-  const int64_t m = x.size(0), k = x.size(1);
-  QuantizedActivations out{at::empty({m, k}, at::kChar), at::empty({m, k / kGroup}, at::kFloat),
-                           at::empty({m, k / kGroup}, at::kFloat)};
-  int8_t* q = out.codes.data_ptr<int8_t>();
-  float* dx = out.scales.data_ptr<float>();
-  float* off = out.offsets.data_ptr<float>();
+const QuantizedActivations& quantize_activations(const at::Tensor& x, float offset_factor) {
+  thread_local QuantizedActivations out;
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+  out.codes.resize(m * k);
+  out.scales.resize(m * groups);
+  out.offsets.resize(m * groups);
+  int8_t* q = out.codes.data();
+  float* dx = out.scales.data();
+  float* off = out.offsets.data();
   AT_DISPATCH_SWITCH(x.scalar_type(), "quantize_activations",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       const float* xp = x.data_ptr<float>();
       at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
-          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * (k / kGroup), off + r * (k / kGroup));
+          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * groups, off + r * groups);
       });
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
       at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
-          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * (k / kGroup), off + r * (k / kGroup));
+          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * groups, off + r * groups);
       });
     }));
   return out;
@@ -165,35 +169,43 @@ void run(const Problem& p) {
   });
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
-                        int64_t bits, int64_t n, int64_t weight_group, int64_t zero_point) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+                        int64_t bits, int64_t out_features, int64_t weight_group, int64_t zero_point) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(n % kTile == 0 && k % kGroup == 0 && weight_group % kGroup == 0 && k % weight_group == 0,
-              "need N % 16 == 0, K % 32 == 0 and a weight group that is a multiple of 32 dividing K");
+  const int64_t k = input.size(-1), n = scales.size(0) * kTile;
+  const at::Tensor x = input.reshape({-1, k}).contiguous();
+  const int64_t m = x.size(0);
+  TORCH_CHECK(k % kGroup == 0 && weight_group % kGroup == 0 && k % weight_group == 0 && out_features <= n,
+              "need K % 32 == 0 and a weight group that is a multiple of 32 dividing K");
   TORCH_CHECK(codes.numel() == n * k * bits / 8 && scales.numel() == n * (k / weight_group), "packed sizes mismatch");
   const bool has_min = mins.has_value();
-  QuantizedActivations xa = quantize_activations(x, has_min ? 1.0f : -static_cast<float>(zero_point));
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   TORCH_CHECK(scales.scalar_type() == at::kShort && (!has_min || mins->scalar_type() == at::kShort),
               "scales and mins must be float16 bit patterns stored as int16");
+  const QuantizedActivations& xa = quantize_activations(x, has_min ? 1.0f : -static_cast<float>(zero_point));
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   const at::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   Problem p{codes.data_ptr<uint8_t>(), reinterpret_cast<const at::Half*>(scales.data_ptr<int16_t>()),
             has_min ? reinterpret_cast<const at::Half*>(mins->data_ptr<int16_t>()) : nullptr,
             bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-            xa.codes.data_ptr<int8_t>(), xa.scales.data_ptr<float>(), xa.offsets.data_ptr<float>(),
+            xa.codes.data(), xa.scales.data(), xa.offsets.data(),
             y.data_ptr<float>(), m, n, k, weight_group};
   if (bits == 8) { if (has_min) run<8, true>(p); else run<8, false>(p); }
   else { if (has_min) run<4, true>(p); else run<4, false>(p); }
-  return y;
+  if (out_features != n) y = y.narrow(1, 0, out_features).contiguous();
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = out_features;
+  return y.to(input.scalar_type()).reshape(shape);
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear,
-        "y[M, N] fp32 = x[M, K] @ dequant(W)^T + bias for tiled int8/int4 weights (see file header)");
+// y[..., out_features] (dtype of x) = x[..., K] @ dequant(W)^T + bias, W tiled as in the file header.
+TORCH_LIBRARY(vivace_kernels, m) {
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
+        "int out_features, int group_size, int zero_point) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(vivace_kernels, CPU, m) { m.impl("quant_linear", &quant_linear); }

@@ -15,20 +15,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vivace.kernels import native_ops
+from vivace.kernels import quant_linear_kernel
 from vivace.layers import quant_format as qf
 
 QuantMode = Literal["int8", "int4"]
 Backend = Literal["native", "torch"]
 ACTIVATION_GROUP = 32
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class QuantizedLinear(nn.Module):
     """``y = x @ W^T + b`` for a quantized ``W [out_features, in_features]``.
 
-    Accepts float32 or bfloat16 ``x [..., in_features]`` and returns the same dtype.
-    ``backend`` is "native" when the extension loaded, else "torch"; set it to "torch" to
-    force the fallback for this layer (``VIVACE_KERNELS=torch`` forces it everywhere).
+    ``x [..., in_features]`` of any float dtype; ``y`` has its dtype. ``backend`` is "native"
+    when the kernel loaded, else "torch"; assign "torch" to force the fallback for this layer
+    (``VIVACE_KERNELS=torch`` forces it everywhere).
     """
 
     def __init__(self, weight: qf.QuantizedWeight, bias: torch.Tensor | None = None) -> None:
@@ -49,7 +50,7 @@ class QuantizedLinear(nn.Module):
             padded_bias = torch.zeros(weight.codes.shape[0], dtype=torch.float32)
             padded_bias[:n] = bias.detach().to(torch.float32)
         self.register_buffer("bias", padded_bias)
-        self.backend: Backend = "native" if native_ops() is not None else "torch"
+        self.backend: Backend = "native"
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: QuantMode = "int8",
@@ -68,8 +69,12 @@ class QuantizedLinear(nn.Module):
         return cls(qf.from_gguf_blocks(data, ggml_type), bias)
 
     @property
-    def padded_out_features(self) -> int:
-        return self.scales.shape[0] * qf.TILE_ROWS
+    def backend(self) -> Backend:
+        return "torch" if self._kernel is None else "native"
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self._kernel = quant_linear_kernel() if backend == "native" else None
 
     def quantized_rows(self, rows: torch.Tensor | None = None) -> qf.QuantizedWeight:
         """The row-major quantized weight, of all rows or of the output rows ``rows``."""
@@ -93,16 +98,11 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        ops = native_ops() if self.backend == "native" else None
-        if ops is None or flat.dtype not in (torch.float32, torch.bfloat16):
-            bias = None if self.bias is None else self.bias[: self.out_features].to(x.dtype)
-            return F.linear(x, self.dequantize(x.dtype), bias)
-        y = ops.quant_linear(flat.contiguous(), self.codes, self.scales, self.mins, self.bias, self.bits,
-                             self.padded_out_features, self.group_size, self.zero_point)
-        if self.padded_out_features != self.out_features:
-            y = y[:, : self.out_features]
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if self._kernel is not None and x.dtype in _KERNEL_DTYPES:
+            return self._kernel(x, self.codes, self.scales, self.mins, self.bias, self.bits,
+                                self.out_features, self.group_size, self.zero_point)
+        bias = None if self.bias is None else self.bias[: self.out_features].to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
