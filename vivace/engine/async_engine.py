@@ -8,10 +8,12 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 from vivace.config import EngineConfig
+from vivace.engine.deadlines import DeadlineQueue, Deadlines, QueueTimeoutError, RequestTimeoutError
 from vivace.engine.llm_engine import EngineStats, LLMEngine
 from vivace.engine.outputs import RequestOutput
 from vivace.engine.sampling_params import SamplingParams
@@ -47,6 +49,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._deadlines = DeadlineQueue()
         self.error: BaseException | None = None
         self.warm_up()
         self._thread = threading.Thread(target=self._run, name="vivace-engine", daemon=True)
@@ -67,6 +70,7 @@ class AsyncEngine:
         try:
             while not self._stopped.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
+                self._expire_deadlines()
                 with self._lock:
                     try:
                         outputs = self.engine.step()
@@ -103,14 +107,30 @@ class AsyncEngine:
         kind, request_id, *args = command
         with self._lock:
             if kind == "add":
+                prompt_ids, params, priority, arrival, deadlines = args
                 try:
-                    self.engine.add_request(request_id, *args)
+                    self.engine.add_request(request_id, prompt_ids, params, priority, arrival)
                 except ValueError as exc:
                     self._deliver_error(request_id, exc)
+                else:
+                    self._deadlines.add(request_id, arrival, deadlines)
             elif kind == "abort":
                 output = self.engine.abort_request(request_id)
                 if output is not None:
                     self._deliver([output])
+
+    def _expire_deadlines(self) -> None:
+        """End each request past a deadline: its blocks are freed and its stream raises
+        QueueTimeoutError or RequestTimeoutError."""
+        with self._lock:
+            for request_id, is_queue in self._deadlines.pop_expired(time.perf_counter()):
+                request = self.engine.requests.get(request_id)
+                if request is None or (is_queue and request.timings.scheduled is not None):
+                    continue
+                self.engine.abort_request(request_id)
+                self._deliver_error(request_id, QueueTimeoutError(
+                    "the request waited longer than its max queue delay without being scheduled")
+                    if is_queue else RequestTimeoutError("the request ran past its timeout"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -126,12 +146,15 @@ class AsyncEngine:
             stream[0].call_soon_threadsafe(stream[1].put_nowait, exc)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       deadlines: Deadlines = Deadlines()) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs of all ``params.n`` choices; the last has ``finished`` True.
 
         Raises ValueError for a request that can never fit, EngineDeadError if the engine
-        died. Closing the iterator early aborts the request.
+        died, QueueTimeoutError or RequestTimeoutError past one of ``deadlines`` (counted
+        from this call; the request is then aborted). Closing the iterator early aborts it.
         """
+        arrival = time.perf_counter()
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         request_id = request_id or uuid.uuid4().hex
@@ -142,7 +165,8 @@ class AsyncEngine:
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         for index, sub_id in enumerate(ids):
             self._streams[sub_id] = (loop, sink, index)
-            self._commands.put(("add", sub_id, prompt_ids, choice_params(params, index), priority))
+            self._commands.put(("add", sub_id, prompt_ids, choice_params(params, index), priority,
+                                arrival, deadlines))
         remaining = set(ids)
         try:
             while remaining:

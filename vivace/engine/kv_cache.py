@@ -26,7 +26,7 @@ class Block:
 class KVCacheStats:
     num_total_blocks: int
     num_free_blocks: int
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_queries: int = 0  # tokens of admitted requests looked up in the prefix cache
     prefix_hits: int = 0     # of those, tokens found
 
 
@@ -75,16 +75,16 @@ class KVCacheManager:
             if block is None or block.token_ids != tokens:
                 break
             hits.append(block)
-        self.stats.prefix_queries += request.num_tokens
-        self.stats.prefix_hits += len(hits) * self.block_size
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[Block] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens of the request (after taking
         ``computed_blocks`` from the prefix cache, for a request not yet holding any).
-        Returns False, changing nothing, when the pool cannot hold them."""
+        Returns False, changing nothing, when the pool cannot hold them. A request's first
+        allocation (its admission) counts as one prefix-cache query, hit or not."""
         computed_blocks = computed_blocks or []
+        admitting = request.request_id not in self.tables
         table = self.tables.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(table) - len(computed_blocks)
@@ -100,6 +100,9 @@ class KVCacheManager:
         self.num_hashed.setdefault(request.request_id, len(computed_blocks))
         for _ in range(max(needed, 0)):
             table.append(self._take_free_block())
+        if admitting and self.enable_prefix_caching:
+            self.stats.prefix_queries += request.num_tokens
+            self.stats.prefix_hits += len(computed_blocks) * self.block_size
         return True
 
     def _take_free_block(self) -> Block:
