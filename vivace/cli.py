@@ -16,9 +16,12 @@ import sys
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from vivace.config import EngineConfig
+
+if TYPE_CHECKING:
+    from vivace.server.settings import ServerSettings
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,15 @@ SERVER_FLAGS = (
     Flag("--host", "127.0.0.1", "address to listen on"),
     Flag("--port", 8000, "port to listen on", int),
     Flag("--api-key", [], "accepted bearer key (repeatable); none: no authentication", kind="list"),
-    Flag("--api-key-file", None, "file of accepted keys, one a line"),
+    Flag("--api-key-file", None, "file of accepted keys: one a line, or JSON mapping keys to "
+         "tiers (priority, concurrency, rate limits, queue delay; see the README)"),
     Flag("--served-model-name", None, "model name clients use (default: the model's)"),
     Flag("--max-request-bytes", 4 * 1024 * 1024, "largest request body (413 beyond)", int),
     Flag("--shutdown-timeout", 30.0, "seconds SIGTERM waits for in-flight requests", float),
+    Flag("--max-waiting-requests", None, "most requests admitted without output yet; beyond, "
+         "503 with Retry-After (default: no bound)", int),
+    Flag("--request-timeout", None, "seconds a request may run; past it, it is ended and its "
+         "KV blocks freed (504; default: no limit)", float),
     Flag("--log-level", "info", "uvicorn log level"),
 )
 SAMPLING_FLAGS = (
@@ -127,24 +135,26 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative_max_batch=args.speculative_max_batch, seed=args.seed)
 
 
-def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    keys = list(args.api_key)
-    if args.api_key_file:
-        with open(args.api_key_file, encoding="utf-8") as lines:
-            keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    return tuple(keys)
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The ServerSettings the resolved ``args`` ask for; raises ValueError if they are invalid
+    (the API key file's errors included)."""
+    from vivace.server.settings import ServerSettings
+    from vivace.server.tiers import ApiKeyFile, load_api_key_file
+
+    key_file = load_api_key_file(args.api_key_file) if args.api_key_file else ApiKeyFile()
+    return ServerSettings(
+        host=args.host, port=args.port, api_keys=(*args.api_key, *key_file.keys),
+        served_model_name=args.served_model_name, max_body_bytes=args.max_request_bytes,
+        shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
+        key_tiers=key_file.key_tiers, default_tier=key_file.default_tier,
+        max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from vivace.server.serve import run_server
-    from vivace.server.settings import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    settings = ServerSettings(
-        host=args.host, port=args.port, api_keys=_api_keys(args),
-        served_model_name=args.served_model_name, max_body_bytes=args.max_request_bytes,
-        shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
-    return run_server(engine_config(args), settings)
+    return run_server(engine_config(args), server_settings(args))
 
 
 def _prompt_ids(engine: Any, messages: list[dict[str, str]], raw: bool) -> list[int]:

@@ -145,3 +145,15 @@ def test_a_prefix_query_is_counted_once_per_admission() -> None:
     for _ in range(3):  # "blocked" cannot fit; looking again must not count again
         scheduler.schedule()
     assert kv.stats.prefix_queries == 12
+
+
+def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(reference: LLMEngine) -> None:
+    engine = engine_like(reference, num_kv_blocks=64)
+    prompt = random_ids(random.Random(21), 37)
+    [answer] = generate(engine, [prompt], [20])
+    engine.add_request("turn-2", prompt + answer + random_ids(random.Random(22), 5), greedy(1))
+    while engine.has_unfinished():
+        [cached] = {out.num_cached_tokens for out in engine.step()}
+    # 57 tokens are shared; the last answer token's K/V is never computed (nothing reads it
+    # before the next turn), which costs a block only when prompt + answer fill whole blocks.
+    assert cached == (len(prompt) + len(answer)) // 4 * 4

@@ -25,6 +25,15 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
     engine.shutdown()
 
 
+@pytest.fixture(scope="session")
+def single_slot_engine(tiny_engine: AsyncEngine) -> Iterator[AsyncEngine]:
+    """Runs one sequence at a time, so that further requests really queue."""
+    engine = AsyncEngine(EngineConfig(model=tiny_engine.engine.config.model, max_model_len=1024,
+                                      num_kv_blocks=128, max_num_seqs=1), tiny_engine.engine.loaded)
+    yield engine
+    engine.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _engine_integrity(tiny_engine: AsyncEngine) -> Iterator[None]:
     yield

@@ -11,6 +11,8 @@ DOCUMENTED = [
     "vivace:num_requests_running", "vivace:num_requests_waiting", "vivace:kv_cache_usage_perc",
     "vivace:prompt_tokens_total", "vivace:generation_tokens_total",
     "vivace:request_success_total", "vivace:num_preemptions_total",
+    "vivace:prefix_cache_queries_total", "vivace:prefix_cache_hits_total",
+    "vivace:request_rejected_total", "vivace:request_timeout_total",
 ]
 
 

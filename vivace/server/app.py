@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def _require_api_key(request: Request) -> None:
-    check_api_key(request, server_state(request).settings.api_keys)
+    request.state.api_key = check_api_key(request, server_state(request).settings.api_keys)
 
 
 def build_app(engine: AsyncEngine | None, settings: ServerSettings) -> FastAPI:

@@ -30,14 +30,18 @@ async def create_chat_completion(request: Request) -> Response:
     max_tokens = fit_max_tokens(len(prompt_ids), body.requested_max_tokens(),
                                 engine.max_model_len, "messages")
     params = sampling_params(body, max_tokens, body.requested_logprobs())
-    job = EngineRequest(engine, state.metrics, prompt_ids, params,
-                        f"chatcmpl-{uuid.uuid4().hex}", body.priority)
+    caller = state.caller(request)
+    job = EngineRequest(engine, state.metrics, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}",
+                        caller.priority(body.priority), caller.deadlines)
+    ticket = state.admission.admit(caller.api_key, caller.tier, [job])
     if body.stream:
-        return sse_response(_chunks(job, state.model_name(), body.include_usage()))
+        return sse_response(_chunks(job, state.model_name(), body.include_usage()), ticket.release)
     try:
         await unless_disconnected(request, job.run())
     except ClientDisconnected:
         return Response(status_code=499)
+    finally:
+        ticket.release()
     return JSONResponse(_response(job, state.model_name()).model_dump(mode="json"))
 
 

@@ -29,22 +29,26 @@ async def create_completion(request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    caller = state.caller(request)
     jobs, echoes = [], []
     for i, prompt in enumerate(body.prompts()):
         ids = completion_prompt_ids(engine.tokenizer, prompt)
         max_tokens = fit_max_tokens(len(ids), body.max_tokens, engine.max_model_len, "prompt")
         params = sampling_params(body, max_tokens, body.logprobs)
         jobs.append(EngineRequest(engine, state.metrics, ids, params, f"{request_id}-{i}",
-                                  body.priority))
+                                  caller.priority(body.priority), caller.deadlines))
         echoes.append((prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids))
                       if body.echo else "")
+    ticket = state.admission.admit(caller.api_key, caller.tier, jobs)
     if body.stream:
         return sse_response(_chunks(jobs, echoes, request_id, state.model_name(),
-                                    body.include_usage()))
+                                    body.include_usage()), ticket.release)
     try:
         await unless_disconnected(request, _run_all(jobs))
     except ClientDisconnected:
         return Response(status_code=499)
+    finally:
+        ticket.release()
     return JSONResponse(_response(jobs, echoes, request_id, state.model_name())
                         .model_dump(mode="json"))
 

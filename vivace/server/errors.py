@@ -24,27 +24,32 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class APIError(Exception):
-    """An error to answer with ``status`` and an OpenAI error body."""
+    """An error to answer with ``status`` and an OpenAI error body (and a Retry-After header
+    when ``retry_after`` seconds are given)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after
 
     def body(self) -> dict:
         kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
 
+from vivace.engine.deadlines import Deadlines, QueueTimeoutError, RequestTimeoutError
 from vivace.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vivace.engine.sampling_params import SamplingParams
 from vivace.server.errors import APIError
@@ -48,16 +49,19 @@ class ChoiceState:
 class EngineRequest:
     """One request on the engine. Iterate :meth:`deltas` once; ``choices`` and ``last``
     accumulate as it goes. Abandoning the iteration aborts the request in the engine;
-    metrics are recorded when it ends either way."""
+    metrics are recorded when it ends either way. Past its queue delay the iteration raises
+    a 503 APIError (Retry-After 1), past its timeout a 504."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int],
-                 params: SamplingParams, request_id: str, priority: int = 0) -> None:
+                 params: SamplingParams, request_id: str, priority: int = 0,
+                 deadlines: Deadlines = Deadlines()) -> None:
         self.engine = engine
         self.metrics = metrics
         self.prompt_ids = prompt_ids
         self.params = params
         self.request_id = request_id
         self.priority = priority
+        self.deadlines = deadlines
         self.choices = [ChoiceState(i) for i in range(params.n)]
         self.last: RequestOutput | None = None
         try:
@@ -75,7 +79,8 @@ class EngineRequest:
 
     async def deltas(self) -> AsyncGenerator[RequestOutput, None]:
         """The engine's delta outputs, each already folded into ``choices``."""
-        stream = self.engine.generate(self.prompt_ids, self.params, self.request_id, self.priority)
+        stream = self.engine.generate(self.prompt_ids, self.params, self.request_id, self.priority,
+                                      self.deadlines)
         try:
             async with contextlib.aclosing(stream):
                 async for out in stream:
@@ -85,6 +90,14 @@ class EngineRequest:
                     yield out
         except ValueError as exc:  # the engine refuses requests that can never fit its KV pool
             raise APIError(400, str(exc), code="invalid_request") from None
+        except QueueTimeoutError:
+            self.metrics.timed_out.labels(kind="queue").inc()
+            raise APIError(503, f"The request waited more than {self.deadlines.max_queue_delay} s "
+                                "to be scheduled; retry later", code="queue_timeout", retry_after=1) from None
+        except RequestTimeoutError:
+            self.metrics.timed_out.labels(kind="request").inc()
+            raise APIError(504, f"The request ran longer than its {self.deadlines.timeout} s timeout",
+                           code="request_timeout") from None
         finally:
             if not self.finished:
                 self.engine.abort(self.request_id)

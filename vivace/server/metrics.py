@@ -1,8 +1,8 @@
 """Prometheus metrics of one server, named like vLLM's with the ``vivace:`` prefix.
 
-Each app owns its registry: request histograms and counters are recorded as requests end;
-engine gauges (running, waiting, KV usage) and the preemption count are read from
-``engine.stats()`` at scrape time.
+Each app owns its registry: request histograms and counters are recorded as requests end
+(or are refused); engine gauges (running, waiting, KV usage), the preemption count and the
+prefix-cache counters are read from ``engine.stats()`` at scrape time.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from vivace.server.admission import REJECTION_REASONS
 
 if TYPE_CHECKING:
     from vivace.server.generation import EngineRequest
@@ -46,6 +48,10 @@ class _EngineStatsCollector(Collector):
             yield GaugeMetricFamily(f"vivace:{name}", helps[name], value=value)
         yield CounterMetricFamily("vivace:num_preemptions", "Cumulative preemptions.",
                                   value=stats.num_preemptions if stats else 0)
+        yield CounterMetricFamily("vivace:prefix_cache_queries", "Tokens looked up in the prefix "
+                                  "cache at admission.", value=stats.prefix_queries if stats else 0)
+        yield CounterMetricFamily("vivace:prefix_cache_hits", "Of those, tokens found cached.",
+                                  value=stats.prefix_hits if stats else 0)
 
 
 class ServerMetrics:
@@ -70,7 +76,20 @@ class ServerMetrics:
                                          registry=registry)
         self.request_success = Counter("vivace:request_success", "Finished choices by reason.",
                                        ["finished_reason"], registry=registry)
+        self.rejected = Counter("vivace:request_rejected", "Requests refused at admission (429 "
+                                "or 503), by reason.", ["reason"], registry=registry)
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(reason=reason)
+        self.timed_out = Counter("vivace:request_timeout", "Requests ended by a deadline: 'queue' "
+                                 "(max queue delay) or 'request' (request timeout).", ["kind"],
+                                 registry=registry)
+        for kind in ("queue", "request"):
+            self.timed_out.labels(kind=kind)
         registry.register(_EngineStatsCollector(stats))
+
+    def record_rejection(self, reason: str) -> None:
+        """Counts one request refused at admission for ``reason``."""
+        self.rejected.labels(reason=reason).inc()
 
     def record_request(self, request: EngineRequest) -> None:
         """Records one ended request (finished or aborted)."""

@@ -77,7 +77,7 @@ class SamplingRequest(_Strict):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int | None = None  # lower is sooner; the key's tier sets its default and floor
 
     @field_validator("stream_options")
     @classmethod

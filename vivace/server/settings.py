@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from vivace.server.tiers import Tier
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     """Where and how the OpenAI-compatible server listens. Validated on construction.
 
-    ``api_keys`` empty means no authentication. ``served_model_name`` None serves the
-    engine's own model name. ``shutdown_timeout_s`` bounds how long SIGTERM waits for
-    in-flight requests to finish.
+    ``api_keys`` empty means no authentication; ``key_tiers`` gives some keys a tier, the
+    others (and every request when there are no keys) are in ``default_tier``.
+    ``served_model_name`` None serves the engine's own model name. ``shutdown_timeout_s``
+    bounds how long SIGTERM waits for in-flight requests to finish. ``max_waiting_requests``
+    bounds the requests admitted but without output yet (503 beyond); ``request_timeout_s``
+    ends a request that runs longer (504). None means no bound.
     """
 
     host: str = "127.0.0.1"
@@ -21,6 +27,10 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+    key_tiers: Mapping[str, Tier] = field(default_factory=dict)
+    default_tier: Tier = Tier()
+    max_waiting_requests: int | None = None
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -31,3 +41,13 @@ class ServerSettings:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if any(not key for key in self.api_keys):
             raise ValueError("api keys must not be empty strings")
+        if set(self.key_tiers) - set(self.api_keys):
+            raise ValueError("every key given a tier must be an accepted api key")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+    def tier_of(self, api_key: str) -> Tier:
+        """The tier of an accepted key ("" when the server has no keys)."""
+        return self.key_tiers.get(api_key, self.default_tier)

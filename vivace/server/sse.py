@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -24,13 +24,22 @@ def sse_event(payload: BaseModel) -> str:
 
 class _EventStream(StreamingResponse):
     """Closes its event generator when the response ends, however it ends, so that a
-    generator left at a ``yield`` by a disconnect still runs its clean-up (the abort) now."""
+    generator left at a ``yield`` by a disconnect still runs its clean-up (the abort) now;
+    then calls ``on_close``, even if the generator never started."""
+
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self.on_close()
 
 
 async def _framed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
@@ -46,7 +55,8 @@ async def _framed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None
     yield SSE_DONE
 
 
-def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:
-    """A streaming response of ``events``, ended by ``[DONE]`` even after an error."""
-    return _EventStream(_framed(events), media_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def sse_response(events: AsyncGenerator[str, None],
+                 on_close: Callable[[], None] = lambda: None) -> StreamingResponse:
+    """A streaming response of ``events``, ended by ``[DONE]`` even after an error;
+    ``on_close`` runs once the response has ended, however it ended."""
+    return _EventStream(_framed(events), on_close)

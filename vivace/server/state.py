@@ -1,4 +1,5 @@
-"""What every handler of one app shares: settings, metrics and the engine once it is ready."""
+"""What every handler of one app shares: settings, metrics, admission control and the engine
+once it is ready; and who sent a request (its key, tier and deadlines)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,28 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from vivace.engine.deadlines import Deadlines
+from vivace.server.admission import Admission
 from vivace.server.errors import APIError
 from vivace.server.metrics import ServerMetrics
 from vivace.server.settings import ServerSettings
+from vivace.server.tiers import Tier
 
 if TYPE_CHECKING:
     from vivace.engine.async_engine import AsyncEngine
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: its API key ("" without authentication), its tier, and the
+    deadlines its requests run under."""
+
+    api_key: str
+    tier: Tier
+    deadlines: Deadlines
+
+    def priority(self, requested: int | None) -> int:
+        return self.tier.priority_of(requested)
 
 
 @dataclass
@@ -22,9 +39,17 @@ class ServerState:
     settings: ServerSettings
     engine: AsyncEngine | None = None
     metrics: ServerMetrics = field(init=False)
+    admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine else None)
+        self.admission = Admission(self.settings.max_waiting_requests, self.metrics.record_rejection)
+
+    def caller(self, request: Request) -> Caller:
+        """The sender of ``request`` (authenticated already, if the server has keys)."""
+        api_key = getattr(request.state, "api_key", "")
+        tier = self.settings.tier_of(api_key)
+        return Caller(api_key, tier, Deadlines(tier.max_queue_delay, self.settings.request_timeout_s))
 
     def attach_engine(self, engine: AsyncEngine) -> None:
         """Marks the server ready: from now on requests go to ``engine``."""
