@@ -1,11 +1,13 @@
 """Weight-only linear kernels against PyTorch's, on SmolLM2-135M's shapes.
 
-    python benchmarks/kernels.py [--m 1 16] [--rounds 30] [--threads 2]
+    python benchmarks/kernels.py [--m 1 16] [--rounds 30] [--threads 2] [--clock wall|cpu]
 
 Every candidate runs interleaved with the others, round after round, over enough copies of
 the weight (rotated call by call) that they do not fit in the last-level cache, so the figures
 are for weights streamed from memory as in a real decode step. Prints the median µs per call,
 the weight GB/s that implies, and each candidate's time relative to fp32 ``F.linear``.
+``--clock cpu`` (one thread only) times with the thread's CPU clock, so that time the thread
+spends descheduled on a shared machine does not count.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from vivace.layers.linear import QuantizedLinear
 
-SHAPES = [(576, 576, "q/o proj"), (576, 192, "k or v proj"), (576, 3072, "gate+up"),
+SHAPES = [(576, 576, "q/o_proj"), (576, 192, "k/v_proj"), (576, 3072, "gate_up"),
           (1536, 576, "down"), (576, 49152, "lm_head")]
 STREAM_BYTES = 64 << 20  # each candidate's rotated copies span this much, twice the 32 MiB L3
 
@@ -29,8 +31,9 @@ STREAM_BYTES = 64 << 20  # each candidate's rotated copies span this much, twice
 Candidate = tuple[Callable[..., torch.Tensor], tuple[object, ...], torch.dtype]
 
 
-def candidates(k: int, n: int) -> dict[str, Candidate]:
-    """name -> (fn(x, *weights), weights, activation dtype) for one random ``[n, k]`` weight."""
+def candidates(k: int, n: int, m: int) -> dict[str, Candidate]:
+    """name -> (fn(x, *weights), weights, activation dtype) for one random ``[n, k]`` weight.
+    torch's int4 CPU kernel runs only at m == 1: it is some 100x slower than the others at m == 16."""
     w = torch.randn(n, k) * 0.05
     int8 = QuantizedLinear.from_float(w, mode="int8")
     int4 = QuantizedLinear.from_float(w, mode="int4")
@@ -40,16 +43,18 @@ def candidates(k: int, n: int) -> dict[str, Candidate]:
     # torch's int4 format: w = (q - 8) * scale + zero, with [K/g, N, 2] scale/zero pairs.
     zeros4 = q4.mins.float() + 8 * q4.scales.float()
     sz4 = torch.stack([q4.scales.float().t(), zeros4.t()], dim=-1).contiguous()
-    return {
+    found: dict[str, Candidate] = {
         "fp32 F.linear": (F.linear, (int8.dequantize(),), torch.float32),
         "bf16 F.linear": (F.linear, (int8.dequantize(torch.bfloat16),), torch.bfloat16),
         "torch int8pack (bf16 x)": (torch._weight_int8pack_mm, (w_i8, q8.scales.bfloat16().squeeze(1)),
                                     torch.bfloat16),
-        "torch int4pack (fp32 x)": (lambda x, p, sz: torch._weight_int4pack_mm_for_cpu(x, p, 32, sz),
-                                    (packed4, sz4), torch.float32),
         "vivace int8": (lambda x, layer: layer(x), (int8,), torch.float32),
         "vivace int4": (lambda x, layer: layer(x), (int4,), torch.float32),
     }
+    if m == 1:
+        found["torch int4pack (fp32 x)"] = (lambda x, p, sz: torch._weight_int4pack_mm_for_cpu(x, p, 32, sz),
+                                            (packed4, sz4), torch.float32)
+    return found
 
 
 def weight_bytes(weights: tuple[object, ...]) -> int:
@@ -57,11 +62,11 @@ def weight_bytes(weights: tuple[object, ...]) -> int:
                for w in weights)
 
 
-def measure(k: int, n: int, m: int, rounds: int) -> dict[str, tuple[float, int]]:
+def measure(k: int, n: int, m: int, rounds: int, clock: Callable[[], float]) -> dict[str, tuple[float, int]]:
     """name -> (median µs per call, weight bytes per call), candidates interleaved per round."""
     xs = {dt: torch.randn(m, k).to(dt) for dt in (torch.float32, torch.bfloat16)}
     plans = {}
-    for name, (fn, weights, dtype) in candidates(k, n).items():
+    for name, (fn, weights, dtype) in candidates(k, n, m).items():
         nbytes = weight_bytes(weights)
         copies = [weights] + [copy.deepcopy(weights) for _ in range(-(-STREAM_BYTES // nbytes) - 1)]
         plans[name] = (fn, copies, xs[dtype], nbytes)
@@ -70,11 +75,11 @@ def measure(k: int, n: int, m: int, rounds: int) -> dict[str, tuple[float, int]]
     for r in range(rounds + 2):
         for name in names[r % len(names):] + names[: r % len(names)]:
             fn, copies, x, _ = plans[name]
-            start = time.perf_counter()
+            start = clock()
             for weights in copies:
                 fn(x, *weights)
             if r >= 2:  # the first two rounds warm up
-                samples[name].append((time.perf_counter() - start) / len(copies) * 1e6)
+                samples[name].append((clock() - start) / len(copies) * 1e6)
     return {name: (statistics.median(samples[name]), plans[name][3]) for name in names}
 
 
@@ -83,13 +88,19 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--shapes", nargs="+", default=[label for *_, label in SHAPES],
+                        help="labels of the shapes to run (default: all)")
     args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures one thread: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"threads={args.threads} rounds={args.rounds}; weights streamed from memory")
-    for k, n, label in SHAPES:
+    print(f"threads={args.threads} rounds={args.rounds} clock={args.clock}; weights streamed from memory")
+    for k, n, label in (shape for shape in SHAPES if shape[2] in args.shapes):
         for m in args.m:
-            results = measure(k, n, m, args.rounds)
+            results = measure(k, n, m, args.rounds, clock)
             base = results["fp32 F.linear"][0]
             print(f"\n{label}: K={k} N={n} M={m}", flush=True)
             for name, (us, nbytes) in results.items():

@@ -19,7 +19,7 @@ import torch
 
 _SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"]
+_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"]
 FORCE_FALLBACK_ENV = "VIVACE_KERNELS"
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def _load() -> Callable[..., torch.Tensor] | None:
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         from torch.utils.cpp_extension import load
-        load(name=f"vivace_quant_gemm_{source_hash}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+        load(name=f"vivace_quant_gemm_{source_hash}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
              build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as exc:  # any build or load failure means: use the fallback
         logger.warning("vivace kernels: native build failed (%s); using the PyTorch fallback", exc)

@@ -50,7 +50,7 @@ class QuantizedLinear(nn.Module):
             padded_bias = torch.zeros(weight.codes.shape[0], dtype=torch.float32)
             padded_bias[:n] = bias.detach().to(torch.float32)
         self.register_buffer("bias", padded_bias)
-        self.backend: Backend = "native"
+        self.backend = "native"
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: QuantMode = "int8",
