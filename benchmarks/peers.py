@@ -272,6 +272,19 @@ def bench_server(server: Server, port: int, gguf: Path, out_dir: Path) -> tuple[
     return outcomes, startup_s
 
 
+def tally(outcomes: dict[str, BenchOutcome]) -> str:
+    """Requests completed of those asked, per workload, with the errors by kind."""
+    parts = []
+    for name, (*_, count) in WORKLOADS.items():
+        outcome = outcomes.get(name)
+        if outcome is None:
+            parts.append(f"{name} did not run")
+            continue
+        errors = "".join(f", {n} {kind}" for kind, n in sorted(outcome.summary.errors.items()))
+        parts.append(f"{name} {outcome.summary.completed}/{count} completed{errors}")
+    return "; ".join(parts)
+
+
 def write_plots(runs: dict[str, dict[str, BenchOutcome]], plots: Path) -> list[Path]:
     """Overlaid CDFs (TTFT at 128 tokens, batch-1 ITL) and ITL over time at 16 streams."""
 
@@ -303,6 +316,9 @@ def write_document(path: Path, runs: dict[str, dict[str, BenchOutcome]], servers
         "Workloads: " + "; ".join(f"`{w}` {i} prompt tokens, {o} out, {c} stream(s), {n} requests"
                                   for w, (i, o, c, n) in WORKLOADS.items()) + ".", "",
         side_by_side(FIGURES, summaries, "vivace"), "",
+        "A run that has not finished its requests when the time bound (240 s a workload) falls "
+        "reports what completed (counts below). The load average before each server is the "
+        "machine's own: above 1, other work shared the two cores and skewed the figures.", "",
         "## Servers", "",
     ]
     for name, note in notes.items():
@@ -344,10 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[peers] {name}: {exc}", file=sys.stderr)
             continue
         runs[name], servers[name] = outcomes, server
-        missing = [w for w in WORKLOADS if w not in outcomes]
-        note = f"ready {startup_s:.0f} s after start, load average {load:.2f} before it"
-        note += f"; workloads that failed: {missing}" if missing else ""
-        notes[name] = note
+        notes[name] = f"ready {startup_s:.0f} s after start, load average {load:.2f} before it; {tally(outcomes)}"
     command = "python benchmarks/peers.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     write_document(args.doc, runs, servers, notes, command.strip())
     print(f"[peers] wrote {args.doc}", file=sys.stderr)

@@ -76,7 +76,7 @@ def _finite(value: Any) -> Any:
 
 
 def plot_cdfs(series: dict[str, list[float]], path: Path, xlabel: str) -> None:
-    """One empirical CDF per label (values in seconds, drawn in ms) in one PNG."""
+    """One empirical CDF per label (values in seconds, drawn in ms on a log axis) in one PNG."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
     for label, values in series.items():
@@ -84,6 +84,7 @@ def plot_cdfs(series: dict[str, list[float]], path: Path, xlabel: str) -> None:
             ordered = sorted(value * 1000 for value in values)
             fractions = [(index + 1) / len(ordered) for index in range(len(ordered))]
             axes.step(ordered, fractions, where="post", label=label)
+    axes.set_xscale("log")  # latency tails span decades
     axes.set_xlabel(xlabel)
     axes.set_ylabel("fraction of samples")
     axes.grid(alpha=0.3)
@@ -103,6 +104,7 @@ def plot_itl_over_time(series: dict[str, list[RequestResult]], path: Path) -> No
                 gaps.append(gap * 1000)
         axes.scatter(times, gaps, s=2, alpha=0.5, label=label)
     axes.set_xlabel("time since start of run (s)")
+    axes.set_yscale("log")
     axes.set_ylabel("inter-token latency (ms)")
     axes.grid(alpha=0.3)
     axes.legend(markerscale=5)
