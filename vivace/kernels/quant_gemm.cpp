@@ -18,6 +18,7 @@ namespace {
 
 constexpr int kTile = 16;   // output rows per vector
 constexpr int kGroup = 32;  // activation quantization group
+constexpr int64_t kMinWorkPerThread = 512 * 1024;
 
 // Per-thread scratch for the quantized activations, reused across calls (no allocation).
 struct QuantizedActivations {
@@ -158,8 +159,12 @@ template <int BITS, bool HAS_MIN>
 void run(const Problem& p) {
   const int64_t tiles = p.n / kTile;
   // Split output tiles across threads in blocks of 4 tiles; within a block every
-  // activation row reuses the block's weights from cache.
-  at::parallel_for(0, (tiles + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
+  // activation row reuses the block's weights from cache. A thread gets at least
+  // kMinWorkPerThread (weight bytes times 8-row passes) so that small GEMVs stay on one
+  // thread: waking a second one costs more than it saves, and far more on a busy machine.
+  const int64_t block_work = 4 * kTile * p.k * BITS / 8 * ((p.m + 7) / 8);
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / block_work);
+  at::parallel_for(0, (tiles + 3) / 4, grain, [&](int64_t b0, int64_t b1) {
     const int64_t t0 = b0 * 4, t1 = std::min(tiles, b1 * 4);
     int64_t m0 = 0;
     for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, HAS_MIN, 8>(p, t0, t1, m0);
