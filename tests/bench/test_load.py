@@ -31,7 +31,7 @@ def test_infinite_rate_sends_at_once() -> None:
 
 
 async def test_concurrency_caps_requests_in_flight(scripted) -> None:
-    server = await scripted(ttft_s=0.01, itl_s=0.01, tokens=3)
+    server = await scripted(ttft_s=0.05, itl_s=0.01, tokens=3)  # long enough for 3 to overlap
     endpoint = Endpoint(server.url, "completions", "m")
     async with httpx.AsyncClient() as client:
         run = await run_load(client, endpoint, one_turn(9), LoadPlan(concurrency=3, max_requests=9))
