@@ -165,12 +165,14 @@ void run(const Problem& p) {
   const int64_t block_work = 4 * kTile * p.k * BITS / 8 * ((p.m + 7) / 8);
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / block_work);
   at::parallel_for(0, (tiles + 3) / 4, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t t0 = b0 * 4, t1 = std::min(tiles, b1 * 4);
-    int64_t m0 = 0;
-    for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, HAS_MIN, 8>(p, t0, t1, m0);
-    if (p.m - m0 >= 4) { rows_block<BITS, HAS_MIN, 4>(p, t0, t1, m0); m0 += 4; }
-    if (p.m - m0 >= 2) { rows_block<BITS, HAS_MIN, 2>(p, t0, t1, m0); m0 += 2; }
-    if (p.m - m0 >= 1) rows_block<BITS, HAS_MIN, 1>(p, t0, t1, m0);
+    for (int64_t b = b0; b < b1; ++b) {  // blocks outer: a block's weights stay in L1 across rows
+      const int64_t t0 = b * 4, t1 = std::min(tiles, t0 + 4);
+      int64_t m0 = 0;
+      for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, HAS_MIN, 8>(p, t0, t1, m0);
+      if (p.m - m0 >= 4) { rows_block<BITS, HAS_MIN, 4>(p, t0, t1, m0); m0 += 4; }
+      if (p.m - m0 >= 2) { rows_block<BITS, HAS_MIN, 2>(p, t0, t1, m0); m0 += 2; }
+      if (p.m - m0 >= 1) rows_block<BITS, HAS_MIN, 1>(p, t0, t1, m0);
+    }
   });
 }
 
