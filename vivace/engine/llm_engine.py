@@ -20,6 +20,7 @@ from vivace.engine.sampler import SampledTokens, Sampler
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
+from vivace.layers.packed_linear import prepack_linears
 from vivace.models import LoadedModel, load_model
 
 
@@ -44,6 +45,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.loaded = loaded or load_model(config.model, config.torch_dtype)
+        prepack_linears(self.loaded.model)
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
@@ -51,13 +53,15 @@ class LLMEngine:
             self.loaded, config.block_size, config.torch_dtype, config.kv_cache_memory_gb)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.torch_dtype)
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.torch_dtype,
+                                  self.max_model_len, config.decode_batch_sizes)
         self.sampler = Sampler(self.loaded.config.eos_token_ids, config.seed)
         self.spec_stats = SpecStats()
         self.adaptive_k = AdaptiveK(config.num_speculative_tokens)
         self.draft: DraftProposer | None = None
         if config.speculative and config.speculative.startswith("draft:"):
             draft_model = load_model(config.speculative.removeprefix("draft:"), config.torch_dtype)
+            prepack_linears(draft_model.model)
             self.draft = DraftProposer(draft_model, num_blocks, config.block_size, config.torch_dtype,
                                        self.loaded.config.vocab_size)
         self.requests: dict[str, Request] = {}

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import vivace.layers.decode_attention  # noqa: F401  (registers torch.ops.vivace.paged_decode_attention)
+
 
 @dataclass
 class AttentionMetadata:
@@ -27,6 +29,17 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+
+@dataclass
+class DecodeMetadata:
+    """A decode-only batch: token ``i`` is the one new token of sequence ``i``, which then has
+    ``seq_lens[i]`` tokens. Tensors only, so torch.compile captures a forward over it without
+    graph breaks or recompiles per value; ``block_tables`` may be wider than needed."""
+
+    slot_mapping: torch.Tensor  # [num_seqs] int64
+    block_tables: torch.Tensor  # [num_seqs, width] int64
+    seq_lens: torch.Tensor  # [num_seqs] int64
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -47,14 +60,18 @@ def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, scale: float,
 ) -> torch.Tensor:
     """Causal attention for a batch mixing prefill chunks and decodes.
 
     q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
     Writes k, v to the cache, then returns ``[num_tokens, num_heads, head_dim]``. Decodes
-    (one new token) are attended together in one padded call; prefill chunks one by one.
+    (one new token) are attended together in one ``paged_decode_attention`` call; prefill
+    chunks one by one. A ``DecodeMetadata`` batch is that one call and nothing else.
     """
+    if isinstance(meta, DecodeMetadata):
+        return torch.ops.vivace.paged_decode_attention(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables,
+                                                       meta.seq_lens, scale)
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     starts = [0]
@@ -62,30 +79,17 @@ def paged_attention(
         starts.append(starts[-1] + q_len)
     decodes = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
     if decodes:
+        # The op stores these rows' K/V again (the same values) before attending them.
         rows = torch.tensor([starts[i] for i in decodes])
-        out[rows] = _decode_attention(q[rows], kv_cache, meta, decodes, scale)
+        seq_lens = torch.tensor([meta.seq_lens[i] for i in decodes])
+        out[rows] = torch.ops.vivace.paged_decode_attention(
+            q[rows], k[rows], v[rows], kv_cache, meta.slot_mapping[rows], meta.block_tables[decodes], seq_lens, scale)
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
         if q_len > 1:
             start = starts[i]
             out[start:start + q_len] = _prefill_attention(
                 q[start:start + q_len], kv_cache, meta.block_tables[i], seq_len, scale)
     return out
-
-
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      seqs: list[int], scale: float) -> torch.Tensor:
-    """One query token per sequence ``[len(seqs), num_heads, head_dim]``, keys padded to the longest."""
-    seq_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
-    num_blocks = -(-int(seq_lens.max()) // meta.block_size)
-    tables = meta.block_tables[seqs, :num_blocks]
-    blocks = kv_cache[:, tables].flatten(2, 3)  # [2, seqs, num_blocks * block_size, kv_heads, d]
-    keys = blocks[0].transpose(1, 2).to(q.dtype)
-    values = blocks[1].transpose(1, 2).to(q.dtype)
-    mask = torch.arange(keys.shape[2])[None, :] < seq_lens[:, None]
-    attended = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=keys.shape[1] != q.shape[1])
-    return attended.squeeze(2)
 
 
 def _prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

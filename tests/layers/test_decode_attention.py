@@ -1,0 +1,51 @@
+"""``torch.ops.vivace.paged_decode_attention`` (native when it built) against the PyTorch reference."""
+
+import pytest
+import torch
+
+from vivace.layers import decode_attention
+from vivace.layers.decode_attention import reference_decode_attention
+
+OP = torch.ops.vivace.paged_decode_attention
+
+
+def random_batch(dtype: torch.dtype, num_seqs: int, heads: int = 6, kv_heads: int = 2, head_dim: int = 32,
+                 block_size: int = 4, num_blocks: int = 40, seed: int = 0):
+    """Sequences of random lengths over shuffled blocks; block tables padded wider than needed."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.randint(1, 6 * block_size, (num_seqs,), generator=gen)
+    width = 8
+    tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * width].view(num_seqs, width)
+    slots = tables[torch.arange(num_seqs), (seq_lens - 1) // block_size] * block_size + (seq_lens - 1) % block_size
+    q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(num_seqs, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    return q, k, v, cache, slots, tables, seq_lens
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_op_matches_reference_and_writes_the_same_cache(dtype, tol, num_seqs):
+    q, k, v, cache, slots, tables, seq_lens = random_batch(dtype, num_seqs)
+    ref_cache = cache.clone()
+    out = OP(q, k, v, cache, slots, tables, seq_lens, 0.3)
+    expected = reference_decode_attention(q, k, v, ref_cache, slots, tables, seq_lens, 0.3)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+    assert torch.equal(cache, ref_cache)
+
+
+def test_op_accepts_rows_sliced_from_a_fused_projection():
+    q, k, v, cache, slots, tables, seq_lens = random_batch(torch.float32, 3)
+    fused = torch.cat([q, k, v], dim=1)  # [seqs, heads + 2 kv_heads, d], as the model splits it
+    parts = fused.split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
+    ref_cache = cache.clone()
+    out = OP(*parts, cache, slots, tables, seq_lens, 0.3)
+    torch.testing.assert_close(out, reference_decode_attention(q, k, v, ref_cache, slots, tables, seq_lens, 0.3))
+
+
+@pytest.mark.skipif(decode_attention.BACKEND != "native", reason="the native kernel did not build here")
+def test_native_op_rejects_blocks_outside_the_cache():
+    q, k, v, cache, slots, tables, seq_lens = random_batch(torch.float32, 2)
+    tables[1, 0] = cache.shape[1]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        OP(q, k, v, cache, slots, tables, seq_lens, 0.3)

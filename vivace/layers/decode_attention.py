@@ -1,0 +1,57 @@
+"""``torch.ops.vivace.paged_decode_attention``: write each sequence's new K/V, attend its one query.
+
+One call per layer, a tensor-only signature (plus the constant scale) and a fake kernel, so
+``torch.compile`` captures a decode forward whole: the op is one opaque node, with no graph
+breaks and no recompiles per sequence length. Registered when this module is imported: the
+native AVX-512 kernel (``decode_attention.cpp``, built as ``vivace.layers.native`` says), or
+``reference_decode_attention`` when the CPU lacks AVX-512, the build fails, or
+``VIVACE_KERNELS=torch``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vivace.layers.native import AVX512_CFLAGS, AVX512_CPU_FLAGS, load_library
+
+
+def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Store ``k``, ``v`` ``[num_seqs, kv_heads, d]`` at ``slot_mapping`` in ``kv_cache``
+    ``[2, num_blocks, block_size, kv_heads, d]``, then attend ``q`` ``[num_seqs, heads, d]`` over the
+    first ``seq_lens[i]`` tokens of blocks ``block_tables[i]``; returns ``[num_seqs, heads, d]``.
+    Only the columns of ``block_tables`` that the longest sequence needs are read."""
+    two, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(two, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    width = -(-int(seq_lens.max()) // block_size)
+    rows = kv_cache.view(two, num_blocks, -1).index_select(1, block_tables[:, :width].flatten())
+    keys, values = rows.view(two, len(q), width * block_size, kv_heads, head_dim).transpose(2, 3).to(q.dtype)
+    mask = torch.arange(width * block_size)[None, :] < seq_lens[:, None]
+    attended = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
+                                              scale=scale, enable_gqa=kv_heads != q.shape[1])
+    return attended.squeeze(2)
+
+
+def _register() -> str:
+    """Define the op; return which implementation serves it."""
+    native = load_library(Path(__file__).with_suffix(".cpp"), AVX512_CFLAGS, AVX512_CPU_FLAGS)
+    backend = "native" if native else "torch"
+    if backend == "torch":
+        torch.library.custom_op("vivace::paged_decode_attention", reference_decode_attention,
+                                mutates_args=("kv_cache",))
+
+    @torch.library.register_fake("vivace::paged_decode_attention")
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    return backend
+
+
+BACKEND = _register()

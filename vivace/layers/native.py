@@ -1,0 +1,51 @@
+"""Building and loading vivace's native op libraries (C++ files registering ``torch.ops.vivace``).
+
+Each library is compiled once with ``torch.utils.cpp_extension`` into
+``~/.cache/vivace/kernels/<name>-<hash of source, flags and torch version>`` and loaded from
+there by later processes. Callers fall back to PyTorch code when ``load_library`` says False.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+FORCE_FALLBACK_ENV = "VIVACE_KERNELS"  # "torch": use no native library
+AVX512_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma")
+AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c", "fma")
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_has(flags: tuple[str, ...]) -> bool:
+    """Whether /proc/cpuinfo lists every one of ``flags`` (False where it can't be read)."""
+    try:
+        available = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return all(flag in available for flag in flags)
+
+
+def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[str, ...] = ()) -> bool:
+    """Build ``source`` (or reuse its cached build) and load it into this process, which runs its
+    op registrations. False, and nothing loaded, when ``VIVACE_KERNELS=torch``, the CPU lacks one
+    of ``cpu_flags``, or the build or load fails (logged)."""
+    if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" or not cpu_has(cpu_flags):
+        return False
+    key = source.read_bytes() + " ".join(cflags).encode() + torch.__version__.encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    build_dir = cache / "vivace" / "kernels" / f"{source.stem}-{digest}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+        load(name=f"vivace_{source.stem}_{digest}", sources=[str(source)], extra_cflags=list(cflags),
+             build_directory=str(build_dir), is_python_module=False, verbose=False)
+    except Exception as exc:  # any build or load failure means: use the PyTorch fallback
+        logger.warning("vivace: native %s failed to build or load (%s); using PyTorch code", source.name, exc)
+        return False
+    return True
