@@ -25,6 +25,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gb when set
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # Prompt tokens in a step that also decodes: a long prompt delays every stream's next token
+    # by one such chunk at most. Chosen by measurement (benchmarks/scheduling.py, README).
+    max_prefill_chunk: int = 32
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None
@@ -40,7 +43,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -11,7 +11,7 @@ from vivace import SamplingParams
 from vivace.config import EngineConfig
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.llm_engine import LLMEngine
-from vivace.engine.request import Request
+from vivace.engine.request import Request, RequestStatus
 from vivace.engine.scheduler import Scheduler
 
 VOCAB = 49152
@@ -59,11 +59,11 @@ def test_greedy_is_identical_with_and_without_prefix_cache_and_any_chunk(referen
     prompts = shared_prefix_prompts(seed=7, count=8)
     lengths = [3 + i for i in range(8)]
     expected = generate(reference, prompts, lengths)
-    for caching, budget in [(True, 512), (True, 13), (True, 5), (False, 7)]:
+    for caching, budget, chunk in [(True, 512, 64), (True, 512, 3), (True, 13, 5), (False, 7, 2)]:
         engine = engine_like(reference, num_kv_blocks=128, max_num_batched_tokens=budget,
-                             enable_prefix_caching=caching)
-        assert generate(engine, prompts, lengths) == expected, (caching, budget)
-        assert generate(engine, prompts, lengths) == expected, (caching, budget)  # cache hits now
+                             max_prefill_chunk=chunk, enable_prefix_caching=caching)
+        assert generate(engine, prompts, lengths) == expected, (caching, budget, chunk)
+        assert generate(engine, prompts, lengths) == expected, (caching, budget, chunk)  # cache hits
         stats = engine.stats()
         assert (stats.prefix_hits > 0) == caching
         engine.check_integrity()
@@ -157,3 +157,21 @@ def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(reference: LLMEn
     # 57 tokens are shared; the last answer token's K/V is never computed (nothing reads it
     # before the next turn), which costs a block only when prompt + answer fill whole blocks.
     assert cached == (len(prompt) + len(answer)) // 4 * 4
+
+
+def test_decodes_come_first_and_cap_the_prompt_tokens_of_their_step() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=6)
+    long_prompt = make_request("long", 40, 0, 0)
+    scheduler.add(long_prompt)
+    assert scheduler.schedule().num_new_tokens == [32]  # nothing decodes: the whole budget
+    long_prompt.num_computed_tokens = 32
+    stream = make_request("stream", 4, 0, 1)
+    stream.token_ids.append(0)  # its prompt is computed and it has sampled: it decodes now
+    stream.num_computed_tokens = 4
+    assert kv.allocate_slots(stream, 4)
+    stream.status = RequestStatus.RUNNING
+    scheduler.running.append(stream)
+    batch = scheduler.schedule()
+    assert [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)] == [
+        ("stream", 1), ("long", 6)]

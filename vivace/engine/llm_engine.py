@@ -52,7 +52,8 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             self.loaded, config.block_size, config.torch_dtype, config.kv_cache_memory_gb)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.torch_dtype,
                                   self.max_model_len, config.decode_batch_sizes)
         self.sampler = Sampler(self.loaded.config.eos_token_ids, config.seed)

@@ -1,10 +1,12 @@
 """Continuous batching under a token budget, decode first.
 
-Each step: every running request gets its next tokens first (one for a decode, a chunk
-for an unfinished prompt), then waiting requests are admitted in (priority, arrival)
-order while the budget, ``max_num_seqs`` and the KV pool allow. When the pool cannot
-grow a running request, the lowest-priority, newest running request is preempted by
-recompute: its blocks are freed and it waits to be computed again from its tokens.
+Each step: every decoding request gets its next token first, then unfinished prompts get
+chunks, then waiting requests are admitted in (priority, arrival) order while the budget,
+``max_num_seqs`` and the KV pool allow. While any request is decoding, the prompt tokens of
+a step are capped at ``max_prefill_chunk``, so a long prompt delays the streams' next tokens
+by one chunk's compute at most; a step without decodes may fill the whole budget with prompt.
+When the pool cannot grow a running request, the lowest-priority, newest running request
+is preempted by recompute: its blocks are freed and it waits to be computed again.
 """
 
 from __future__ import annotations
@@ -59,14 +61,25 @@ class Scheduler:
         heapq.heappush(self.waiting, (request.sort_key(), request))
 
     def schedule(self) -> ScheduledBatch:
+        """The next step's batch: decodes, then prompt chunks, then admissions."""
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        for request in list(self.running):
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        budget = self._schedule_running(decoding, self.max_num_batched_tokens, batch)
+        prompt_budget = min(budget, self.max_prefill_chunk) if decoding else budget
+        prompt_budget = self._schedule_running(prefilling, prompt_budget, batch)
+        if not batch.preempted:
+            self._admit_waiting(batch, prompt_budget)
+        return batch
+
+    def _schedule_running(self, requests: list[Request], budget: int, batch: ScheduledBatch) -> int:
+        """Give each of ``requests`` its next tokens within ``budget``; returns what is left."""
+        for request in requests:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.max_prefill_chunk)
+                continue  # preempted earlier in this step
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if request.spec_token_ids:
                 # Proposals ride along only behind a request's last real token, within budget.
                 room = budget - num_new if num_new == request.num_tokens - request.num_computed_tokens else 0
@@ -77,9 +90,7 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
-        if not batch.preempted:
-            self._admit_waiting(batch, budget)
-        return batch
+        return budget
 
     def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
         """Allocate slots for a running request, preempting others (or itself) as needed."""
@@ -108,7 +119,7 @@ class Scheduler:
             request = self.waiting[0][1]
             computed = self.kv.get_computed_blocks(request)
             num_computed = len(computed) * self.kv.block_size
-            num_new = min(request.num_tokens - num_computed, budget, self.max_prefill_chunk)
+            num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(request, num_new, computed):
                 break
             heapq.heappop(self.waiting)
