@@ -8,7 +8,9 @@
 // so every 32-k group is an exact integer dot product done by vpdpbusd, then
 //   y += d * dx * dot + m * dx * s        (min)      or
 //   y += d * (dx * dot - z * dx * s)      (zero point).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstring>
