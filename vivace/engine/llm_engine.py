@@ -44,7 +44,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.torch_dtype)
+        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.quantization)
         prepack_linears(self.loaded.model)
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings
@@ -61,7 +61,8 @@ class LLMEngine:
         self.adaptive_k = AdaptiveK(config.num_speculative_tokens)
         self.draft: DraftProposer | None = None
         if config.speculative and config.speculative.startswith("draft:"):
-            draft_model = load_model(config.speculative.removeprefix("draft:"), config.torch_dtype)
+            draft_model = load_model(config.speculative.removeprefix("draft:"), config.torch_dtype,
+                                     config.quantization)
             prepack_linears(draft_model.model)
             self.draft = DraftProposer(draft_model, num_blocks, config.block_size, config.torch_dtype,
                                        self.loaded.config.vocab_size)
