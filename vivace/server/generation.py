@@ -91,11 +91,11 @@ class EngineRequest:
         except ValueError as exc:  # the engine refuses requests that can never fit its KV pool
             raise APIError(400, str(exc), code="invalid_request") from None
         except QueueTimeoutError:
-            self.metrics.timed_out.labels(kind="queue").inc()
+            self.metrics.record_timeout("queue")
             raise APIError(503, f"The request waited more than {self.deadlines.max_queue_delay} s "
                                 "to be scheduled; retry later", code="queue_timeout", retry_after=1) from None
         except RequestTimeoutError:
-            self.metrics.timed_out.labels(kind="request").inc()
+            self.metrics.record_timeout("request")
             raise APIError(504, f"The request ran longer than its {self.deadlines.timeout} s timeout",
                            code="request_timeout") from None
         finally:

@@ -91,6 +91,10 @@ class ServerMetrics:
         """Counts one request refused at admission for ``reason``."""
         self.rejected.labels(reason=reason).inc()
 
+    def record_timeout(self, kind: str) -> None:
+        """Counts one request ended by its ``kind`` of deadline: "queue" or "request"."""
+        self.timed_out.labels(kind=kind).inc()
+
     def record_request(self, request: EngineRequest) -> None:
         """Records one ended request (finished or aborted)."""
         self.generation_tokens.inc(request.completion_tokens)
