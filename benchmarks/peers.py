@@ -141,16 +141,19 @@ def prepare_hf_model(cache: Path, gguf: Path) -> Path:
     out = cache / "smollm2-135m-instruct-hf"
     if (out / "model.safetensors").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config)
-    plain.load_state_dict(loaded.state_dict())
-    plain.save_pretrained(out)
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(out)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+    except (ImportError, OSError, ValueError, RuntimeError) as exc:
+        raise PeerUnavailable(f"cannot convert {gguf.name} to a Hugging Face directory: {exc!r}") from exc
     return out
 
 
