@@ -15,6 +15,7 @@ from vivace.server import ServerSettings
 from .harness import RunningServer, assert_engine_idle, serving
 
 MAX_MODEL_LEN = 256
+LONG_RUN = 8000  # max_tokens of a request that holds the single-slot engine
 
 
 @pytest.fixture(scope="session")
@@ -26,10 +27,12 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
 
 
 @pytest.fixture(scope="session")
-def single_slot_engine(tiny_engine: AsyncEngine) -> Iterator[AsyncEngine]:
-    """Runs one sequence at a time, so that further requests really queue."""
-    engine = AsyncEngine(EngineConfig(model=tiny_engine.engine.config.model, max_model_len=1024,
-                                      num_kv_blocks=128, max_num_seqs=1), tiny_engine.engine.loaded)
+def single_slot_engine(make_tiny_llama) -> Iterator[AsyncEngine]:
+    """Runs one sequence at a time, so that further requests really queue; its long context
+    lets a request hold the slot for thousands of steps (LONG_RUN tokens)."""
+    model = make_tiny_llama(max_position_embeddings=LONG_RUN + 64)
+    engine = AsyncEngine(EngineConfig(model=str(model), num_kv_blocks=LONG_RUN // 16 + 16,
+                                      max_num_seqs=1))
     yield engine
     engine.shutdown()
 

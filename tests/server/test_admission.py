@@ -15,11 +15,11 @@ from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
 from vivace.server.tiers import Tier
 
+from .conftest import LONG_RUN
 from .harness import RunningServer, assert_engine_idle, metric_value, serving, wait_until
 
 COMPLETIONS = "/v1/completions"
 LONG = {"prompt": "Keep going", "max_tokens": 240, "ignore_eos": True, "stream": True}
-LONGER = 1000  # max_tokens that keep the single-slot engine busy well past the test's requests
 TIERS = {"k-rpm": Tier("rpm", requests_per_minute=2), "k-tpm": Tier("tpm", tokens_per_minute=60),
          "k-one": Tier("one", max_concurrency=1), "k-hurry": Tier("hurry", max_queue_delay=0.2)}
 
@@ -102,7 +102,7 @@ def test_concurrency_limit_429_until_the_stream_ends(single_slot_engine: AsyncEn
     with tiered(single_slot_engine) as (server, _), server.http() as http:
         client = server.client(api_key="k-one")
         with contextlib.ExitStack() as stack:
-            next(open_stream(stack, http, "k-one", max_tokens=LONGER))
+            next(open_stream(stack, http, "k-one", max_tokens=LONG_RUN))
             with pytest.raises(openai.RateLimitError) as raised:
                 short_completion(client)
             assert raised.value.code == "max_concurrency"
@@ -116,7 +116,7 @@ def test_overload_is_a_503_and_the_server_recovers(single_slot_engine: AsyncEngi
     with tiered(single_slot_engine, max_waiting_requests=2) as (server, _), server.http() as http:
         admission = server.app.state.vivace.admission
         with contextlib.ExitStack() as stack:
-            next(open_stream(stack, http, max_tokens=LONGER))  # the engine's only slot
+            next(open_stream(stack, http, max_tokens=LONG_RUN))  # the engine's only slot
             for _ in range(2):
                 open_stream(stack, http)
             wait_until(lambda: admission.num_waiting == 2, what="two requests to queue")
@@ -132,7 +132,7 @@ def test_overload_is_a_503_and_the_server_recovers(single_slot_engine: AsyncEngi
 def test_a_tier_max_queue_delay_ends_a_queued_request_with_a_503(single_slot_engine: AsyncEngine) -> None:
     with tiered(single_slot_engine) as (server, _), server.http() as http:
         with contextlib.ExitStack() as stack:
-            next(open_stream(stack, http, max_tokens=LONGER))
+            next(open_stream(stack, http, max_tokens=LONG_RUN))
             whole = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 4},
                               headers={"Authorization": "Bearer k-hurry"})
             assert whole.status_code == 503 and whole.headers["retry-after"] == "1"
@@ -144,10 +144,10 @@ def test_a_tier_max_queue_delay_ends_a_queued_request_with_a_503(single_slot_eng
 
 def test_request_timeout_ends_the_request_with_a_504(single_slot_engine: AsyncEngine) -> None:
     with tiered(single_slot_engine, request_timeout_s=0.3) as (server, _), server.http() as http:
-        body = {**LONG, "max_tokens": LONGER, "stream": False}
+        body = {**LONG, "max_tokens": LONG_RUN, "stream": False}
         whole = http.post(COMPLETIONS, json=body, headers={"Authorization": "Bearer k-plain"})
         assert whole.status_code == 504 and whole.json()["error"]["code"] == "request_timeout"
         with contextlib.ExitStack() as stack:
-            events = list(open_stream(stack, http, max_tokens=LONGER))
+            events = list(open_stream(stack, http, max_tokens=LONG_RUN))
         assert events[-1]["error"]["code"] == "request_timeout"
         assert metric_value(server, "vivace:request_timeout_total", kind="request") == 2

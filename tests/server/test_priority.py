@@ -12,6 +12,7 @@ from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
 from vivace.server.tiers import Tier
 
+from .conftest import LONG_RUN
 from .harness import RunningServer, assert_engine_idle, serving
 
 NUM_QUEUED = 32
@@ -44,7 +45,7 @@ async def race(server: RunningServer, engine: AsyncEngine) -> tuple[float, list[
     free, premium = client(server, "k-free"), client(server, "k-premium")
     async with free, premium:
         blocker = await free.completions.create(model="tiny", prompt="Hold the only slot",
-                                                max_tokens=1000, stream=True,
+                                                max_tokens=LONG_RUN, stream=True,
                                                 extra_body={"ignore_eos": True})
         await anext(aiter(blocker))  # it is running now
         queued = [asyncio.ensure_future(first_chunk_time(free, f"Free request {i}"))
