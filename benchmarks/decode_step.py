@@ -8,8 +8,8 @@ Every runner decodes the same batch (each sequence ``--context`` tokens long), i
 step by step, round after round, so all of them see the same machine load. Prints the median
 ms per step, tokens/s, and bandwidth achieved (weight bytes / step time). ``--profile`` shows
 where eager and compiled batch-1 steps spend their time (torch.profiler). ``--start`` times
-building a compiled runner (compile and warm-up over ``--batch-sizes``) in fresh processes:
-first with an empty inductor cache (cold), then with the cache that run left (warm).
+building a compiled runner (compiling or loading its two graphs, one sequence and several) in
+fresh processes: first with an empty inductor cache (cold), then with the cache that run left (warm).
 """
 
 from __future__ import annotations
@@ -29,23 +29,22 @@ from vivace.layers.packed_linear import prepack_linears
 from vivace.models import LoadedModel, load_model
 
 BLOCK_SIZE = 16
-# Inductor settings in force while a runner compiles (freezing must be on while dynamo traces).
+# Inductor settings in force while a runner compiles. (Freezing, which packs weights per graph,
+# has nothing left to pack: the engine prepacks them once, for every graph and eager step.)
 VARIANTS: dict[str, dict[str, object]] = {
     "default": {},
     "cpp_wrapper": {"cpp_wrapper": True},
-    "freezing": {"freezing": True},
-    "cpp_wrapper+freezing": {"cpp_wrapper": True, "freezing": True},
-    "max_autotune+freezing": {"max_autotune": True, "freezing": True},
 }
 
 
 def make_runner(loaded: LoadedModel, dtype: torch.dtype, batch_sizes: list[int], context: int,
                 options: dict[str, object] | None) -> ModelRunner:
     """A runner with room for ``max(batch_sizes)`` sequences of ``context + 1`` tokens; compiled
-    for ``batch_sizes`` unless ``options`` is None."""
+    (under inductor settings ``options``) for up to that many unless ``options`` is None."""
     num_blocks = max(batch_sizes) * -(-(context + 1) // BLOCK_SIZE)
+    compile_max_batch = 0 if options is None else max(batch_sizes)
     with torch._inductor.config.patch(options or {}):
-        return ModelRunner(loaded, num_blocks, BLOCK_SIZE, dtype, compile_batch_sizes=() if options is None else batch_sizes)
+        return ModelRunner(loaded, num_blocks, BLOCK_SIZE, dtype, compile_max_batch=compile_max_batch)
 
 
 def resident_mb() -> float:
@@ -98,7 +97,7 @@ def run_latency(args: argparse.Namespace, variant: str) -> None:
                    "eager packed": make_runner(loaded, dtype, args.batch_sizes, args.context, None)}
         start = time.perf_counter()
         runners[f"compiled {variant}"] = make_runner(loaded, dtype, args.batch_sizes, args.context, VARIANTS[variant])
-        print(f"{dtype_name} {variant}: compiled {args.batch_sizes} in {time.perf_counter() - start:.1f} s, "
+        print(f"{dtype_name} {variant}: compiled in {time.perf_counter() - start:.1f} s, "
               f"process RSS now {resident_mb():.0f} MB", flush=True)
         for batch in args.batch_sizes:
             medians = time_runners(runners, batch, args.context, args.rounds)
@@ -133,7 +132,7 @@ def run_start(args: argparse.Namespace) -> None:
                 if args.threads:
                     command += ["--threads", str(args.threads)]
                 out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-                print(f"{label} start, {dtype_name}, {args.variants[0]}, batch sizes {args.batch_sizes}: "
+                print(f"{label} start, {dtype_name}, {args.variants[0]}: "
                       f"{out.stdout.split()[-1]} s to compile and warm up", flush=True)
 
 

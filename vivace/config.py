@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +34,10 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 4  # no speculation when more requests are decoding
     seed: int = 0
-    # Decode steps through graphs compiled at start-up (cached on disk), one per padded batch
-    # size; off by default so short-lived engines (tests, scripts) skip compiling.
+    # Decode steps through graphs compiled at start-up (cached on disk); off by default so that
+    # short-lived engines (tests, scripts) skip compiling.
     compile: bool = False
     quantization: str = "none"  # weight-only "int8" or "int4" linear layers (logits layer int8)
-    compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype != "auto":
@@ -53,21 +51,10 @@ class EngineConfig:
             raise ValueError(f"speculative must be 'ngram' or 'draft:<model>', got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
-            raise ValueError(f"compile_batch_sizes must be sizes >= 1, got {self.compile_batch_sizes!r}")
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization must be one of none, int8, int4, got {self.quantization!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-
-    @property
-    def decode_batch_sizes(self) -> tuple[int, ...]:
-        """The padded batch sizes to compile: none without ``compile``, else those of
-        ``compile_batch_sizes`` up to the first that holds ``max_num_seqs`` sequences."""
-        if not self.compile:
-            return ()
-        sizes = sorted(set(self.compile_batch_sizes))
-        return tuple(sizes[:bisect.bisect_left(sizes, self.max_num_seqs) + 1])
 
     @property
     def torch_dtype(self) -> torch.dtype:

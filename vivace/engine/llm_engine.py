@@ -55,7 +55,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.torch_dtype,
-                                  self.max_model_len, config.decode_batch_sizes)
+                                  self.max_model_len, config.max_num_seqs if config.compile else 0)
         self.sampler = Sampler(self.loaded.config.eos_token_ids, config.seed)
         self.spec_stats = SpecStats()
         self.adaptive_k = AdaptiveK(config.num_speculative_tokens)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
@@ -24,15 +22,15 @@ def num_blocks_for_budget(loaded: LoadedModel, block_size: int, dtype: torch.dty
 class ModelRunner:
     """Owns the KV tensors and turns a scheduled batch into logits.
 
-    The cache has one block more than the pool hands out: the scratch block, where padding
-    rows of compiled decode batches write and read. With ``compile_batch_sizes`` set, batches
-    where every sequence has one new token run through graphs compiled (or loaded from the
-    on-disk cache) here, before the first request; larger batches and any batch with a
-    prompt chunk or speculative tokens run eagerly.
+    Batches where every sequence has one new token (decodes) take ``decode``: with
+    ``compile_max_batch`` set, through graphs compiled (or loaded from the on-disk cache) here,
+    before the first request, for up to that many sequences; eagerly otherwise. Any batch with
+    a prompt chunk or speculative tokens runs eagerly. The cache has one block more than the
+    pool hands out: the scratch block, which block-table padding points at.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 max_model_len: int | None = None, compile_batch_sizes: Sequence[int] = ()) -> None:
+                 max_model_len: int | None = None, compile_max_batch: int = 0) -> None:
         self.model = loaded.model
         self.block_size = block_size
         self.scratch_block = num_blocks
@@ -41,8 +39,8 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(loaded.config.num_hidden_layers)]
         self.max_blocks_per_seq = -(-(max_model_len or loaded.config.max_position_embeddings) // block_size)
         self.decoder: CompiledDecoder | None = None
-        if compile_batch_sizes:
-            self.decoder = CompiledDecoder(self.model, self.kv_caches, compile_batch_sizes)
+        if compile_max_batch:
+            self.decoder = CompiledDecoder(self.model, self.kv_caches, compile_max_batch)
             self.warm_up()
 
     def build_inputs(self, batch: ScheduledBatch, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -73,34 +71,31 @@ class ModelRunner:
         return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
     def build_decode_inputs(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
-                            num_rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, DecodeMetadata]:
-        """Tensors for one new token per sequence at ``positions``, padded to ``num_rows`` rows and
-        block tables ``width`` wide. Padding rows and columns point at the scratch block."""
-        pad = num_rows - len(input_ids)
-        block_tables = np.full((num_rows, width), self.scratch_block, dtype=np.int64)
+                            width: int) -> tuple[torch.Tensor, torch.Tensor, DecodeMetadata]:
+        """Tensors for one new token per sequence at ``positions``, with block tables ``width``
+        wide; the columns past a sequence's blocks point at the scratch block."""
+        block_tables = np.full((len(tables), width), self.scratch_block, dtype=np.int64)
         for row, table in enumerate(tables):
             block_tables[row, :len(table)] = table
-        pos = np.array(positions + [0] * pad, dtype=np.int64)
-        slots = block_tables[np.arange(num_rows), pos // self.block_size] * self.block_size + pos % self.block_size
+        pos = np.array(positions, dtype=np.int64)
+        slots = block_tables[np.arange(len(tables)), pos // self.block_size] * self.block_size + pos % self.block_size
         meta = DecodeMetadata(torch.from_numpy(slots), torch.from_numpy(block_tables), torch.from_numpy(pos + 1))
-        return torch.tensor(input_ids + [0] * pad, dtype=torch.long), torch.from_numpy(pos), meta
+        return torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(pos), meta
 
     def decode(self, input_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         """Float32 logits ``[len(input_ids), vocab]`` for one new token per sequence, each at its
         position (the sequence then has position + 1 tokens), writing its K/V through ``tables``."""
-        num_seqs = len(input_ids)
-        size = self.decoder.padded_size(num_seqs) if self.decoder is not None else None
-        if size is None:
-            ids, pos, meta = self.build_decode_inputs(input_ids, positions, tables, num_seqs, max(map(len, tables)))
-            return self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta))
-        ids, pos, meta = self.build_decode_inputs(input_ids, positions, tables, size, self.max_blocks_per_seq)
-        return self.decoder(ids, pos, meta)[:num_seqs]
+        if self.decoder is not None and len(input_ids) <= self.decoder.max_batch:
+            # A fixed width, so that no graph depends on how long the sequences are.
+            return self.decoder(*self.build_decode_inputs(input_ids, positions, tables, self.max_blocks_per_seq))
+        ids, pos, meta = self.build_decode_inputs(input_ids, positions, tables, max(map(len, tables)))
+        return self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta))
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile (or load from the on-disk cache) the decode graph of every batch size."""
-        for size in self.decoder.batch_sizes:
-            self.decode([0] * size, [0] * size, [[self.scratch_block]] * size)
+        """Compile (or load from the on-disk cache) the decode graphs: one sequence, and several."""
+        for num_seqs in (1, 2):
+            self.decode([0] * num_seqs, [0] * num_seqs, [[self.scratch_block]] * num_seqs)
 
     def execute(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
         """Run the batch (writing its K/V); return float32 logits ``[len(logit_indices), vocab]``
