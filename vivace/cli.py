@@ -53,7 +53,7 @@ ENGINE_FLAGS = (
     Flag("--max-model-len", None, "context length (default: the model's)", int),
     Flag("--max-num-seqs", 64, "most sequences in one batch", int),
     Flag("--max-num-batched-tokens", 512, "token budget of one engine step", int),
-    Flag("--max-prefill-chunk", 32, "most prompt tokens in a step while requests are decoding",
+    Flag("--max-prefill-chunk", 16, "most prompt tokens in a step while requests are decoding",
          int),
     Flag("--kv-cache-memory-gb", 1.0, "memory for the KV cache, GiB", float),
     Flag("--num-kv-blocks", None, "KV blocks (overrides --kv-cache-memory-gb)", int),

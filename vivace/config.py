@@ -26,7 +26,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     # Prompt tokens in a step that also decodes: a long prompt delays every stream's next token
     # by one such chunk at most. Chosen by measurement (benchmarks/scheduling.py, README).
-    max_prefill_chunk: int = 32
+    max_prefill_chunk: int = 16
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None
