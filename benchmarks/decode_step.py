@@ -2,7 +2,7 @@
 
     python benchmarks/decode_step.py [--dtypes float32 bfloat16] [--batch-sizes 1 16]
         [--context 128] [--rounds 20] [--threads N] [--variants default cpp_wrapper ...]
-        [--profile] [--start]
+        [--quantization none|int8|int4] [--profile] [--start]
 
 Every runner decodes the same batch (each sequence ``--context`` tokens long), interleaved
 step by step, round after round, so all of them see the same machine load. Prints the median
@@ -91,7 +91,7 @@ def run_latency(args: argparse.Namespace, variant: str) -> None:
     process: dynamo would hand a second variant the graphs the first compiled, whatever its settings."""
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        plain, loaded = load_model("default", dtype), load_model("default", dtype)
+        plain, loaded = (load_model("default", dtype, args.quantization) for _ in range(2))
         prepack_linears(loaded.model)
         runners = {"eager F.linear": make_runner(plain, dtype, args.batch_sizes, args.context, None),
                    "eager packed": make_runner(loaded, dtype, args.batch_sizes, args.context, None)}
@@ -114,7 +114,7 @@ def run_latency(args: argparse.Namespace, variant: str) -> None:
 def time_start(args: argparse.Namespace) -> None:
     """Print the seconds building a compiled runner takes in this process (model already loaded)."""
     dtype = getattr(torch, args.dtypes[0])
-    loaded = load_model("default", dtype)
+    loaded = load_model("default", dtype, args.quantization)
     prepack_linears(loaded.model)
     start = time.perf_counter()
     make_runner(loaded, dtype, args.batch_sizes, args.context, VARIANTS[args.variants[0]])
@@ -128,7 +128,8 @@ def run_start(args: argparse.Namespace) -> None:
         for label in ("cold", "warm"):
             for dtype_name in args.dtypes:
                 command = [sys.executable, __file__, "--time-start", "--dtypes", dtype_name, "--batch-sizes",
-                           *map(str, args.batch_sizes), "--variants", args.variants[0]]
+                           *map(str, args.batch_sizes), "--variants", args.variants[0],
+                           "--quantization", args.quantization]
                 if args.threads:
                     command += ["--threads", str(args.threads)]
                 out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
@@ -143,6 +144,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     parser.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--start", action="store_true", help="time cold and warm start instead")

@@ -51,6 +51,17 @@ def test_greedy_tokens_equal_eager_as_the_batch_shrinks(tiny_model_dir, monkeypa
         assert llm.engine.kv.num_free_blocks == 128
 
 
+def test_quantized_linears_compile_and_keep_greedy_tokens(tiny_model_dir):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    batch = prompts(3, seed=2)
+    eager = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4, quantization="int8")
+    compiled = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4, quantization="int8", compile=True,
+                   max_num_seqs=MAX_BATCH)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outputs = compiled.generate(batch, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+
+
 def test_decode_writes_only_its_own_slot(compiled_runner):
     runner = compiled_runner
     for cache in runner.kv_caches:
