@@ -42,7 +42,9 @@ class DraftProposer:
             shadow = Request(request.request_id, list(request.token_ids), request.params)
             self.shadows[request.request_id] = shadow
             return shadow
-        shadow.num_computed_tokens = common_prefix(shadow.token_ids, request.token_ids, shadow.num_computed_tokens)
+        # At least the last token is recomputed: proposing needs its logits, which were not kept.
+        known = common_prefix(shadow.token_ids, request.token_ids, shadow.num_computed_tokens)
+        shadow.num_computed_tokens = min(known, len(request.token_ids) - 1)
         shadow.token_ids = list(request.token_ids)
         return shadow
 
