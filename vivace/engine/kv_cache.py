@@ -137,22 +137,23 @@ class KVCacheManager:
         table = self.tables.get(request.request_id, [])
         keep = -(-num_tokens // self.block_size)
         while len(table) > keep:
-            block = table.pop()
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block.block_id] = block
-                self.free_queue.move_to_end(block.block_id, last=False)
+            self._release(table.pop())
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks go to the front of the eviction order."""
         table = self.tables.pop(request.request_id, [])
         self.num_hashed.pop(request.request_id, None)
         for block in reversed(table):
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block.block_id] = block
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block.block_id, last=False)
+            self._release(block)
+
+    def _release(self, block: Block) -> None:
+        """Drop one owner; an unowned block joins the free queue, at the front (evicted first)
+        unless it is hashed and may still serve a later prefix."""
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block.block_id] = block
+            if block.block_hash is None:
+                self.free_queue.move_to_end(block.block_id, last=False)
 
     def check_integrity(self) -> None:
         """Prove free + owned == total, each block's ref count equals its owners, and no table
