@@ -10,12 +10,11 @@ OP = torch.ops.vivace.paged_decode_attention
 
 
 def random_batch(dtype: torch.dtype, num_seqs: int, heads: int = 6, kv_heads: int = 2, head_dim: int = 32,
-                 block_size: int = 4, num_blocks: int = 40, seed: int = 0):
+                 block_size: int = 4, num_blocks: int = 40, seed: int = 0, width: int = 8):
     """Sequences of random lengths over shuffled blocks; block tables padded wider than needed."""
     gen = torch.Generator().manual_seed(seed)
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    seq_lens = torch.randint(1, 6 * block_size, (num_seqs,), generator=gen)
-    width = 8
+    seq_lens = torch.randint(1, (width - 2) * block_size, (num_seqs,), generator=gen)
     tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * width].view(num_seqs, width)
     slots = tables[torch.arange(num_seqs), (seq_lens - 1) // block_size] * block_size + (seq_lens - 1) % block_size
     q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
@@ -32,6 +31,18 @@ def test_op_matches_reference_and_writes_the_same_cache(dtype, tol, num_seqs):
     expected = reference_decode_attention(q, k, v, ref_cache, slots, tables, seq_lens, 0.3)
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
     assert torch.equal(cache, ref_cache)
+
+
+@pytest.mark.parametrize("block_size, head_dim, width", [(16, 64, 24), (32, 128, 8), (16, 16, 12), (8, 80, 40)])
+def test_op_matches_reference_on_long_sequences(block_size, head_dim, width):
+    """Lengths spanning whole 16-token runs and tails, for several head sizes."""
+    q, k, v, cache, slots, tables, seq_lens = random_batch(
+        torch.float32, 7, heads=9, kv_heads=3, head_dim=head_dim, block_size=block_size,
+        num_blocks=7 * width, seed=block_size + head_dim, width=width)
+    ref_cache = cache.clone()
+    out = OP(q, k, v, cache, slots, tables, seq_lens, head_dim ** -0.5)
+    expected = reference_decode_attention(q, k, v, ref_cache, slots, tables, seq_lens, head_dim ** -0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_op_accepts_rows_sliced_from_a_fused_projection():

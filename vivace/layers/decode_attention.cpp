@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -41,45 +42,108 @@ struct Layout {
   int64_t token_stride() const { return kv_heads * head_dim; }
 };
 
+// exp(x) for x <= 0 (softmax numerators): Cephes' expf polynomial, 2^n applied with scalef.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The 16 horizontal sums of v[0..15], in order, as one vector (a transpose-and-add tree).
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+}
+
 // Attend the `group` query heads sharing kv head `kvh` of one sequence over its first
-// `seq_len` tokens. q and out point at the group's first head ([group, head_dim]).
-template <typename T>
+// `seq_len` tokens; ND = head_dim / 16. q and out point at the group's first head
+// ([group, head_dim]). Blocks are walked in table order, so no token needs a division.
+template <typename T, int ND>
 void attend_group(const T* q, T* out, const T* keys, const T* values, const int64_t* table,
                   int64_t seq_len, int64_t kvh, float scale, const Layout& s, std::vector<float>& buf) {
-  const int64_t d = s.head_dim, g_count = s.group;
-  buf.assign(g_count * (seq_len + 2 * d), 0.0f);
-  float* scores = buf.data();                   // [group, seq_len]
-  float* query = scores + g_count * seq_len;    // [group, head_dim], pre-scaled
-  float* acc = query + g_count * d;             // [group, head_dim]
-  for (int64_t i = 0; i < g_count * d; i += 16)
-    _mm512_storeu_ps(query + i, _mm512_mul_ps(load16(q + i), _mm512_set1_ps(scale)));
-  auto row = [&](const T* base, int64_t t) {
-    return base + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.token_stride() + kvh * d;
-  };
-  for (int64_t t = 0; t < seq_len; ++t) {
-    const T* k = row(keys, t);
-    for (int64_t g = 0; g < g_count; ++g) {
-      __m512 dot = _mm512_setzero_ps();
-      for (int64_t i = 0; i < d; i += 16) dot = _mm512_fmadd_ps(_mm512_loadu_ps(query + g * d + i), load16(k + i), dot);
-      scores[g * seq_len + t] = _mm512_reduce_add_ps(dot);
+  const int64_t stride = s.token_stride(), bs = s.block_size, num_blocks = (seq_len + bs - 1) / bs;
+  buf.resize(seq_len + 16);
+  float* scores = buf.data();
+  for (int64_t g = 0; g < s.group; ++g) {
+    const T* qg = q + g * ND * 16;
+    __m512 query[ND];
+    for (int i = 0; i < ND; ++i) query[i] = _mm512_mul_ps(load16(qg + 16 * i), _mm512_set1_ps(scale));
+    // Scores, 16 tokens at a time where a block allows.
+    __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      const T* base = keys + table[j] * bs * stride + kvh * ND * 16;
+      const int64_t n = std::min(bs, seq_len - j * bs);
+      float* sc = scores + j * bs;
+      int64_t t = 0;
+      for (; t + 16 <= n; t += 16) {
+        __m512 part[16];
+        for (int u = 0; u < 16; ++u) {
+          const T* k = base + (t + u) * stride;
+          __m512 dot = _mm512_mul_ps(query[0], load16(k));
+          for (int i = 1; i < ND; ++i) dot = _mm512_fmadd_ps(query[i], load16(k + 16 * i), dot);
+          part[u] = dot;
+        }
+        const __m512 sums = hsum16(part);
+        peak = _mm512_max_ps(peak, sums);
+        _mm512_storeu_ps(sc + t, sums);
+      }
+      for (; t < n; ++t) {
+        const T* k = base + t * stride;
+        __m512 dot = _mm512_mul_ps(query[0], load16(k));
+        for (int i = 1; i < ND; ++i) dot = _mm512_fmadd_ps(query[i], load16(k + 16 * i), dot);
+        sc[t] = _mm512_reduce_add_ps(dot);
+        peak = _mm512_max_ps(peak, _mm512_set1_ps(sc[t]));
+      }
     }
-  }
-  for (int64_t g = 0; g < g_count; ++g) {
-    float* sc = scores + g * seq_len;
-    float peak = -std::numeric_limits<float>::infinity(), total = 0.0f;
-    for (int64_t t = 0; t < seq_len; ++t) peak = std::max(peak, sc[t]);
-    for (int64_t t = 0; t < seq_len; ++t) total += (sc[t] = std::exp(sc[t] - peak));
-    for (int64_t t = 0; t < seq_len; ++t) sc[t] /= total;
-  }
-  for (int64_t t = 0; t < seq_len; ++t) {
-    const T* v = row(values, t);
-    for (int64_t g = 0; g < g_count; ++g) {
-      __m512 p = _mm512_set1_ps(scores[g * seq_len + t]);
-      for (int64_t i = 0; i < d; i += 16)
-        _mm512_storeu_ps(acc + g * d + i, _mm512_fmadd_ps(p, load16(v + i), _mm512_loadu_ps(acc + g * d + i)));
+    // Softmax numerators; the sum divides the output once at the end.
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    __m512 total = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= seq_len; t += 16) {
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + t), top));
+      total = _mm512_add_ps(total, e);
+      _mm512_storeu_ps(scores + t, e);
     }
+    if (t < seq_len) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (seq_len - t)) - 1);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top));
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+      _mm512_mask_storeu_ps(scores + t, m, e);
+    }
+    // Values weighted by the numerators.
+    __m512 acc[ND];
+    for (int i = 0; i < ND; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      const T* base = values + table[j] * bs * stride + kvh * ND * 16;
+      const int64_t n = std::min(bs, seq_len - j * bs);
+      const float* sc = scores + j * bs;
+      for (int64_t u = 0; u < n; ++u) {
+        const __m512 p = _mm512_set1_ps(sc[u]);
+        const T* v = base + u * stride;
+        for (int i = 0; i < ND; ++i) acc[i] = _mm512_fmadd_ps(p, load16(v + 16 * i), acc[i]);
+      }
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int i = 0; i < ND; ++i) store16(out + g * ND * 16 + 16 * i, _mm512_mul_ps(acc[i], inv));
   }
-  for (int64_t i = 0; i < g_count * d; i += 16) store16(out + i, _mm512_loadu_ps(acc + i));
 }
 
 template <typename T>
@@ -103,14 +167,28 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     for (int64_t j = 0; j < (lens[b] + s.block_size - 1) / s.block_size; ++j)
       TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "block ", table[j], " is outside the cache");
   }
+  using Attend = void (*)(const T*, T*, const T*, const T*, const int64_t*, int64_t, int64_t, float,
+                         const Layout&, std::vector<float>&);
+  Attend attend = nullptr;
+  switch (s.head_dim / 16) {
+    case 1: attend = attend_group<T, 1>; break;
+    case 2: attend = attend_group<T, 2>; break;
+    case 3: attend = attend_group<T, 3>; break;
+    case 4: attend = attend_group<T, 4>; break;
+    case 5: attend = attend_group<T, 5>; break;
+    case 6: attend = attend_group<T, 6>; break;
+    case 7: attend = attend_group<T, 7>; break;
+    case 8: attend = attend_group<T, 8>; break;
+    case 16: attend = attend_group<T, 16>; break;
+    default: TORCH_CHECK(false, "paged_decode_attention: head_dim ", s.head_dim, " is not a multiple of 16 up to 128, or 256");
+  }
   at::parallel_for(0, num_seqs * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.kv_heads, kvh = task % s.kv_heads, head = kvh * s.group;
-      attend_group<T>(q.data_ptr<T>() + b * q.stride(0) + head * s.head_dim,
-                      out.data_ptr<T>() + (b * s.kv_heads * s.group + head) * s.head_dim, keys, values,
-                      tables.data_ptr<int64_t>() + b * tables.stride(0), lens[b], kvh,
-                      static_cast<float>(scale), s, buf);
+      attend(q.data_ptr<T>() + b * q.stride(0) + head * s.head_dim,
+             out.data_ptr<T>() + (b * s.kv_heads * s.group + head) * s.head_dim, keys, values,
+             tables.data_ptr<int64_t>() + b * tables.stride(0), lens[b], kvh, static_cast<float>(scale), s, buf);
     }
   });
 }
