@@ -35,7 +35,7 @@ def check_against_reference(layer: QuantizedLinear, backend: str, m: int, dtype:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("m", [1, 3, 17, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 17, 300])  # every remainder pass of the kernel
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_from_float_matches_dequantized_reference(backend: str, mode: str, m: int, with_bias: bool) -> None:
     torch.manual_seed(m)

@@ -151,10 +151,10 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
 
 template <int BITS, bool HAS_MIN, int MB>
 void rows_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0) {
-  constexpr int NT = MB <= 2 ? 4 : (MB <= 4 ? 2 : 1);
-  int64_t t = tile0;
-  for (; t + NT <= tile1; t += NT) tile_block<BITS, HAS_MIN, MB, NT>(p, t, m0);
-  for (; t < tile1; ++t) tile_block<BITS, HAS_MIN, MB, 1>(p, t, m0);
+  // One tile at a time: its weights are one sequential stream. Interleaving 2 or 4 tiles'
+  // streams measured slower for every M (lm_head M=1 1048 -> 865 us, M=4 1796 -> 1017 us,
+  // benchmarks/kernels.py --threads 1 --clock cpu).
+  for (int64_t t = tile0; t < tile1; ++t) tile_block<BITS, HAS_MIN, MB, 1>(p, t, m0);
 }
 
 template <int BITS, bool HAS_MIN>
@@ -171,9 +171,17 @@ void run(const Problem& p) {
       const int64_t t0 = b * 4, t1 = std::min(tiles, t0 + 4);
       int64_t m0 = 0;
       for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, HAS_MIN, 8>(p, t0, t1, m0);
-      if (p.m - m0 >= 4) { rows_block<BITS, HAS_MIN, 4>(p, t0, t1, m0); m0 += 4; }
-      if (p.m - m0 >= 2) { rows_block<BITS, HAS_MIN, 2>(p, t0, t1, m0); m0 += 2; }
-      if (p.m - m0 >= 1) rows_block<BITS, HAS_MIN, 1>(p, t0, t1, m0);
+      // The other rows in one pass over the weights (a verify step's k + 1 = 5 rows took as
+      // long as 8 when split into 4 + 1).
+      switch (p.m - m0) {
+        case 7: rows_block<BITS, HAS_MIN, 7>(p, t0, t1, m0); break;
+        case 6: rows_block<BITS, HAS_MIN, 6>(p, t0, t1, m0); break;
+        case 5: rows_block<BITS, HAS_MIN, 5>(p, t0, t1, m0); break;
+        case 4: rows_block<BITS, HAS_MIN, 4>(p, t0, t1, m0); break;
+        case 3: rows_block<BITS, HAS_MIN, 3>(p, t0, t1, m0); break;
+        case 2: rows_block<BITS, HAS_MIN, 2>(p, t0, t1, m0); break;
+        case 1: rows_block<BITS, HAS_MIN, 1>(p, t0, t1, m0); break;
+      }
     }
   });
 }
