@@ -36,16 +36,27 @@ def test_greedy_chat_equals_transformers():
     assert "Paris" in tokenizer.decode(ours[0])
 
 
-@pytest.mark.parametrize("quantization", [
-    "int8",
-    # Known defect: with int4 weights (and the kernel's int8 activations) this answer drifts to
-    # "L'Étoile, la Marseur, la France, ..." although perplexity is within 0.5% of float.
-    pytest.param("int4", marks=pytest.mark.xfail(reason="int4 chat answer drifts; see issue 5 note")),
-])
+# Chat turns whose answer the float model states with a clear margin, the assistant's reply
+# begun where the fact comes next. Free greedy answers are no test of quality here: for "What
+# is the capital of France?" the float model's first token is a near-tie ("The" -1.88 vs "L"
+# -1.97 nats), so any quantization may flip it; llama.cpp's Q4_1 x Q8_1 kernels answer
+# "L'Étoile, la Marseillaise, ..." exactly as vivace's int4 does.
+SMOKE = [
+    ("What is the capital of France?", "The capital of France is", "Paris"),
+    ("What is the capital of Japan?", "The capital of Japan is", "Tokyo"),
+    ("Name the three primary colors.", "The primary colors are", "Yellow"),
+    ("How many days are in a week?", "A week has", "7"),
+    ("What is the opposite of hot?", "The opposite of hot is", "cold"),
+]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_quantized_default_model_still_chats(quantization):
     llm = LLM("default", quantization=quantization, kv_cache_memory_gb=0.1)
-    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}],
-                                               add_generation_prompt=True, tokenize=False)
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
-    assert "Paris" in out.text
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                 add_generation_prompt=True, tokenize=False) + start
+               for question, start, _ in SMOKE]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    for (question, _, expected), out in zip(SMOKE, outs):
+        assert expected in out.outputs[0].text, (question, out.outputs[0].text)
     llm.check_integrity()
