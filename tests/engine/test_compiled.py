@@ -88,3 +88,22 @@ def test_decode_logits_match_the_eager_runner(loaded, compiled_runner, num_seqs)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     for cache, other in zip(compiled_runner.kv_caches, eager.kv_caches):
         torch.testing.assert_close(cache, other)
+
+
+def test_verify_steps_run_compiled_and_keep_greedy_tokens(tiny_model_dir, monkeypatch):
+    """A proposal's rows are decode rows: batch-1 verify steps go through the compiled graph."""
+    rows = []
+    original = CompiledDecoder.__call__
+    monkeypatch.setattr(CompiledDecoder, "__call__", lambda self, *a: rows.append(len(a[0])) or original(self, *a))
+    rng = random.Random(5)
+    batch = [[rng.randrange(3, 49152) for _ in range(6)] * 4 for _ in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eager = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4, quantization="int8")
+    spec = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4, quantization="int8", compile=True,
+               max_num_seqs=MAX_BATCH, speculative="ngram", num_speculative_tokens=3)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = [spec.generate(prompt, params)[0].outputs[0].token_ids for prompt in batch]
+    assert got == [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+    assert spec.engine.spec_stats.num_accepted > 0 and max(rows) > 1
+    spec.check_integrity()
+    assert spec.engine.kv.num_free_blocks == 64

@@ -116,7 +116,8 @@ def test_greedy_output_is_identical_with_a_draft_model(tiny_model_dir, draft_dir
                speculative_max_batch=8, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in spec.generate(batch, params)] == expected
     stats = spec.engine.spec_stats
-    if draft == "same":  # the target itself as draft: only float near-ties may reject
-        assert stats.num_accepted >= 0.8 * stats.num_proposed > 0
+    if draft == "same":  # the target as its own draft: verify rows are decode rows, as the draft's
+        # steps are, so all land here (59 of 59); a float near-tie between row counts may still reject
+        assert stats.num_accepted >= 0.95 * stats.num_proposed > 0
     spec.check_integrity()
     assert spec.engine.draft.kv.num_free_blocks == 40 and not spec.engine.draft.shadows

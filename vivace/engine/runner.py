@@ -22,11 +22,11 @@ def num_blocks_for_budget(loaded: LoadedModel, block_size: int, dtype: torch.dty
 class ModelRunner:
     """Owns the KV tensors and turns a scheduled batch into logits.
 
-    Batches where every sequence has one new token (decodes) take ``decode``: with
-    ``compile_max_batch`` set, through graphs compiled (or loaded from the on-disk cache) here,
-    before the first request, for up to that many sequences; eagerly otherwise. Any batch with
-    a prompt chunk or speculative tokens runs eagerly. The cache has one block more than the
-    pool hands out: the scratch block, which block-table padding points at.
+    Batches where every sequence has one new token, plus any speculative tokens to verify, take
+    ``decode``, one row per token: with ``compile_max_batch`` set, through graphs compiled (or
+    loaded from the on-disk cache) here, before the first request, for up to that many rows;
+    eagerly otherwise. Any batch with a prompt chunk of several tokens runs eagerly. The cache has
+    one block more than the pool hands out: the scratch block, which block-table padding points at.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
@@ -100,10 +100,17 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
         """Run the batch (writing its K/V); return float32 logits ``[len(logit_indices), vocab]``
         at those flat token indices, or None when no logits are wanted this step."""
-        if all(num_new == 1 for num_new in batch.num_new_tokens):
-            logits = self.decode([r.token_ids[r.num_computed_tokens] for r in batch.requests],
-                                 [r.num_computed_tokens for r in batch.requests],
-                                 [kv.block_ids(r.request_id) for r in batch.requests])
+        if all(n == 1 + len(r.spec_token_ids) for r, n in zip(batch.requests, batch.num_new_tokens)):
+            # Decodes and verifies: a request's next token plus its proposals are rows of one
+            # decode batch sharing its block table (the op writes every row's K/V, then attends
+            # row i over its own seq_len), so verifying runs the same graph as decoding.
+            input_ids, positions, tables = [], [], []
+            for request, num_new in zip(batch.requests, batch.num_new_tokens):
+                start = request.num_computed_tokens
+                input_ids += [request.token_ids[start]] + request.spec_token_ids
+                positions += range(start, start + num_new)
+                tables += [kv.block_ids(request.request_id)] * num_new
+            logits = self.decode(input_ids, positions, tables)
             return logits[logit_indices] if logit_indices else None
         input_ids, positions, meta = self.build_inputs(batch, kv)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
