@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from vivace import LLM, SamplingParams
-from vivace.engine.speculative import propose_ngram, verify
+from vivace.engine.request import Request
+from vivace.engine.speculative import AdaptiveK, propose_ngram, verify
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
@@ -42,6 +43,26 @@ def test_greedy_verification_accepts_the_matching_prefix():
     assert verify(logits, [3, 4, 5], greedy=True, generator=generator) == [3, 4, 5, 2]
     assert verify(logits, [3, 0, 5], greedy=True, generator=generator) == [3, 4]
     assert verify(logits, [1, 4, 5], greedy=True, generator=generator) == [3]
+
+
+def test_adaptive_k_pauses_after_misses_in_a_row_and_resumes():
+    adaptive = AdaptiveK(4, shrink=False, pause_steps=5)
+    request = Request("r", [1, 2, 3], SamplingParams())
+    for accepted in (0, 0, 2, 0, 0):  # a hit in between: the misses are not in a row
+        assert adaptive.next_k(request) == 4
+        adaptive.update(request, 4, accepted)
+    adaptive.update(request, 4, 0)  # the third miss in a row
+    assert [adaptive.next_k(request) for _ in range(6)] == [0] * 5 + [4]
+
+
+def test_adaptive_k_shrinks_for_a_draft_model():
+    adaptive = AdaptiveK(4)
+    request = Request("r", [1, 2, 3], SamplingParams())
+    lengths = []
+    for accepted in (0, 0, 1, 1, 1):  # a miss halves, a full hit adds 1, a partial keeps what landed
+        adaptive.update(request, adaptive.next_k(request), accepted)
+        lengths.append(request.spec_k)
+    assert lengths == [2, 1, 2, 1, 2]
 
 
 def repetitive_prompts(count: int) -> list[list[int]]:

@@ -58,7 +58,8 @@ class LLMEngine:
                                   self.max_model_len, config.max_num_seqs if config.compile else 0)
         self.sampler = Sampler(self.loaded.config.eos_token_ids, config.seed)
         self.spec_stats = SpecStats()
-        self.adaptive_k = AdaptiveK(config.num_speculative_tokens)
+        # n-gram proposals cost nothing to make; a draft's cost a forward per token.
+        self.adaptive_k = AdaptiveK(config.num_speculative_tokens, shrink=config.speculative != "ngram")
         self.draft: DraftProposer | None = None
         if config.speculative and config.speculative.startswith("draft:"):
             draft_model = load_model(config.speculative.removeprefix("draft:"), config.torch_dtype,

@@ -46,12 +46,21 @@ class SpecStats:
 
 
 class AdaptiveK:
-    """Per-request proposal length: grows while proposals land, shrinks when they miss,
-    and pauses speculation for a while after repeated misses."""
+    """Per-request proposal length, and a pause in speculation for ``pause_steps`` steps after
+    ``max_misses`` steps in a row where nothing was accepted (then it resumes, at the length it
+    had).
 
-    def __init__(self, max_k: int, pause_steps: int = 16) -> None:
+    With ``shrink`` (proposals that cost a forward each: a draft model) the length grows by one
+    while proposals land, halves on a miss and drops to what was accepted on a partial hit.
+    Without it (n-gram) the length stays ``max_k``: proposing is free, and a rejected token
+    costs only one more row of a verify step, which reads the weights once whatever its rows.
+    """
+
+    def __init__(self, max_k: int, shrink: bool = True, pause_steps: int = 16, max_misses: int = 3) -> None:
         self.max_k = max_k
+        self.shrink = shrink
         self.pause_steps = pause_steps
+        self.max_misses = max_misses
 
     def next_k(self, request: Request) -> int:
         if request.spec_pause > 0:
@@ -60,15 +69,19 @@ class AdaptiveK:
         return request.spec_k or self.max_k
 
     def update(self, request: Request, proposed: int, accepted: int) -> None:
-        if accepted == proposed:
-            request.spec_k = min((request.spec_k or self.max_k) + 1, self.max_k)
-        elif accepted == 0:
-            request.spec_k = max((request.spec_k or self.max_k) // 2, 1)
-            request.spec_misses += 1
-            if request.spec_misses >= 3:
-                request.spec_pause, request.spec_misses = self.pause_steps, 0
+        if accepted:
+            request.spec_misses = 0
         else:
-            request.spec_k, request.spec_misses = max(accepted, 1), 0
+            request.spec_misses += 1
+            if request.spec_misses >= self.max_misses:
+                request.spec_pause, request.spec_misses = self.pause_steps, 0
+        if not self.shrink:
+            return
+        k = request.spec_k or self.max_k
+        if accepted == proposed:
+            request.spec_k = min(k + 1, self.max_k)
+        else:
+            request.spec_k = max(accepted, 1) if accepted else max(k // 2, 1)
 
 
 def verify(probs_or_logits: torch.Tensor, proposal: list[int], greedy: bool,
