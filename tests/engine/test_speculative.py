@@ -142,3 +142,22 @@ def test_greedy_output_is_identical_with_a_draft_model(tiny_model_dir, draft_dir
         assert stats.num_accepted >= 0.95 * stats.num_proposed > 0
     spec.check_integrity()
     assert spec.engine.draft.kv.num_free_blocks == 40 and not spec.engine.draft.shadows
+
+
+def test_no_proposals_above_the_max_batch_or_for_a_request_that_opts_out(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4, speculative="ngram", speculative_max_batch=2)
+    engine = llm.engine
+    prompts = repetitive_prompts(4)
+    for i, prompt in enumerate(prompts[:3]):  # they finish one after another, leaving fewer decoding
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=8 + 8 * i, ignore_eos=True))
+    opted_out = engine.add_request("out", prompts[3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                     speculative=False))
+    decoding_when_proposed = []
+    while engine.has_unfinished():
+        engine.step()
+        assert not opted_out.spec_token_ids
+        running = engine.scheduler.running
+        if any(r.spec_token_ids for r in running):
+            decoding_when_proposed.append(sum(r.num_tokens - r.num_computed_tokens == 1 for r in running))
+    assert decoding_when_proposed and max(decoding_when_proposed) == 2
+    llm.check_integrity()
