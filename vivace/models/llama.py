@@ -13,7 +13,8 @@ from torch import nn
 
 from vivace.layers.attention import AttentionMetadata, DecodeMetadata, paged_attention
 from vivace.layers.norm import RMSNorm
-from vivace.layers.rotary import RotaryEmbedding, apply_rotary
+from vivace.layers.fused import apply_rotary, silu_mul
+from vivace.layers.rotary import RotaryEmbedding
 from vivace.models.config import ModelConfig
 
 
@@ -60,8 +61,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -72,10 +72,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``: the stream is ``residual + x`` before this layer's
+        attention (``x`` itself for the first layer), plus the attention output; the caller adds
+        the MLP output, fused into the next norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,10 +110,10 @@ class LlamaForCausalLM(nn.Module):
         ``input_ids`` at ``positions`` (both ``[num_tokens]``); writes their K/V into ``kv_caches``
         (one tensor per layer) at ``meta.slot_mapping``."""
         cos, sin = self.rotary(positions)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for hidden states ``[N, hidden_size]``."""

@@ -1,0 +1,204 @@
+// Fused elementwise ops for the eager forward (prefill): each is one pass over its rows instead
+// of PyTorch's chain of elementwise kernels and temporaries.
+//
+//   silu_mul(x [N, 2I]) -> [N, I]                 silu(x[:, :I]) * x[:, I:]
+//   rms_norm(x [N, H], w [H], eps) -> [N, H]      as Hugging Face Llama: statistics in float32,
+//                                                  the normalized row rounded to x's dtype, then w *
+//   add_rms_norm(x, residual, w, eps) -> [N, H]   residual += x (in place), then rms_norm(residual)
+//   rotary_(x [N, heads, D], cos [N, .., D/2], sin [N, .., D/2])
+//                                                  neox rotation of (i, i + D/2) pairs, in place,
+//                                                  by each token's own cos/sin row
+//
+// Rows may be strided (a slice of a fused projection); the last dimension must be dense.
+// float32 and bfloat16; arithmetic in float32 registers.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cmath>
+
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 maskload16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 maskload16(const at::BFloat16* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m256i to_bf16(__m512 x) {
+  // Round to nearest even, as c10::BFloat16's conversion does for finite values.
+  __m512i bits = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+}
+inline void maskstore16(float* p, __mmask16 m, __m512 x) { _mm512_mask_storeu_ps(p, m, x); }
+inline void maskstore16(at::BFloat16* p, __mmask16 m, __m512 x) { _mm256_mask_storeu_epi16(p, m, to_bf16(x)); }
+// The value a store to T and a load back would give.
+inline __m512 round_to(float*, __m512 x) { return x; }
+inline __m512 round_to(at::BFloat16*, __m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// exp on [-87, 88]: Cephes' expf polynomial, 2^n applied with scalef.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int64_t kGrain = 16;  // rows per parallel task
+
+void check_rows(const at::Tensor& x, int64_t dim, const char* name) {
+  TORCH_CHECK(x.dim() == dim && x.stride(-1) == 1, name, " must have ", dim, " dims and a dense last one");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 only");
+}
+
+template <typename T>
+void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  const int64_t n = out.size(1);
+  at::parallel_for(0, x.size(0), kGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* gate = x.data_ptr<T>() + r * x.stride(0);
+      const T* up = gate + n;
+      T* y = out.data_ptr<T>() + r * n;
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 g = maskload16(gate + i, m);
+        // silu rounded to T, then the product rounded: PyTorch's two kernels do the same.
+        const __m512 s = round_to(y, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        maskstore16(y + i, m, _mm512_mul_ps(s, maskload16(up + i, m)));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_rows(x, 2, "silu_mul input");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_mul: odd width");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat) silu_mul_rows<float>(x, out); else silu_mul_rows<at::BFloat16>(x, out);
+  return out;
+}
+
+// out = w * rounded(row * rsqrt(mean(row^2) + eps)); with `residual`, row = residual += x first.
+template <typename T>
+void norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t h = x.size(1);
+  const T* weight = w.data_ptr<T>();
+  at::parallel_for(0, x.size(0), kGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x.data_ptr<T>() + r * x.stride(0);
+      T* row = const_cast<T*>(xr);
+      if (residual != nullptr) {
+        row = residual->data_ptr<T>() + r * residual->stride(0);
+        for (int64_t i = 0; i < h; i += 16) {
+          const __mmask16 m = tail_mask(h - i);
+          maskstore16(row + i, m, _mm512_add_ps(maskload16(row + i, m), maskload16(xr + i, m)));
+        }
+      }
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t i = 0; i < h; i += 16) {
+        const __m512 v = maskload16(row + i, tail_mask(h - i));
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(h) +
+                                                            static_cast<float>(eps)));
+      T* y = out.data_ptr<T>() + r * h;
+      for (int64_t i = 0; i < h; i += 16) {
+        const __mmask16 m = tail_mask(h - i);
+        const __m512 normed = round_to(y, _mm512_mul_ps(maskload16(row + i, m), scale));
+        maskstore16(y + i, m, _mm512_mul_ps(maskload16(weight + i, m), normed));
+      }
+    }
+  });
+}
+
+at::Tensor norm(const at::Tensor& x, at::Tensor* residual, const at::Tensor& w, double eps) {
+  check_rows(x, 2, "rms_norm input");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be a dense [hidden] of the input's dtype");
+  if (residual != nullptr) {
+    check_rows(*residual, 2, "rms_norm residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "rms_norm: residual must match the input");
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat) norm_rows<float>(x, residual, w, eps, out);
+  else norm_rows<at::BFloat16>(x, residual, w, eps, out);
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) { return norm(x, nullptr, w, eps); }
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  return norm(x, &residual, w, eps);
+}
+
+template <typename T>
+void rotate_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t heads = x.size(1), half = x.size(2) / 2;
+  at::parallel_for(0, x.size(0), kGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* c = cos.data_ptr<T>() + r * cos.stride(0);
+      const T* s = sin.data_ptr<T>() + r * sin.stride(0);
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* a = x.data_ptr<T>() + r * x.stride(0) + hd * x.stride(1);
+        T* b = a + half;
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 m = tail_mask(half - i);
+          const __m512 x1 = maskload16(a + i, m), x2 = maskload16(b + i, m);
+          const __m512 cv = maskload16(c + i, m), sv = maskload16(s + i, m);
+          // As apply_rotary rounds: each product to T, then the sum.
+          const __m512 x1c = round_to(a, _mm512_mul_ps(x1, cv)), x2s = round_to(a, _mm512_mul_ps(x2, sv));
+          const __m512 x2c = round_to(a, _mm512_mul_ps(x2, cv)), x1s = round_to(a, _mm512_mul_ps(x1, sv));
+          maskstore16(a + i, m, _mm512_sub_ps(x1c, x2s));
+          maskstore16(b + i, m, _mm512_add_ps(x2c, x1s));
+        }
+      }
+    }
+  });
+}
+
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rows(x, 3, "rotary input");
+  TORCH_CHECK(x.size(2) % 2 == 0, "rotary: odd head_dim");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->size(0) == x.size(0) && t->size(-1) == x.size(2) / 2 && t->stride(-1) == 1 &&
+                t->numel() == x.size(0) * (x.size(2) / 2) && t->scalar_type() == x.scalar_type(),
+                "rotary: cos and sin must hold one dense [head_dim / 2] row per token, of the input's dtype");
+  if (x.scalar_type() == at::kFloat) rotate_rows<float>(x, cos, sin);
+  else rotate_rows<at::BFloat16>(x, cos, sin);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vivace, m) {
+  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vivace, CPU, m) {
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary_", &rotary_);
+}

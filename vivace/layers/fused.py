@@ -1,0 +1,84 @@
+"""Fused elementwise steps of the Llama forward: SiLU-and-multiply, RMSNorm (with the residual
+add folded in) and the rotary rotation, each one native pass (``fused.cpp``) in eager mode.
+
+Every function here computes what its PyTorch formulation computes, and uses that formulation
+while ``torch.compile`` traces (inductor fuses it there itself), when the native library did
+not build, or for dtypes the kernels don't take.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vivace.layers import rotary
+from vivace.layers.native import AVX512_CFLAGS, AVX512_CPU_FLAGS, load_library
+
+NATIVE = load_library(Path(__file__).with_suffix(".cpp"), AVX512_CFLAGS, AVX512_CPU_FLAGS)
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native(x: torch.Tensor) -> bool:
+    return NATIVE and x.dtype in _NATIVE_DTYPES and not torch.compiler.is_compiling()
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` ``[num_tokens, 2 * width]``."""
+    if _native(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return torch.ops.vivace.silu_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x`` ``[num_tokens, hidden]`` as Hugging Face Llama computes it (statistics in
+    float32, the normalized value rounded to ``x``'s dtype, then times ``weight``).
+
+    With ``residual``: normalize ``residual + x`` instead and return ``(normed, residual + x)``;
+    the sum may be written into ``residual`` in place.
+    """
+    if _native(x) and x.dim() == 2 and weight.dtype == x.dtype:
+        if residual is None:
+            return torch.ops.vivace.rms_norm(x, weight, eps)
+        return torch.ops.vivace.add_rms_norm(x, residual, weight, eps), residual
+    if residual is not None:
+        residual = residual + x
+        return _torch_rms_norm(residual, weight, eps), residual
+    return _torch_rms_norm(x, weight, eps)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by each token's ``cos``/``sin``
+    ``[num_tokens, 1, head_dim // 2]``: pairs are (i, i + head_dim/2), as in HF's rotate_half.
+    May rotate ``x`` in place; use the returned tensor."""
+    if _native(x) and x.stride(-1) == 1 and cos.dtype == x.dtype:
+        torch.ops.vivace.rotary_(x, cos, sin)
+        return x
+    return rotary.apply_rotary(x, cos, sin)
+
+
+if NATIVE:
+    @torch.library.register_fake("vivace::silu_mul")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+    @torch.library.register_fake("vivace::rms_norm")
+    def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("vivace::add_rms_norm")
+    def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("vivace::rotary_")
+    def _(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        return None
