@@ -13,6 +13,9 @@ DOCUMENTED = [
     "vivace:request_success_total", "vivace:num_preemptions_total",
     "vivace:prefix_cache_queries_total", "vivace:prefix_cache_hits_total",
     "vivace:request_rejected_total", "vivace:request_timeout_total",
+    "vivace:spec_decode_num_drafts_total", "vivace:spec_decode_num_draft_tokens_total",
+    "vivace:spec_decode_num_accepted_tokens_total", "vivace:spec_decode_acceptance_rate",
+    "vivace:spec_decode_mean_accepted_length",
 ]
 
 

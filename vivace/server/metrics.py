@@ -1,8 +1,8 @@
 """Prometheus metrics of one server, named like vLLM's with the ``vivace:`` prefix.
 
 Each app owns its registry: request histograms and counters are recorded as requests end
-(or are refused); engine gauges (running, waiting, KV usage), the preemption count and the
-prefix-cache counters are read from ``engine.stats()`` at scrape time.
+(or are refused); engine gauges (running, waiting, KV usage), the preemption count, the
+prefix-cache and the speculative-decoding counters are read from ``engine.stats()`` at scrape time.
 """
 
 from __future__ import annotations
@@ -52,6 +52,25 @@ class _EngineStatsCollector(Collector):
                                   "cache at admission.", value=stats.prefix_queries if stats else 0)
         yield CounterMetricFamily("vivace:prefix_cache_hits", "Of those, tokens found cached.",
                                   value=stats.prefix_hits if stats else 0)
+        yield from _speculative_metrics(stats)
+
+
+def _speculative_metrics(stats: Any | None) -> Iterator[Metric]:
+    """Speculative decoding, named like vLLM's: counters, and the lifetime ratios as gauges."""
+    steps = stats.spec_steps if stats else 0
+    proposed = stats.spec_proposed if stats else 0
+    accepted = stats.spec_accepted if stats else 0
+    yield CounterMetricFamily("vivace:spec_decode_num_drafts", "Verify steps that carried proposed "
+                              "tokens (one per request per step).", value=steps)
+    yield CounterMetricFamily("vivace:spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                              value=proposed)
+    yield CounterMetricFamily("vivace:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                              value=accepted)
+    yield GaugeMetricFamily("vivace:spec_decode_acceptance_rate", "Accepted / proposed tokens since "
+                            "start (0 before any proposal).", value=accepted / proposed if proposed else 0.0)
+    yield GaugeMetricFamily("vivace:spec_decode_mean_accepted_length", "Tokens emitted per verify step "
+                            "since start: accepted ones plus the target's own (0 before any).",
+                            value=(accepted + steps) / steps if steps else 0.0)
 
 
 class ServerMetrics:

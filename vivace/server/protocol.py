@@ -78,6 +78,8 @@ class SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int | None = None  # lower is sooner; the key's tier sets its default and floor
+    # vivace's extra: false keeps this request out of speculative decoding (when the server has it)
+    speculative: bool = True
 
     @field_validator("stream_options")
     @classmethod
@@ -103,6 +105,7 @@ class SamplingRequest(_Strict):
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            speculative=self.speculative,
         )
 
 
