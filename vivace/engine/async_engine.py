@@ -30,6 +30,11 @@ class EngineStepError(RuntimeError):
     """A step failed while this request was in flight; the engine itself goes on."""
 
 
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for sink, output in batch:
+        sink.put_nowait(output)
+
+
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Parameters of choice ``index`` of an n-choice request: one sequence each, seeds apart."""
     seed = None if params.seed is None else params.seed + index
@@ -133,12 +138,16 @@ class AsyncEngine:
                     if is_queue else RequestTimeoutError("the request ran past its timeout"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up per event loop per step, not one per output: each costs a syscall.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 loop, sink, index = stream
                 output.outputs[0].index = index
-                loop.call_soon_threadsafe(sink.put_nowait, output)
+                batches.setdefault(loop, []).append((sink, output))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
