@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import vivace.layers.decode_attention  # noqa: F401  (registers torch.ops.vivace.paged_decode_attention)
+from vivace.layers import prefill_attention
 
 
 @dataclass
@@ -95,6 +96,8 @@ def paged_attention(
 def _prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        seq_len: int, scale: float) -> torch.Tensor:
     """A chunk of ``q_len`` queries at the end of a ``seq_len``-token sequence."""
+    if prefill_attention.native_supports(q, kv_cache):
+        return torch.ops.vivace.paged_prefill_attention(q, kv_cache, block_table, seq_len, scale)
     q_len = q.shape[0]
     keys, values = _gather(kv_cache, block_table, seq_len)
     query = q.transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]

@@ -1,0 +1,401 @@
+// Causal prefill attention on AVX-512, flash style, reading K/V straight from the paged cache.
+//
+// Registers vivace::paged_prefill_attention(q, kv_cache, block_table, seq_len, scale): q is
+// [q_len, heads, head_dim], the last q_len positions of a seq_len-token sequence whose keys and
+// values sit in the blocks block_table lists of kv_cache [2, num_blocks, block_size, kv_heads,
+// head_dim]. Query j (position seq_len - q_len + j) sees keys 0..its position.
+//
+// Plan: (1) pack each kv head's keys, transposed, into float32 chunks of 64 keys [head_dim][64]
+// and its values into float32 rows [key][head_dim] (one pass over the cache, no gather copy
+// through PyTorch); (2) one task per (kv head, block of query positions) holding every query head
+// of that kv head's group as its rows, so each K/V chunk is read once for the whole group. For
+// each 64-key chunk at or left of the block's diagonal: scores S = Q Kt (a rows x 64 tile: broadcast
+// q[d], FMA with the Kt row, 16 keys per vector, no horizontal sums), an online softmax per row
+// (running max and sum, base 2: Q is prescaled by scale * log2 e), then O = O * alpha + P V.
+// Chunks right of the diagonal are never touched; the diagonal chunk is computed only as far as
+// the tile's last row sees and masked per row. Tasks are balanced over threads by their cost.
+// Scores, softmax and accumulators are float32 whatever the dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int BK = 64;           // keys per chunk
+constexpr int RS = 6;            // query rows per score tile (6 x 4 accumulators)
+constexpr int TARGET_ROWS = 48;  // query rows (positions x group) per task
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(at::BFloat16* p, __m512 x) {
+  // Round to nearest even, as c10::BFloat16's conversion does for finite values.
+  __m512i bits = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+inline void store16(at::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// 2^x for x <= 0: x - floor(x) in one VREDUCEPS, a degree-5 fit of 2^r on [0, 1) (relative
+// error 1.6e-7), and 2^floor(x) applied by VSCALEFPS (which floors its second operand itself).
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 r = _mm512_reduce_ps(x, 0x09);  // keep 0 fraction bits, round down, no exceptions
+  __m512 p = _mm512_set1_ps(1.8762329127639532e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.99258442223072e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.582360550761223e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4015453457832336e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931529641151428e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999999403953552e-1f));
+  return _mm512_scalef_ps(p, x);
+}
+
+// s[r][0 .. 16C) = q[r] . kt[:, 0 .. 16C) for R rows; q rows of D floats, kt [D][BK], s rows of BK.
+template <int R, int C>
+void score_tile(const float* q, int64_t D, const float* kt, float* s) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = _mm512_loadu_ps(kt + d * BK + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(q[r * D + d]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b, k[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(s + r * BK + 16 * c, acc[r][c]);
+}
+
+using ScoreTile = void (*)(const float*, int64_t, const float*, float*);
+
+template <int R>
+ScoreTile score_tile_for(int c) {
+  switch (c) {
+    case 1: return score_tile<R, 1>;
+    case 2: return score_tile<R, 2>;
+    case 3: return score_tile<R, 3>;
+    default: return score_tile<R, 4>;
+  }
+}
+
+ScoreTile score_tile_for(int r, int c) {
+  switch (r) {
+    case 1: return score_tile_for<1>(c);
+    case 2: return score_tile_for<2>(c);
+    case 3: return score_tile_for<3>(c);
+    case 4: return score_tile_for<4>(c);
+    case 5: return score_tile_for<5>(c);
+    default: return score_tile_for<6>(c);
+  }
+}
+
+// o[r] = o[r] * alpha[r] + sum_{k < n} p[r][k] v[k] for R rows; p rows of BK, v and o rows of 16 ND.
+template <int ND, int R>
+void value_tile(const float* p, const float* v, int64_t n, const float* alpha, float* o) {
+  constexpr int D = 16 * ND;
+  __m512 acc[R][ND];
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int i = 0; i < ND; ++i) acc[r][i] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * i), a);
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    __m512 w[R];
+    for (int r = 0; r < R; ++r) w[r] = _mm512_set1_ps(p[r * BK + k]);
+    for (int i = 0; i < ND; ++i) {
+      const __m512 x = _mm512_loadu_ps(v + k * D + 16 * i);
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(w[r], x, acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < ND; ++i) _mm512_storeu_ps(o + r * D + 16 * i, acc[r][i]);
+}
+
+using ValueTile = void (*)(const float*, const float*, int64_t, const float*, float*);
+
+template <int ND>
+constexpr int value_rows() { return std::min(8, 24 / ND); }  // accumulators: at most 24 registers
+
+template <int ND>
+ValueTile value_tile_for(int r) {
+  switch (std::min(r, value_rows<ND>())) {
+    case 1: return value_tile<ND, 1>;
+    case 2: return value_tile<ND, 2>;
+    case 3: return value_tile<ND, std::min(3, value_rows<ND>())>;
+    case 4: return value_tile<ND, std::min(4, value_rows<ND>())>;
+    case 5: return value_tile<ND, std::min(5, value_rows<ND>())>;
+    case 6: return value_tile<ND, std::min(6, value_rows<ND>())>;
+    case 7: return value_tile<ND, std::min(7, value_rows<ND>())>;
+    default: return value_tile<ND, value_rows<ND>()>;
+  }
+}
+
+struct Problem {
+  int64_t q_len, seq_len, heads, kv_heads, group, block_size, num_chunks;
+  float scale;
+};
+
+struct Scratch {
+  std::vector<float> q, s, o, m, l, alpha;
+  std::vector<int64_t> pos;
+};
+
+// One task: kv head h, query positions [p0, p0 + np). Rows are position-major (row = p * group + g),
+// so a row's position never decreases with its index.
+template <typename T, int ND>
+void attend_block(const T* q, int64_t q_stride, T* out, const float* kt_all, const float* v_all, int64_t h,
+                  int64_t p0, int64_t np, const Problem& s, Scratch& w) {
+  constexpr int D = 16 * ND;
+  constexpr int RV = value_rows<ND>();
+  const int64_t G = s.group, rows = np * G, first = s.seq_len - s.q_len;
+  w.q.resize(rows * D);
+  w.s.resize(rows * BK);
+  w.o.assign(rows * D, 0.0f);
+  w.m.assign(rows, -std::numeric_limits<float>::infinity());
+  w.l.assign(rows, 0.0f);
+  w.alpha.resize(rows);
+  w.pos.resize(rows);
+  const __m512 qscale = _mm512_set1_ps(s.scale * 1.4426950408889634f);
+  for (int64_t p = 0; p < np; ++p) {
+    const T* src = q + (p0 + p) * q_stride + h * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      w.pos[p * G + g] = first + p0 + p;
+      for (int i = 0; i < ND; ++i)
+        _mm512_storeu_ps(w.q.data() + (p * G + g) * D + 16 * i, _mm512_mul_ps(load16(src + g * D + 16 * i), qscale));
+    }
+  }
+  const int64_t* pos = w.pos.data();
+  float *Q = w.q.data(), *S = w.s.data(), *O = w.o.data(), *M = w.m.data(), *L = w.l.data(), *A = w.alpha.data();
+  const int64_t last_chunk = pos[rows - 1] / BK;
+  for (int64_t c = 0; c <= last_chunk; ++c) {
+    const int64_t k0 = c * BK;
+    const float* kt = kt_all + (h * s.num_chunks + c) * D * BK;
+    const float* vv = v_all + (h * s.num_chunks * BK + k0) * D;
+    for (int64_t r0 = 0; r0 < rows; r0 += RS) {
+      const int64_t R = std::min<int64_t>(RS, rows - r0);
+      const int64_t n = std::min<int64_t>(BK, pos[r0 + R - 1] - k0 + 1);
+      if (n > 0) score_tile_for(R, (n + 15) / 16)(Q + r0 * D, D, kt, S + r0 * BK);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = std::min<int64_t>(BK, pos[r] - k0 + 1);
+      float* row = S + r * BK;
+      if (n <= 0) {  // sees none of this chunk: no rescale, and zeros for a value tile that spans it
+        A[r] = 1.0f;
+        for (int v = 0; v < BK / 16; ++v) _mm512_storeu_ps(row + 16 * v, _mm512_setzero_ps());
+        continue;
+      }
+      const int64_t nv = (n + 15) / 16;
+      const __mmask16 tail = static_cast<__mmask16>(0xffffu >> (16 * nv - n));
+      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t v = 0; v < nv; ++v)
+        mx = _mm512_mask_max_ps(mx, v == nv - 1 ? tail : 0xffff, mx, _mm512_loadu_ps(row + 16 * v));
+      const float m_new = std::max(M[r], _mm512_reduce_max_ps(mx));
+      const float alpha = std::exp2(M[r] - m_new);  // 0 on the first chunk (M = -inf)
+      const __m512 top = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t v = 0; v < BK / 16; ++v) {
+        __m512 e = _mm512_setzero_ps();
+        if (v < nv) {
+          e = _mm512_maskz_mov_ps(v == nv - 1 ? tail : 0xffff, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(row + 16 * v), top)));
+          sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(row + 16 * v, e);
+      }
+      L[r] = L[r] * alpha + _mm512_reduce_add_ps(sum);
+      M[r] = m_new;
+      A[r] = alpha;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += RV) {
+      const int64_t R = std::min<int64_t>(RV, rows - r0);
+      const int64_t n = std::min<int64_t>(BK, pos[r0 + R - 1] - k0 + 1);
+      if (n > 0) value_tile_for<ND>(static_cast<int>(R))(S + r0 * BK, vv, n, A + r0, O + r0 * D);
+    }
+  }
+  for (int64_t p = 0; p < np; ++p) {
+    T* dst = out + (p0 + p) * s.heads * D + h * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = p * G + g;
+      const __m512 inv = _mm512_set1_ps(1.0f / L[r]);
+      for (int i = 0; i < ND; ++i) store16(dst + g * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(O + r * D + 16 * i), inv));
+    }
+  }
+}
+
+// Transpose 16 rows of 16 floats in registers: r[j] becomes column j.
+inline void transpose16(__m512* r) {
+  __m512 t[16], c[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // c[4g + k]: lane L holds column 4L + k of rows 4g .. 4g + 3.
+  for (int g = 0; g < 4; ++g) {
+    const __m512d lo01 = _mm512_castps_pd(t[4 * g]), hi01 = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d lo23 = _mm512_castps_pd(t[4 * g + 2]), hi23 = _mm512_castps_pd(t[4 * g + 3]);
+    c[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo01, lo23));
+    c[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo01, lo23));
+    c[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi01, hi23));
+    c[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi01, hi23));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 x = _mm512_shuffle_f32x4(c[k], c[4 + k], 0x88), y = _mm512_shuffle_f32x4(c[k], c[4 + k], 0xDD);
+    const __m512 x2 = _mm512_shuffle_f32x4(c[8 + k], c[12 + k], 0x88), y2 = _mm512_shuffle_f32x4(c[8 + k], c[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(x, x2, 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(x, x2, 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(y, y2, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(y, y2, 0xDD);
+  }
+}
+
+// Keys of every kv head transposed into float32 chunks [kv_heads][num_chunks][D][BK]; values into
+// float32 rows [kv_heads][num_chunks * BK][D]. Slots past seq_len are zero.
+template <typename T>
+void pack_kv(const T* cache, int64_t num_slots, const int64_t* table, const Problem& s, int64_t D,
+             float* kt_all, float* v_all) {
+  const T* keys = cache;
+  const T* values = cache + num_slots * s.kv_heads * D;
+  const int64_t nd = D / 16;
+  at::parallel_for(0, s.kv_heads * s.num_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / s.num_chunks, c = task % s.num_chunks;
+      float* kt = kt_all + task * D * BK;
+      float* vr = v_all + (h * s.num_chunks * BK + c * BK) * D;
+      for (int64_t t16 = 0; t16 < BK; t16 += 16) {
+        const T* ks[16];
+        int64_t present = 0;  // keys of these 16 that exist
+        for (int64_t u = 0; u < 16; ++u) {
+          const int64_t k = c * BK + t16 + u;
+          if (k >= s.seq_len) break;
+          const int64_t slot = table[k / s.block_size] * s.block_size + k % s.block_size;
+          ks[u] = keys + (slot * s.kv_heads + h) * D;
+          const T* vs = values + (slot * s.kv_heads + h) * D;
+          for (int64_t i = 0; i < nd; ++i) _mm512_storeu_ps(vr + (t16 + u) * D + 16 * i, load16(vs + 16 * i));
+          ++present;
+        }
+        for (int64_t u = present; u < 16; ++u) std::memset(vr + (t16 + u) * D, 0, D * sizeof(float));
+        // 16 keys x 16 dims at a time, transposed in registers into kt[d][t16 .. t16 + 16).
+        for (int64_t i = 0; i < nd; ++i) {
+          __m512 r[16];
+          for (int64_t u = 0; u < 16; ++u) r[u] = u < present ? load16(ks[u] + 16 * i) : _mm512_setzero_ps();
+          transpose16(r);
+          for (int j = 0; j < 16; ++j) _mm512_storeu_ps(kt + (16 * i + j) * BK + t16, r[j]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T, int ND>
+void run(const at::Tensor& q, const at::Tensor& cache, const int64_t* table, const Problem& s, at::Tensor& out) {
+  constexpr int D = 16 * ND;
+  const int64_t num_slots = cache.size(1) * cache.size(2), packed = s.kv_heads * s.num_chunks * BK * D;
+  // Packed K/V live in buffers of the calling thread, reused call after call (no fresh pages to fault in).
+  thread_local std::vector<float> kt_buf, v_buf;
+  if (static_cast<int64_t>(kt_buf.size()) < packed) {
+    kt_buf.resize(packed);
+    v_buf.resize(packed);
+  }
+  float* ktp = kt_buf.data();
+  float* vp = v_buf.data();
+  pack_kv<T>(cache.data_ptr<T>(), num_slots, table, s, D, ktp, vp);
+
+  // Tasks: (kv head, block of positions); cost ~ rows x chunks seen. Longest first onto the
+  // least loaded thread, so the two halves of a causal triangle come out even.
+  const int64_t per_task = std::max<int64_t>(1, (TARGET_ROWS + s.group - 1) / s.group);
+  const int64_t blocks = (s.q_len + per_task - 1) / per_task, first = s.seq_len - s.q_len;
+  struct Task { int64_t h, p0, np, cost; };
+  std::vector<Task> tasks;
+  for (int64_t h = 0; h < s.kv_heads; ++h)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t p0 = b * per_task, np = std::min(per_task, s.q_len - p0);
+      tasks.push_back({h, p0, np, np * ((first + p0 + np - 1) / BK + 1)});
+    }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  std::vector<std::vector<Task>> plan(workers);
+  std::vector<int64_t> load(workers, 0);
+  for (const Task& t : tasks) {
+    const int64_t w = std::min_element(load.begin(), load.end()) - load.begin();
+    plan[w].push_back(t);
+    load[w] += t.cost;
+  }
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t w = begin; w < end; ++w)
+      for (const Task& t : plan[w]) attend_block<T, ND>(qp, q.stride(0), op, ktp, vp, t.h, t.p0, t.np, s, scratch);
+  });
+}
+
+template <typename T>
+void dispatch(const at::Tensor& q, const at::Tensor& cache, const int64_t* table, const Problem& s, int64_t D,
+              at::Tensor& out) {
+  switch (D / 16) {
+    case 1: run<T, 1>(q, cache, table, s, out); break;
+    case 2: run<T, 2>(q, cache, table, s, out); break;
+    case 3: run<T, 3>(q, cache, table, s, out); break;
+    case 4: run<T, 4>(q, cache, table, s, out); break;
+    case 5: run<T, 5>(q, cache, table, s, out); break;
+    case 6: run<T, 6>(q, cache, table, s, out); break;
+    case 7: run<T, 7>(q, cache, table, s, out); break;
+    case 8: run<T, 8>(q, cache, table, s, out); break;
+    default: TORCH_CHECK(false, "paged_prefill_attention: head_dim ", D, " is not a multiple of 16 up to 128");
+  }
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   int64_t seq_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_table.dim() == 1, "bad ranks");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2, "kv_cache must be contiguous [2, N, bs, h, d]");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong, "block_table must be int64");
+  const int64_t q_len = q.size(0), heads = q.size(1), D = q.size(2);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && D % 16 == 0 && D <= 128, "head_dim must match and be a multiple of 16 up to 128");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(q_len >= 1 && q_len <= seq_len, "need 1 <= q_len <= seq_len");
+  const int64_t used = (seq_len + block_size - 1) / block_size;
+  TORCH_CHECK(block_table.size(0) >= used, "seq_len ", seq_len, " does not fit the block table");
+  const at::Tensor table = block_table.is_contiguous() ? block_table : block_table.contiguous();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t j = 0; j < used; ++j)
+    TORCH_CHECK(tp[j] >= 0 && tp[j] < kv_cache.size(1), "block ", tp[j], " is outside the cache");
+  const at::Tensor qd = (q.stride(2) == 1 && q.stride(1) == D) ? q : q.contiguous();
+  at::Tensor out = at::empty({q_len, heads, D}, q.options());
+  const Problem s{q_len, seq_len, heads, kv_heads, heads / kv_heads, block_size, (seq_len + BK - 1) / BK,
+                  static_cast<float>(scale)};
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch<float>(qd, kv_cache, tp, s, D, out); break;
+    case at::kBFloat16: dispatch<at::BFloat16>(qd, kv_cache, tp, s, D, out); break;
+    case at::kHalf: dispatch<at::Half>(qd, kv_cache, tp, s, D, out); break;
+    default: TORCH_CHECK(false, "paged_prefill_attention: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vivace, m) {
+  m.def("paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, int seq_len, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vivace, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

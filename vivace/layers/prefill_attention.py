@@ -1,0 +1,68 @@
+"""``torch.ops.vivace.paged_prefill_attention``: causal attention of a prompt chunk over the paged cache.
+
+``paged_prefill_attention(q, kv_cache, block_table, seq_len, scale)``: ``q`` ``[q_len, heads, d]`` holds
+the last ``q_len`` positions of a ``seq_len``-token sequence whose keys and values (already written)
+are the first ``seq_len`` slots of the blocks ``block_table`` lists; query ``j`` sits at position
+``seq_len - q_len + j`` and sees keys up to there. Returns ``[q_len, heads, d]``.
+
+Registered when this module is imported: the native AVX-512 kernel (``prefill_attention.cpp``, a
+flash-style loop reading K/V straight from the cache through the block table), or
+``reference_prefill_attention`` (gather + SDPA) when the CPU lacks AVX-512, the build fails, or
+``VIVACE_KERNELS=torch``. ``native_supports`` says whether a call can go to the native kernel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vivace.layers.native import AVX512_CFLAGS, AVX512_CPU_FLAGS, load_library
+
+# AVX512DQ's VREDUCEPS is in the exp; the flags already cover it.
+MAX_HEAD_DIM = 128
+
+
+def reference_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                seq_len: int, scale: float) -> torch.Tensor:
+    """Gather the sequence's K/V and call SDPA (is_causal when ``q_len == seq_len``, else a mask)."""
+    q_len = q.shape[0]
+    num_blocks = -(-seq_len // kv_cache.shape[2])
+    blocks = kv_cache[:, block_table[:num_blocks]].flatten(1, 2)[:, :seq_len]  # [2, seq_len, h, d]
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+    keys = blocks[0].transpose(0, 1).unsqueeze(0).to(q.dtype)
+    values = blocks[1].transpose(0, 1).unsqueeze(0).to(q.dtype)
+    gqa = keys.shape[1] != query.shape[1]
+    if q_len == seq_len:
+        attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return attended[0].transpose(0, 1).contiguous()
+
+
+def _register() -> str:
+    """Define the op; return which implementation serves it."""
+    native = load_library(Path(__file__).with_suffix(".cpp"), AVX512_CFLAGS, AVX512_CPU_FLAGS)
+    backend = "native" if native else "torch"
+    if backend == "torch":
+        torch.library.custom_op("vivace::paged_prefill_attention", reference_prefill_attention, mutates_args=())
+
+    @torch.library.register_fake("vivace::paged_prefill_attention")
+    def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+          scale: float) -> torch.Tensor:
+        return q.new_empty(q.shape)
+
+    return backend
+
+
+BACKEND = _register()
+USE_NATIVE = BACKEND == "native"  # benchmarks turn it off to time the SDPA path in the same process
+
+
+def native_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the native kernel serves this call (else the caller's SDPA path does)."""
+    head_dim = q.shape[-1]
+    return (USE_NATIVE and q.dtype == kv_cache.dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and kv_cache.is_contiguous())
