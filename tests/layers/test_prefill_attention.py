@@ -117,3 +117,18 @@ def test_native_op_rejects_bad_tables():
         OP(q, cache, table[:1], 40, 0.125)
     with pytest.raises(RuntimeError, match="q_len"):
         OP(q, cache, table, 39, 0.125)
+
+
+@pytest.mark.parametrize("seq_len, q_len", [(513, 513), (300, 16), (1000, 5)])
+def test_thread_count_does_not_change_the_result(seq_len, q_len):
+    """Work is split differently per thread count; every row's arithmetic stays the same."""
+    q, cache, table = random_case(torch.float32, seq_len, q_len, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = OP(q, cache, table, seq_len, 0.125)
+        torch.set_num_threads(2)
+        two = OP(q, cache, table, seq_len, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -108,9 +109,9 @@ ScoreTile score_tile_for(int r, int c) {
   }
 }
 
-// o[r] = o[r] * alpha[r] + sum_{k < n} p[r][k] v[k] for R rows; p rows of BK, v and o rows of 16 ND.
+// o[r] = o[r] * alpha[r] + sum_{k < n} p[r][k] v[k] for R rows; p rows of BK, v[k] and o rows of 16 ND.
 template <int ND, int R>
-void value_tile(const float* p, const float* v, int64_t n, const float* alpha, float* o) {
+void value_tile(const float* p, const float* const* v, int64_t n, const float* alpha, float* o) {
   constexpr int D = 16 * ND;
   __m512 acc[R][ND];
   for (int r = 0; r < R; ++r) {
@@ -121,7 +122,7 @@ void value_tile(const float* p, const float* v, int64_t n, const float* alpha, f
     __m512 w[R];
     for (int r = 0; r < R; ++r) w[r] = _mm512_set1_ps(p[r * BK + k]);
     for (int i = 0; i < ND; ++i) {
-      const __m512 x = _mm512_loadu_ps(v + k * D + 16 * i);
+      const __m512 x = _mm512_loadu_ps(v[k] + 16 * i);
       for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(w[r], x, acc[r][i]);
     }
   }
@@ -129,7 +130,7 @@ void value_tile(const float* p, const float* v, int64_t n, const float* alpha, f
     for (int i = 0; i < ND; ++i) _mm512_storeu_ps(o + r * D + 16 * i, acc[r][i]);
 }
 
-using ValueTile = void (*)(const float*, const float*, int64_t, const float*, float*);
+using ValueTile = void (*)(const float*, const float* const*, int64_t, const float*, float*);
 
 template <int ND>
 constexpr int value_rows() { return std::min(8, 24 / ND); }  // accumulators: at most 24 registers
@@ -161,7 +162,7 @@ struct Scratch {
 // One task: kv head h, query positions [p0, p0 + np). Rows are position-major (row = p * group + g),
 // so a row's position never decreases with its index.
 template <typename T, int ND>
-void attend_block(const T* q, int64_t q_stride, T* out, const float* kt_all, const float* v_all, int64_t h,
+void attend_block(const T* q, int64_t q_stride, T* out, const float* kt_all, const float* const* v_all, int64_t h,
                   int64_t p0, int64_t np, const Problem& s, Scratch& w) {
   constexpr int D = 16 * ND;
   constexpr int RV = value_rows<ND>();
@@ -188,7 +189,7 @@ void attend_block(const T* q, int64_t q_stride, T* out, const float* kt_all, con
   for (int64_t c = 0; c <= last_chunk; ++c) {
     const int64_t k0 = c * BK;
     const float* kt = kt_all + (h * s.num_chunks + c) * D * BK;
-    const float* vv = v_all + (h * s.num_chunks * BK + k0) * D;
+    const float* const* vv = v_all + (h * s.num_chunks + c) * BK;
     for (int64_t r0 = 0; r0 < rows; r0 += RS) {
       const int64_t R = std::min<int64_t>(RS, rows - r0);
       const int64_t n = std::min<int64_t>(BK, pos[r0 + R - 1] - k0 + 1);
@@ -265,11 +266,13 @@ inline void transpose16(__m512* r) {
   }
 }
 
-// Keys of every kv head transposed into float32 chunks [kv_heads][num_chunks][D][BK]; values into
-// float32 rows [kv_heads][num_chunks * BK][D]. Slots past seq_len are zero.
+// Keys of every kv head transposed into float32 chunks [kv_heads][num_chunks][D][BK] (zero past
+// seq_len), and a pointer to every key's float32 value row [kv_heads][num_chunks * BK]: straight
+// into the cache when `direct` (float32 only), else into rows copied (converted) into v_rows.
+// Pointers past seq_len are null: no row ever weighs a key past its own position.
 template <typename T>
 void pack_kv(const T* cache, int64_t num_slots, const int64_t* table, const Problem& s, int64_t D,
-             float* kt_all, float* v_all) {
+             float* kt_all, const float** v_all, float* v_rows, bool direct) {
   const T* keys = cache;
   const T* values = cache + num_slots * s.kv_heads * D;
   const int64_t nd = D / 16;
@@ -277,20 +280,28 @@ void pack_kv(const T* cache, int64_t num_slots, const int64_t* table, const Prob
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / s.num_chunks, c = task % s.num_chunks;
       float* kt = kt_all + task * D * BK;
-      float* vr = v_all + (h * s.num_chunks * BK + c * BK) * D;
+      const float** vptr = v_all + task * BK;
       for (int64_t t16 = 0; t16 < BK; t16 += 16) {
         const T* ks[16];
         int64_t present = 0;  // keys of these 16 that exist
         for (int64_t u = 0; u < 16; ++u) {
           const int64_t k = c * BK + t16 + u;
-          if (k >= s.seq_len) break;
+          if (k >= s.seq_len) {
+            vptr[t16 + u] = nullptr;
+            continue;
+          }
           const int64_t slot = table[k / s.block_size] * s.block_size + k % s.block_size;
           ks[u] = keys + (slot * s.kv_heads + h) * D;
           const T* vs = values + (slot * s.kv_heads + h) * D;
-          for (int64_t i = 0; i < nd; ++i) _mm512_storeu_ps(vr + (t16 + u) * D + 16 * i, load16(vs + 16 * i));
+          if (direct) {
+            vptr[t16 + u] = reinterpret_cast<const float*>(vs);
+          } else {
+            float* row = v_rows + (task * BK + t16 + u) * D;
+            for (int64_t i = 0; i < nd; ++i) _mm512_storeu_ps(row + 16 * i, load16(vs + 16 * i));
+            vptr[t16 + u] = row;
+          }
           ++present;
         }
-        for (int64_t u = present; u < 16; ++u) std::memset(vr + (t16 + u) * D, 0, D * sizeof(float));
         // 16 keys x 16 dims at a time, transposed in registers into kt[d][t16 .. t16 + 16).
         for (int64_t i = 0; i < nd; ++i) {
           __m512 r[16];
@@ -308,18 +319,25 @@ void run(const at::Tensor& q, const at::Tensor& cache, const int64_t* table, con
   constexpr int D = 16 * ND;
   const int64_t num_slots = cache.size(1) * cache.size(2), packed = s.kv_heads * s.num_chunks * BK * D;
   // Packed K/V live in buffers of the calling thread, reused call after call (no fresh pages to fault in).
+  // Float32 values are read in place for a short chunk (each row serves few queries, a copy would
+  // cost more than it saves); copied into contiguous rows for a long one (measured ~10% faster at
+  // 512 tokens: sequential rather than block-scattered rows) and for 16-bit caches (converted once).
+  const bool direct = std::is_same_v<T, float> && s.q_len < 64;
   thread_local std::vector<float> kt_buf, v_buf;
-  if (static_cast<int64_t>(kt_buf.size()) < packed) {
-    kt_buf.resize(packed);
-    v_buf.resize(packed);
-  }
+  thread_local std::vector<const float*> vptr_buf;
+  if (static_cast<int64_t>(kt_buf.size()) < packed) kt_buf.resize(packed);
+  if (!direct && static_cast<int64_t>(v_buf.size()) < packed) v_buf.resize(packed);
+  if (static_cast<int64_t>(vptr_buf.size()) < packed / D) vptr_buf.resize(packed / D);
   float* ktp = kt_buf.data();
-  float* vp = v_buf.data();
-  pack_kv<T>(cache.data_ptr<T>(), num_slots, table, s, D, ktp, vp);
+  const float** vp = vptr_buf.data();
+  pack_kv<T>(cache.data_ptr<T>(), num_slots, table, s, D, ktp, vp, v_buf.data(), direct);
 
   // Tasks: (kv head, block of positions); cost ~ rows x chunks seen. Longest first onto the
   // least loaded thread, so the two halves of a causal triangle come out even.
-  const int64_t per_task = std::max<int64_t>(1, (TARGET_ROWS + s.group - 1) / s.group);
+  // With several threads and a short chunk, smaller blocks: at least 4 tasks per thread where possible.
+  int64_t per_task = std::max<int64_t>(1, (TARGET_ROWS + s.group - 1) / s.group);
+  const int64_t threads = at::get_num_threads();
+  if (threads > 1) per_task = std::max<int64_t>(1, std::min(per_task, s.q_len * s.kv_heads / (4 * threads)));
   const int64_t blocks = (s.q_len + per_task - 1) / per_task, first = s.seq_len - s.q_len;
   struct Task { int64_t h, p0, np, cost; };
   std::vector<Task> tasks;
