@@ -57,6 +57,7 @@ def test_quantized_linears_compile_and_keep_greedy_tokens(tiny_model_dir):
     eager = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4, quantization="int8")
     compiled = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4, quantization="int8", compile=True,
                    max_num_seqs=MAX_BATCH)
+    assert compiled.engine.runner.decoder.backend == "aot"  # weights are plain tensors: a package serves
     with torch.compiler.set_stance("fail_on_recompile"):
         outputs = compiled.generate(batch, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in eager.generate(batch, params)]
@@ -64,6 +65,7 @@ def test_quantized_linears_compile_and_keep_greedy_tokens(tiny_model_dir):
 
 def test_decode_writes_only_its_own_slot(compiled_runner):
     runner = compiled_runner
+    assert runner.decoder.backend == "dynamo"  # oneDNN-prepacked float weights: no package
     for cache in runner.kv_caches:
         cache.copy_(torch.randn_like(cache))
     before = [cache.clone() for cache in runner.kv_caches]

@@ -1,0 +1,106 @@
+"""The AOTInductor decode package: its cache key, rebuilding a bad package, weights bound at load."""
+
+import logging
+
+import pytest
+import torch
+
+from vivace.engine import aot_decode
+from vivace.engine.aot_decode import AOTDecoder, artifact_key
+from vivace.engine.compiled import CompiledDecoder
+from vivace.engine.runner import ModelRunner
+from vivace.models import load_model
+
+MAX_BATCH = 4
+
+
+def quantized_runner(model_dir, mode: str = "int8", num_blocks: int = 16, block_size: int = 4,
+                     kv_dtype: torch.dtype = torch.float32) -> ModelRunner:
+    return ModelRunner(load_model(str(model_dir), torch.float32, mode), num_blocks, block_size, kv_dtype,
+                       max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    return quantized_runner(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def package_dir(runner, tmp_path_factory):
+    """A cache directory holding the package of ``runner``'s model (compiled once, ~10 s)."""
+    cache = tmp_path_factory.mktemp("aoti")
+    AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH, cache)
+    return cache
+
+
+def decode_both(runner: ModelRunner, decoder: AOTDecoder) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the same decode batch from ``decoder`` and eagerly, from the same caches."""
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn_like(cache))
+    before = [cache.clone() for cache in runner.kv_caches]
+    ids, positions, tables = [11, 12, 13], [9, 6, 2], [[0, 1, 2], [4, 5], [6]]
+    with torch.inference_mode():
+        input_ids, pos, meta = runner.build_decode_inputs(ids, positions, tables, runner.max_blocks_per_seq)
+        compiled = decoder(input_ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        for cache, old in zip(runner.kv_caches, before):
+            cache.copy_(old)
+        eager = runner.decode(ids, positions, tables)
+    return compiled, eager
+
+
+def test_key_follows_what_shapes_the_graph(runner, tiny_model_dir, make_tiny_llama, monkeypatch):
+    key = artifact_key(runner.model, runner.kv_caches, MAX_BATCH)
+    # The KV pool size is symbolic in the graph, and weights are bound at load: neither is in the key.
+    assert artifact_key(runner.model, quantized_runner(tiny_model_dir, num_blocks=40).kv_caches, MAX_BATCH) == key
+    other_weights = quantized_runner(make_tiny_llama(seed=1))
+    assert artifact_key(other_weights.model, other_weights.kv_caches, MAX_BATCH) == key
+    changed = {
+        "max batch": artifact_key(runner.model, runner.kv_caches, MAX_BATCH + 1),
+        "block size": artifact_key(runner.model, quantized_runner(tiny_model_dir, block_size=8).kv_caches, MAX_BATCH),
+        "kv dtype": artifact_key(runner.model, quantized_runner(tiny_model_dir, kv_dtype=torch.bfloat16).kv_caches,
+                                 MAX_BATCH),
+        "quantization": artifact_key(quantized_runner(tiny_model_dir, "int4").model, runner.kv_caches, MAX_BATCH),
+        "architecture": artifact_key(quantized_runner(make_tiny_llama(num_hidden_layers=3)).model,
+                                     runner.kv_caches, MAX_BATCH),
+    }
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    changed["torch version"] = artifact_key(runner.model, runner.kv_caches, MAX_BATCH)
+    monkeypatch.undo()
+    monkeypatch.setattr(aot_decode, "_source_digest", lambda: "edited")
+    changed["graph code"] = artifact_key(runner.model, runner.kv_caches, MAX_BATCH)
+    assert key not in changed.values()
+    assert len(set(changed.values())) == len(changed)
+
+
+def test_package_runs_on_the_weights_it_is_loaded_with(package_dir, make_tiny_llama):
+    other = quantized_runner(make_tiny_llama(seed=1))
+    decoder = AOTDecoder(other.model, other.kv_caches, MAX_BATCH, package_dir)
+    assert decoder.path.parent == package_dir  # the same package, no new compile
+    assert len(list(package_dir.iterdir())) == 1
+    compiled, eager = decode_both(other, decoder)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_a_corrupt_package_is_rebuilt(runner, package_dir, tmp_path, monkeypatch, caplog):
+    good = next(package_dir.iterdir())
+    broken = tmp_path / good.name
+    broken.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    rebuilt = []
+    monkeypatch.setattr(aot_decode, "build", lambda *args: rebuilt.append(args[-1]) or args[-1].write_bytes(
+        good.read_bytes()))  # stands in for the ~10 s compile
+    with caplog.at_level(logging.WARNING):
+        decoder = AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH, tmp_path)
+    assert rebuilt == [broken] and "did not load" in caplog.text
+    compiled, eager = decode_both(runner, decoder)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_a_package_that_cannot_be_built_raises(runner, tmp_path, monkeypatch):
+    monkeypatch.setattr(aot_decode, "build", lambda *args: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    with pytest.raises(RuntimeError, match="no compiler"):
+        AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH, tmp_path)
+
+
+def test_decoder_falls_back_to_torch_compile(runner, tmp_path, monkeypatch):
+    monkeypatch.setattr(aot_decode, "build", lambda *args: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    assert CompiledDecoder(runner.model, runner.kv_caches, MAX_BATCH, tmp_path).backend == "dynamo"

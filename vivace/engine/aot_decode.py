@@ -1,0 +1,180 @@
+"""The decode forward compiled ahead of time (AOTInductor) and cached on disk as a ``.pt2`` package.
+
+One graph serves 1 to ``max_batch`` sequences: batch, KV pool size and block-table width are
+symbolic (every op that reads them is opaque), so a changed KV budget or context length reuses
+the artifact. Loading it takes milliseconds, where ``torch.compile`` re-traces the 30 layers with
+dynamo and reloads inductor's cache on every start (about 12 s here).
+
+The package holds code, never weights: its constants are bound, without a copy, to the live
+model's tensors at load time (``user_managed``), so the artifact depends only on what shapes the
+graph (module structure, tensor metadata, KV layout, vivace's graph code, torch version, CPU),
+and all of that is in its file name. A package that fails to load is rebuilt; a model whose
+weights are not plain strided tensors (oneDNN-prepacked float linears) is not supported here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import vivace
+from vivace.layers import decode_attention
+from vivace.layers.attention import DecodeMetadata
+
+ARTIFACT_VERSION = 1
+# What shapes the graph: the model code, layers and kernels, and this file.
+_GRAPH_SOURCES = ("models", "layers", "kernels", "engine/aot_decode.py")
+
+logger = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vivace" / "aoti"
+
+
+def decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                  kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor) -> torch.Tensor:
+    """Float32 logits ``[num_seqs, vocab]``: the decode forward every compiled graph captures."""
+    meta = DecodeMetadata(slot_mapping, block_tables, seq_lens)
+    return model.compute_logits(model(input_ids, positions, kv_caches, meta))
+
+
+class _DecodeForward(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        return decode_logits(self.model, input_ids, positions, kv_caches, slot_mapping, block_tables, seq_lens)
+
+
+def supported(model: nn.Module) -> bool:
+    """Whether every weight can be bound to a package: plain strided tensors only."""
+    return all(t.layout == torch.strided for t in _constants(model).values())
+
+
+def _constants(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by the names the exported graph gives them."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return {f"model.{name}": tensor for name, tensor in tensors.items() if tensor is not None}
+
+
+def _source_digest() -> str:
+    root = Path(vivace.__file__).parent
+    digest = hashlib.sha256()
+    for entry in _GRAPH_SOURCES:
+        path = root / entry
+        for file in sorted(path.rglob("*") if path.is_dir() else [path]):
+            if file.suffix in (".py", ".cpp"):
+                digest.update(str(file.relative_to(root)).encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def artifact_key(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int) -> str:
+    """A digest of everything the compiled graph depends on, weights' values excepted."""
+    kv = kv_caches[0]
+    description = {
+        "artifact": ARTIFACT_VERSION,
+        "torch": torch.__version__,
+        "vivace": _package_version(),
+        "source": _source_digest(),
+        "cpu": _cpu_flags(),
+        "attention": decode_attention.BACKEND,
+        "model": repr(model),
+        "config": repr(getattr(model, "config", None)),
+        "tensors": [(name, t.dtype, tuple(t.shape), t.stride()) for name, t in _constants(model).items()],
+        # The KV pool size (dim 1) is symbolic.
+        "kv": (len(kv_caches), kv.dtype, kv.shape[:1] + kv.shape[2:]),
+        "max_batch": max_batch,
+    }
+    return hashlib.sha256(json.dumps(description, default=str).encode()).hexdigest()[:24]
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("vivace")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class AOTDecoder:
+    """Runs the packaged decode graph of ``model`` over ``kv_caches`` for 1 to ``max_batch``
+    sequences, loaded from ``cache_dir`` or compiled into it first (a cold start: tens of seconds).
+    Raises whatever export or compilation raises when the graph cannot be built."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
+                 cache_dir: Path | None = None) -> None:
+        self.kv_caches = kv_caches
+        self.path = (cache_dir or default_cache_dir()) / f"decode-{artifact_key(model, kv_caches, max_batch)}.pt2"
+        start = time.perf_counter()
+        try:
+            self._loader = self._load(model)
+            logger.info("vivace: decode graph loaded from %s in %.2f s", self.path, time.perf_counter() - start)
+            return
+        except Exception as exc:  # missing, corrupt or incompatible: build it afresh
+            if self.path.exists():
+                logger.warning("vivace: decode graph %s did not load (%s); compiling it again", self.path, exc)
+        build(model, kv_caches, max_batch, self.path)
+        self._loader = self._load(model)
+        logger.info("vivace: decode graph compiled to %s in %.1f s", self.path, time.perf_counter() - start)
+
+    def _load(self, model: nn.Module) -> torch._C._aoti.AOTIModelPackageLoader:
+        # The C++ loader directly: ``torch._inductor.aoti_load_package`` first imports inductor (~1 s).
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(self.path), "model", False, 1, -1)
+        constants = _constants(model)
+        missing = set(loader.get_constant_fqns()) - set(constants)
+        if missing:
+            raise RuntimeError(f"the package expects tensors the model lacks: {sorted(missing)[:4]}")
+        # user_managed: the package reads the model's own tensors, no copy.
+        loader.load_constants({name: constants[name] for name in loader.get_constant_fqns()},
+                              False, True, True, False)
+        return loader
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[num_seqs, vocab]``; writes each sequence's new K/V into the caches."""
+        return self._loader.boxed_run([input_ids, positions, *self.kv_caches, slot_mapping, block_tables, seq_lens])[0]
+
+
+def build(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int, path: Path) -> None:
+    """Export the decode forward with symbolic batch, pool size and table width, compile it with
+    AOTInductor (weights left out of the package) and write it to ``path`` atomically."""
+    import torch._inductor
+    from torch.export import Dim
+
+    batch, pool, width = Dim("batch", min=1, max=max(max_batch, 2)), Dim("num_blocks", min=2), Dim("width", min=1)
+    example_batch = 2  # not 1, which export would specialize on
+    longs = [torch.zeros(example_batch, dtype=torch.long) for _ in range(3)]
+    scratch = kv_caches[0].shape[1] - 1
+    tables = torch.full((example_batch, 2), scratch, dtype=torch.long)
+    args = (longs[0], longs[1], kv_caches, longs[2], tables, longs[2] + 1)
+    dynamic = ({0: batch}, {0: batch}, [{1: pool}] * len(kv_caches), {0: batch}, {0: batch, 1: width}, {0: batch})
+    with torch.no_grad():
+        exported = torch.export.export(_DecodeForward(model), args, dynamic_shapes=dynamic, strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    try:
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
+                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
