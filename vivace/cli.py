@@ -55,7 +55,8 @@ ENGINE_FLAGS = (
     Flag("--max-num-batched-tokens", 512, "token budget of one engine step", int),
     Flag("--max-prefill-chunk", 16, "most prompt tokens in a step while requests are decoding",
          int),
-    Flag("--kv-cache-memory-gb", 1.0, "memory for the KV cache, GiB", float),
+    Flag("--kv-cache-memory-gb", None, "memory for the KV cache, GiB (default: room for one "
+         "max-model-len sequence)", float),
     Flag("--num-kv-blocks", None, "KV blocks (overrides --kv-cache-memory-gb)", int),
     Flag("--block-size", 16, "tokens per KV block", int),
     Flag("--no-prefix-caching", False, "do not reuse KV blocks of shared prefixes", kind="switch"),

@@ -20,7 +20,9 @@ class EngineConfig:
     model: str = "default"
     dtype: str = "float32"
     block_size: int = 16
-    kv_cache_memory_gb: float = 1.0
+    # Default: room for one max_model_len sequence. Pages are committed as blocks are first used,
+    # but prefix caching cycles through the whole pool, so this is the cache's resident size.
+    kv_cache_memory_gb: float | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gb when set
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -53,7 +55,7 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization must be one of none, int8, int4, got {self.quantization!r}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
     @property

@@ -50,7 +50,7 @@ class LLMEngine:
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            self.loaded, config.block_size, config.torch_dtype, config.kv_cache_memory_gb)
+            self.loaded, config.block_size, config.torch_dtype, config.kv_cache_memory_gb, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import numpy as np
 import torch
 
@@ -13,10 +16,24 @@ from vivace.models import LoadedModel
 from vivace.models.llama import kv_cache_shape
 
 
-def num_blocks_for_budget(loaded: LoadedModel, block_size: int, dtype: torch.dtype, memory_gb: float) -> int:
+def num_blocks_for_budget(loaded: LoadedModel, block_size: int, dtype: torch.dtype, memory_gb: float | None,
+                          max_model_len: int) -> int:
+    """KV blocks that fit in ``memory_gb`` GiB, or, when it is None, that hold one ``max_model_len``
+    sequence (0.35 GiB for the default model in float32)."""
+    if memory_gb is None:
+        return -(-max_model_len // block_size)
     per_block = 2 * loaded.config.num_hidden_layers * block_size * loaded.config.num_key_value_heads
     per_block *= loaded.config.head_dim * torch.empty((), dtype=dtype).element_size()
     return max(int(memory_gb * (1 << 30)) // per_block, 1)
+
+
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled tensor in its own anonymous memory mapping: the OS hands out zero pages, and
+    commits one only when it is first written, so the unused part of a KV budget costs no resident
+    memory (``torch.zeros`` writes, hence commits, every page), while padding still reads zeros,
+    never NaN garbage."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
 
 
 class ModelRunner:
@@ -35,8 +52,7 @@ class ModelRunner:
         self.block_size = block_size
         self.scratch_block = num_blocks
         shape = kv_cache_shape(loaded.config, num_blocks + 1, block_size)
-        # Zeroed, so padding never meets NaN garbage from uninitialized memory.
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(loaded.config.num_hidden_layers)]
+        self.kv_caches = [allocate_kv_cache(shape, kv_dtype) for _ in range(loaded.config.num_hidden_layers)]
         self.max_blocks_per_seq = -(-(max_model_len or loaded.config.max_position_embeddings) // block_size)
         self.decoder: CompiledDecoder | None = None
         if compile_max_batch:

@@ -6,6 +6,7 @@ exists once in memory and is never randomly initialized.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.metadata
 import json
@@ -71,9 +72,20 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none") -> Lo
     module = build_model(config, dtype, tensors)
     if quantization != "none":
         quantize_model(module, quantization, path if path.suffix == ".gguf" else None)
+        _return_freed_memory()  # the float weights the quantized ones replaced
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     weight_bytes += sum(m.weight_bytes() for m in module.modules() if isinstance(m, QuantizedLinear))
     return LoadedModel(module, config, tokenizer, name, weight_bytes, path)
+
+
+def _return_freed_memory() -> None:
+    """Ask glibc to give freed heap pages back to the OS. Freed tensors below its (adaptive) mmap
+    threshold stay in the heap and count as resident: ~140 MB of float weights for the default
+    model. A no-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def default_model_path() -> Path:
