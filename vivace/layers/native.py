@@ -1,6 +1,6 @@
 """Building and loading vivace's native op libraries (C++ files registering ``torch.ops.vivace``).
 
-Each library is compiled once with ``torch.utils.cpp_extension`` into
+Each library (a C++ file, plus the headers beside it) is compiled once with ``torch.utils.cpp_extension`` into
 ``~/.cache/vivace/kernels/<name>-<hash of source, flags and torch version>`` and loaded from
 there by later processes. Callers fall back to PyTorch code when ``load_library`` says False.
 """
@@ -36,7 +36,9 @@ def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[st
     of ``cpu_flags``, or the build or load fails (logged)."""
     if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" or not cpu_has(cpu_flags):
         return False
-    key = source.read_bytes() + " ".join(cflags).encode() + torch.__version__.encode()
+    # The headers beside the source are part of what is built.
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = source.read_bytes() + headers + " ".join(cflags).encode() + torch.__version__.encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     build_dir = cache / "vivace" / "kernels" / f"{source.stem}-{digest}"

@@ -27,32 +27,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using namespace vivace_simd;
 
 constexpr int BK = 64;           // keys per chunk
 constexpr int RS = 6;            // query rows per score tile (6 x 4 accumulators)
 constexpr int TARGET_ROWS = 48;  // query rows (positions x group) per task
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(at::BFloat16* p, __m512 x) {
-  // Round to nearest even, as c10::BFloat16's conversion does for finite values.
-  __m512i bits = _mm512_castps_si512(x);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
-inline void store16(at::Half* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-}
 
 // 2^x for x <= 0: x - floor(x) in one VREDUCEPS, a degree-5 fit of 2^r on [0, 1) (relative
 // error 1.6e-7), and 2^floor(x) applied by VSCALEFPS (which floors its second operand itself).
