@@ -18,8 +18,7 @@ import torch
 from vivace.layers.native import AVX512_CFLAGS, AVX512_CPU_FLAGS, FORCE_FALLBACK_ENV, load_library
 
 _SOURCE = Path(__file__).with_name("quant_gemm.cpp")
-# -fopenmp: at::parallel_for is an OpenMP pragma in a header; without it the op runs on one thread.
-_CFLAGS = (*AVX512_CFLAGS, "-mavx512vnni", "-fopenmp")
+_CFLAGS = (*AVX512_CFLAGS, "-mavx512vnni")
 _CPU_FLAGS = (*AVX512_CPU_FLAGS, "avx512_vnni")
 
 

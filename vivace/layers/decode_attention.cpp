@@ -148,7 +148,7 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     case 16: attend = attend_group<T, 16>; break;
     default: TORCH_CHECK(false, "paged_decode_attention: head_dim ", s.head_dim, " is not a multiple of 16 up to 128, or 256");
   }
-  at::parallel_for(0, num_seqs * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * s.kv_heads, num_seqs == 1 ? s.kv_heads : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.kv_heads, kvh = task % s.kv_heads, head = kvh * s.group;

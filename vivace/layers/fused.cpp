@@ -23,7 +23,7 @@ namespace {
 
 using namespace vivace_simd;
 
-constexpr int64_t kGrain = 16;  // rows per parallel task
+constexpr int64_t kGrain = 64;  // rows per parallel task: fewer stay on one thread
 
 void check_rows(const at::Tensor& x, int64_t dim, const char* name) {
   TORCH_CHECK(x.dim() == dim && x.stride(-1) == 1, name, " must have ", dim, " dims and a dense last one");

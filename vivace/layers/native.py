@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 FORCE_FALLBACK_ENV = "VIVACE_KERNELS"  # "torch": use no native library
-AVX512_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma")
+# -fopenmp: at::parallel_for is an OpenMP pragma in a header; without it an op runs on one thread.
+AVX512_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma", "-fopenmp")
 AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c", "fma")
 
 logger = logging.getLogger(__name__)
