@@ -244,9 +244,11 @@ class Running:
 
 def workload_config(name: str, base_url: str, tokenizer: Path) -> BenchConfig:
     """The bench configuration of one named workload; every load is bounded in count
-    and time."""
+    and time. Each workload draws its prompts from its own seed: with one seed, ttft-128 sent
+    the very prompts decode-b1 had just sent, and prefix caches answered them."""
     input_len, output_len, concurrency, count = WORKLOADS[name]
-    plan = LoadPlan(concurrency=concurrency, max_requests=count, max_duration_s=240.0, seed=0)
+    seed = list(WORKLOADS).index(name)
+    plan = LoadPlan(concurrency=concurrency, max_requests=count, max_duration_s=240.0, seed=seed)
     return BenchConfig(base_url=base_url, model=SERVED_NAME, input_len=input_len, output_len=output_len,
                        tokenizer=str(tokenizer), num_requests=count, warmup=max(2, concurrency // 4),
                        plan=plan, request_timeout_s=120.0, progress=False)
