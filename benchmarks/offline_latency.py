@@ -65,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(2)
-    llm = LLM("default", dtype=args.dtype, kv_cache_memory_gb=0.25)
+    llm = LLM("default", dtype=args.dtype, quantization="none", kv_cache_memory_gb=0.25)
     weight_bytes = llm.engine.loaded.weight_bytes
     path = default_model_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()

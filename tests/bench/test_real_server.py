@@ -32,7 +32,7 @@ def vivace_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [sys.executable, "-m", "vivace.cli", "serve", str(tiny_model_dir), "--port", str(port),
-               "--served-model-name", "tiny"]
+               "--served-model-name", "tiny", "--eager"]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

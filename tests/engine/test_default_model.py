@@ -18,7 +18,7 @@ CHATS = [
 
 
 def test_greedy_chat_equals_transformers():
-    llm = LLM("default", dtype="float32", kv_cache_memory_gb=0.25)
+    llm = LLM("default", dtype="float32", quantization="none", kv_cache_memory_gb=0.25)
     tokenizer = llm.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                              tokenize=False) for c in CHATS]

@@ -10,7 +10,7 @@ from torch import nn
 
 from vivace.layers.linear import QuantizedLinear
 from vivace.models import load_model
-from vivace.models.quantize import quantize_model
+from vivace.models.quantize import native_quantization, quantize_model
 
 from .gguf_export import write_gguf
 from .tiny import PagedRun, prompt
@@ -52,3 +52,19 @@ def test_rejects_unknown_mode(tiny) -> None:
     model = load_model(str(tiny("llama").path), torch.float32).model
     with pytest.raises(ValueError, match="quantization"):
         quantize_model(model, "int3")
+
+
+@pytest.mark.parametrize(("ggml_type", "mode"), [(gguf.GGMLQuantizationType.Q8_0, "int8"),
+                                                 (gguf.GGMLQuantizationType.Q4_1, "int4"),
+                                                 (gguf.GGMLQuantizationType.F16, "none")], ids=["q8_0", "q4_1", "f16"])
+def test_auto_runs_a_gguf_in_its_own_format(tiny, tmp_path, ggml_type, mode: str) -> None:
+    path = write_gguf(tiny("llama").hf, tmp_path / "model.gguf", ggml_type)
+    assert native_quantization(path) == mode
+    model = load_model(str(path), torch.float32, "auto").model
+    bits = {m.bits for m in model.layers.modules() if isinstance(m, QuantizedLinear)}
+    assert bits == {"int8": {8}, "int4": {4}, "none": set()}[mode]
+
+
+def test_auto_keeps_a_float_checkpoint_float(tiny) -> None:
+    model = load_model(str(tiny("llama").path), torch.float32, "auto").model
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())

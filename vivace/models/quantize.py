@@ -52,6 +52,18 @@ def quantize_model(model: LlamaForCausalLM, mode: str, gguf_path: Path | None = 
     return model
 
 
+def native_quantization(gguf_path: Path) -> str:
+    """The mode that runs a GGUF file's decoder projections in their own format: "int8" when
+    most are Q8_0, "int4" when most are Q4_0/Q4_1, else "none" (float or K-quants, which
+    vivace would have to requantize)."""
+    counts = dict.fromkeys(QUANTIZATIONS, 0)
+    for name, info in GGUFFile(gguf_path).tensors.items():
+        if name.startswith("blk.") and name.endswith(".weight") and len(info.shape) == 2:
+            mode = next((m for m, types in _DIRECT_TYPES.items() if info.ggml_type in types), "none")
+            counts[mode] += 1
+    return max(counts, key=counts.get) if any(counts.values()) else "none"
+
+
 def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
                direct: QuantizedWeight | None) -> QuantizedLinear:
     if direct is not None and direct.codes.shape == weight.shape:
