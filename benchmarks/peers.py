@@ -335,7 +335,19 @@ def write_document(path: Path, runs: dict[str, dict[str, BenchOutcome]], servers
         lines.append(f"- **{name}** ({server.version}), {note}:{env} `{shlex.join(server.command)}`")
     lines += ["", "## Plots", ""] + [f"![{p.stem}](benchmarks/{p.name})" for p in plots]
     lines += ["", "## Command", "", f"    {command}", ""]
-    path.write_text("\n".join(lines))
+    path.write_text("\n".join(lines) + _other_sections(path, lines[0]))
+
+
+def _other_sections(path: Path, title: str) -> str:
+    """What ``path`` holds after its ``title`` section (the other benchmarks' sections), kept
+    when the peers' section is rewritten; everything after the first ``# `` heading that
+    follows it."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    start = text.find(title)
+    rest_at = text.find("\n# ", start + len(title)) if start >= 0 else -1
+    return "" if rest_at < 0 else text[rest_at:]
 
 
 def main(argv: list[str] | None = None) -> int:
