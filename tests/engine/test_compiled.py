@@ -109,3 +109,31 @@ def test_verify_steps_run_compiled_and_keep_greedy_tokens(tiny_model_dir, monkey
     assert spec.engine.spec_stats.num_accepted > 0 and max(rows) > 1
     spec.check_integrity()
     assert spec.engine.kv.num_free_blocks == 64
+
+
+def test_prompt_chunks_beside_decodes_ride_the_compiled_step(tiny_model_dir, monkeypatch):
+    """A step of decodes plus a short prompt chunk runs as compiled decode rows (not eagerly);
+    greedy tokens stay those of an eager engine."""
+    rows = []
+    original = CompiledDecoder.__call__
+    monkeypatch.setattr(CompiledDecoder, "__call__", lambda self, *a: rows.append(len(a[0])) or original(self, *a))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batch = prompts(3, seed=11)
+    eager = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, quantization="int8")
+    compiled = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, quantization="int8", compile=True,
+                   max_num_seqs=8, max_prefill_chunk=3)
+    engine = compiled.engine
+    outputs = {}
+    engine.add_request("first", batch[0], params)
+    steps = [engine.step()]  # its whole prompt (nothing decodes yet), then it decodes beside the others' chunks
+    for i, prompt in enumerate(batch[1:]):
+        engine.add_request(f"later-{i}", prompt, params)
+    while engine.has_unfinished():
+        steps.append(engine.step())
+    for step in steps:
+        for out in step:
+            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    expected = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+    assert [outputs["first"], outputs["later-0"], outputs["later-1"]] == expected
+    assert max(rows) >= 4  # decodes plus a 3-token chunk (three decodes alone are 3 rows)
+    compiled.check_integrity()

@@ -113,17 +113,28 @@ class ModelRunner:
         for num_seqs in (1, 2):
             self.decode([0] * num_seqs, [0] * num_seqs, [[self.scratch_block]] * num_seqs)
 
+    def _as_decode_rows(self, batch: ScheduledBatch) -> bool:
+        """Whether the batch runs as decode rows: decodes and verifies always; with compiled
+        graphs, also decodes mixed with short prompt chunks (the chunks' rows ride the compiled
+        decode step instead of turning the whole step eager; their logits are computed and
+        dropped). A step of prompts alone keeps the prefill path."""
+        if all(n == 1 + len(r.spec_token_ids) for r, n in zip(batch.requests, batch.num_new_tokens)):
+            return True
+        return (self.decoder is not None and sum(batch.num_new_tokens) <= self.decoder.max_batch
+                and any(n == 1 + len(r.spec_token_ids) for r, n in zip(batch.requests, batch.num_new_tokens)))
+
     def execute(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
         """Run the batch (writing its K/V); return float32 logits ``[len(logit_indices), vocab]``
         at those flat token indices, or None when no logits are wanted this step."""
-        if all(n == 1 + len(r.spec_token_ids) for r, n in zip(batch.requests, batch.num_new_tokens)):
-            # Decodes and verifies: a request's next token plus its proposals are rows of one
-            # decode batch sharing its block table (the op writes every row's K/V, then attends
-            # row i over its own seq_len), so verifying runs the same graph as decoding.
+        if self._as_decode_rows(batch):
+            # One row per new token, each attending its own sequence up to its own position:
+            # the op writes every row's K/V before attending, so a request's rows (its next
+            # token and proposals to verify, or a prompt chunk) may share its block table.
             input_ids, positions, tables = [], [], []
             for request, num_new in zip(batch.requests, batch.num_new_tokens):
                 start = request.num_computed_tokens
-                input_ids += [request.token_ids[start]] + request.spec_token_ids
+                tokens = request.token_ids[start:start + num_new]
+                input_ids += tokens + request.spec_token_ids[:num_new - len(tokens)]
                 positions += range(start, start + num_new)
                 tables += [kv.block_ids(request.request_id)] * num_new
             logits = self.decode(input_ids, positions, tables)
