@@ -58,13 +58,16 @@ class CompiledDecoder:
     def backend(self) -> str:
         return "dynamo" if self._aot is None else "aot"
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
-        """Float32 logits ``[num_seqs, vocab]`` for one new token per sequence (1 to ``max_batch``)."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata,
+                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits ``[num_seqs, vocab]`` for one new token per row (1 to ``max_batch`` rows),
+        or ``[len(logit_rows), vocab]`` of those rows only."""
         inputs = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
         if self._aot is not None:
-            return self._aot(*inputs)
+            return self._aot(*inputs, logit_rows)
         if len(input_ids) > 1:
             # The bound's only job is to be finite; the runner never sends more than max_batch.
             for tensor in inputs:
                 torch._dynamo.mark_dynamic(tensor, 0, min=2, max=max(self.max_batch, 3))
-        return self._forward(input_ids, positions, self.kv_caches, *inputs[2:])
+        logits = self._forward(input_ids, positions, self.kv_caches, *inputs[2:])
+        return logits if logit_rows is None else logits[logit_rows]

@@ -98,14 +98,18 @@ class ModelRunner:
         meta = DecodeMetadata(torch.from_numpy(slots), torch.from_numpy(block_tables), torch.from_numpy(pos + 1))
         return torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(pos), meta
 
-    def decode(self, input_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """Float32 logits ``[len(input_ids), vocab]`` for one new token per sequence, each at its
-        position (the sequence then has position + 1 tokens), writing its K/V through ``tables``."""
+    def decode(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
+               logit_rows: list[int] | None = None) -> torch.Tensor:
+        """Float32 logits ``[len(input_ids), vocab]`` for one new token per row, each at its
+        position (the sequence then has position + 1 tokens), writing its K/V through ``tables``;
+        with ``logit_rows``, ``[len(logit_rows), vocab]`` of those rows only."""
+        rows = None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.long)
         if self.decoder is not None and len(input_ids) <= self.decoder.max_batch:
             # A fixed width, so that no graph depends on how long the sequences are.
-            return self.decoder(*self.build_decode_inputs(input_ids, positions, tables, self.max_blocks_per_seq))
+            return self.decoder(*self.build_decode_inputs(input_ids, positions, tables, self.max_blocks_per_seq), rows)
         ids, pos, meta = self.build_decode_inputs(input_ids, positions, tables, max(map(len, tables)))
-        return self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta))
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -137,8 +141,10 @@ class ModelRunner:
                 input_ids += tokens + request.spec_token_ids[:num_new - len(tokens)]
                 positions += range(start, start + num_new)
                 tables += [kv.block_ids(request.request_id)] * num_new
-            logits = self.decode(input_ids, positions, tables)
-            return logits[logit_indices] if logit_indices else None
+            if not logit_indices:
+                self.decode(input_ids, positions, tables, [0])  # K/V only; one row's logits is the least
+                return None
+            return self.decode(input_ids, positions, tables, logit_indices)
         input_ids, positions, meta = self.build_inputs(batch, kv)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden[logit_indices]) if logit_indices else None
