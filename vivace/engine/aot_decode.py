@@ -27,6 +27,7 @@ from torch import nn
 import vivace
 from vivace.layers import decode_attention
 from vivace.layers.attention import DecodeMetadata
+from vivace.layers.native import cpu_flags
 
 ARTIFACT_VERSION = 1
 # What shapes the graph: the model code, layers and kernels, and this file.
@@ -79,17 +80,9 @@ def _source_digest() -> str:
     for entry in _GRAPH_SOURCES:
         path = root / entry
         for file in sorted(path.rglob("*") if path.is_dir() else [path]):
-            if file.suffix in (".py", ".cpp"):
+            if file.suffix in (".py", ".cpp", ".h"):
                 digest.update(str(file.relative_to(root)).encode() + file.read_bytes())
     return digest.hexdigest()
-
-
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
 def artifact_key(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int) -> str:
@@ -100,7 +93,7 @@ def artifact_key(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int
         "torch": torch.__version__,
         "vivace": _package_version(),
         "source": _source_digest(),
-        "cpu": _cpu_flags(),
+        "cpu": sorted(cpu_flags()),
         "attention": decode_attention.BACKEND,
         "model": repr(model),
         "config": repr(getattr(model, "config", None)),

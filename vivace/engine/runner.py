@@ -42,8 +42,9 @@ class ModelRunner:
     Batches where every sequence has one new token, plus any speculative tokens to verify, take
     ``decode``, one row per token: with ``compile_max_batch`` set, through graphs compiled (or
     loaded from the on-disk cache) here, before the first request, for up to that many rows;
-    eagerly otherwise. Any batch with a prompt chunk of several tokens runs eagerly. The cache has
-    one block more than the pool hands out: the scratch block, which block-table padding points at.
+    eagerly otherwise. With compiled graphs, decodes mixed with prompt chunks also take it while
+    the rows fit; other batches with a prompt chunk run the eager prefill path. The cache has one
+    block more than the pool hands out: the scratch block, which block-table padding points at.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
@@ -122,10 +123,11 @@ class ModelRunner:
         graphs, also decodes mixed with short prompt chunks (the chunks' rows ride the compiled
         decode step instead of turning the whole step eager; their logits are computed and
         dropped). A step of prompts alone keeps the prefill path."""
-        if all(n == 1 + len(r.spec_token_ids) for r, n in zip(batch.requests, batch.num_new_tokens)):
+        decoding = [n == 1 + len(r.spec_token_ids) for r, n in zip(batch.requests, batch.num_new_tokens)]
+        if all(decoding):
             return True
         return (self.decoder is not None and sum(batch.num_new_tokens) <= self.decoder.max_batch
-                and any(n == 1 + len(r.spec_token_ids) for r, n in zip(batch.requests, batch.num_new_tokens)))
+                and any(decoding))
 
     def execute(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
         """Run the batch (writing its K/V); return float32 logits ``[len(logit_indices), vocab]``

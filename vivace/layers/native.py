@@ -7,6 +7,7 @@ there by later processes. Callers fall back to PyTorch code when ``load_library`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -22,13 +23,20 @@ AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c", "fma"
 logger = logging.getLogger(__name__)
 
 
-def cpu_has(flags: tuple[str, ...]) -> bool:
-    """Whether /proc/cpuinfo lists every one of ``flags`` (False where it can't be read)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it can't be read)."""
     try:
-        available = set(Path("/proc/cpuinfo").read_text().split())
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return all(flag in available for flag in flags)
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has(flags: tuple[str, ...]) -> bool:
+    """Whether the CPU has every one of ``flags`` (False where /proc/cpuinfo can't be read)."""
+    return cpu_flags().issuperset(flags)
 
 
 def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[str, ...] = ()) -> bool:

@@ -61,7 +61,7 @@ def native_quantization(gguf_path: Path) -> str:
         if name.startswith("blk.") and name.endswith(".weight") and len(info.shape) == 2:
             mode = next((m for m, types in _DIRECT_TYPES.items() if info.ggml_type in types), "none")
             counts[mode] += 1
-    return max(counts, key=counts.get) if any(counts.values()) else "none"
+    return max(counts, key=counts.get)  # "none" comes first, so it wins ties and empty files
 
 
 def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
