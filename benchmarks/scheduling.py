@@ -13,7 +13,7 @@ Time is the engine's: the sum of its step durations. With ``--clock cpu`` (the d
 torch thread) a step lasts the thread's CPU time, so neighbours' load on a shared machine
 does not count; ``--clock wall`` uses wall time and the torch threads asked for.
 
-    .venv/bin/python benchmarks/scheduling.py [--chunks 32,64,128,512,none] [--interval 1]
+    .venv/bin/python benchmarks/scheduling.py [--chunks pacer,16,64,none] [--interval 1]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from vivace.engine.llm_engine import LLMEngine
 from vivace.engine.outputs import RequestOutput
 from vivace.engine.sampling_params import SamplingParams
 
+PACER = -1  # in --chunks: no fixed chunk, the pacer chooses
 TOPICS = ["lighthouses", "volcanoes", "the history of tea", "black holes", "bees", "chess openings"]
 
 
@@ -129,12 +130,16 @@ def interference_benchmark(base: EngineConfig, engine: LLMEngine, measure: Calla
     print("|---|---|---|---|---|---|---|---|")
     whole = max(base.max_num_batched_tokens, args.prompt_len + args.streams)
     for chunk in args.chunks:
-        config = (replace(base, max_prefill_chunk=chunk) if chunk else
-                  replace(base, max_num_batched_tokens=whole, max_prefill_chunk=whole))
+        if chunk == PACER:
+            config = replace(base, max_prefill_chunk=None)
+        else:
+            config = (replace(base, max_prefill_chunk=chunk) if chunk else
+                      replace(base, max_num_batched_tokens=whole, max_prefill_chunk=whole))
         gaps, served, unserved = interference_run(StepClock(LLMEngine(config, engine.loaded), measure), args)
         median, p99 = statistics.median(gaps) * 1e3, percentile(gaps, 99) * 1e3
         arrivals = f"{statistics.median(served):.2f}" if served else "-"
-        print(f"| {chunk or 'none (whole prompts)'} | {median:.1f} | {p99:.1f} | {p99 / median:.2f} | "
+        label = "pacer" if chunk == PACER else chunk or "none (whole prompts)"
+        print(f"| {label} | {median:.1f} | {p99:.1f} | {p99 / median:.2f} | "
               f"{max(gaps) * 1e3:.0f} | {len(gaps)} | {arrivals} | {unserved} |", flush=True)
 
 
@@ -191,8 +196,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sections", default="prefix,interference,multi-turn")
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--chunks", type=lambda s: [0 if x == "none" else int(x) for x in s.split(",")],
-                        default=[32, 64, 128, 512, 0], help="prefill chunks to compare; none: whole prompts")
+    named = {"none": 0, "pacer": PACER}
+    parser.add_argument("--chunks", type=lambda s: [named[x] if x in named else int(x) for x in s.split(",")],
+                        default=[PACER, 16, 64, 0], help="prefill chunks to compare; none: whole prompts; "
+                        "pacer: the pacer chooses (vivace.engine.pacer)")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between arriving prompts")
@@ -209,7 +216,7 @@ def main() -> None:
     base = EngineConfig(model=args.model, dtype=args.dtype, num_threads=threads, compile=args.compile)
     engine = LLMEngine(base)
     print(f"{engine.model_name}, {args.dtype}, default engine config (token budget "
-          f"{base.max_num_batched_tokens}, prefill chunk {base.max_prefill_chunk} unless stated); "
+          f"{base.max_num_batched_tokens}, prefill chunk {base.max_prefill_chunk or 'paced'} unless stated); "
           f"{args.clock} clock, {threads} torch thread(s), compiled decode {'on' if args.compile else 'off'}")
     sections = args.sections.split(",")
     if "prefix" in sections:

@@ -39,6 +39,20 @@ def test_defaults_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine_config(parse_args(["serve"])).compile is False
 
 
+def test_the_pacer_is_the_default_and_a_fixed_chunk_or_targets_come_from_flags_or_env(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VIVACE_MAX_PREFILL_CHUNK", "VIVACE_ITL_TARGET_MS", "VIVACE_TTFT_TARGET_MS"):
+        monkeypatch.delenv(name, raising=False)
+    config = engine_config(parse_args(["serve"]))
+    assert (config.max_prefill_chunk, config.itl_target_ms, config.ttft_target_ms) == (None, None, None)
+    monkeypatch.setenv("VIVACE_ITL_TARGET_MS", "25")
+    monkeypatch.setenv("VIVACE_MAX_PREFILL_CHUNK", "16")
+    config = engine_config(parse_args(["serve", "--ttft-target-ms", "800"]))
+    assert (config.max_prefill_chunk, config.itl_target_ms, config.ttft_target_ms) == (16, 25.0, 800.0)
+    with pytest.raises(ValueError, match="itl_target_ms"):
+        engine_config(parse_args(["serve", "--itl-target-ms", "0"]))
+
+
 def test_bad_env_value_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VIVACE_PORT", "eighty")
     with pytest.raises(SystemExit) as exited:
@@ -72,3 +86,18 @@ def test_chat_keeps_the_history(tiny_model_dir: Path, monkeypatch: pytest.Monkey
     assert status == 0
     prompt_sizes = [int(total) for total in re.findall(r"/(\d+) prompt tokens cached", printed)]
     assert len(prompt_sizes) == 2 and prompt_sizes[1] > prompt_sizes[0] + 4
+
+
+def test_tls_flags_and_their_env_twins_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ssl
+
+    from vivace.cli import server_settings
+
+    monkeypatch.setenv("VIVACE_SSL_KEYFILE", "/tls/key.pem")
+    monkeypatch.setenv("VIVACE_SSL_CERTFILE", "/tls/cert.pem")
+    settings = server_settings(parse_args(["serve", "--ssl-ca-certs", "/tls/ca.pem"]))
+    assert settings.uvicorn_tls() == {"ssl_keyfile": "/tls/key.pem", "ssl_certfile": "/tls/cert.pem",
+                                      "ssl_ca_certs": "/tls/ca.pem", "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    monkeypatch.delenv("VIVACE_SSL_CERTFILE")
+    with pytest.raises(ValueError, match="go together"):
+        server_settings(parse_args(["serve"]))

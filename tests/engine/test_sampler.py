@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from vivace.engine.request import Request
@@ -64,3 +65,46 @@ def test_top_logprobs_are_sorted_and_include_the_argmax():
     assert out.top_ids == [[1, 3, 2]]
     assert out.top_logprobs[0] == sorted(out.top_logprobs[0], reverse=True)
     assert math.isclose(out.logprobs[0], out.top_logprobs[0][0])
+
+
+def test_tiny_temperatures_sample_greedily():
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.tensor([[1.0, 3.0, 2.9, -1.0]])
+    for temperature in (1e-308, 5e-324, 1e-6):
+        out = sampler(logits.clone(), [request(temperature=temperature, logprobs=1)])
+        assert out.token_ids == [1] and math.isfinite(out.logprobs[0])
+
+
+def test_vanishing_top_p_top_k_and_min_p_keep_the_most_likely_token():
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.tensor([[1.0, 3.0, 2.9, -1.0]])
+    for params in (dict(top_p=5e-324), dict(top_p=1e-45), dict(top_k=1), dict(min_p=1.0)):
+        draws = {sampler(logits.clone(), [request(temperature=1.0, seed=s, **params)]).token_ids[0]
+                 for s in range(20)}
+        assert draws == {1}, params
+
+
+def test_overflowing_penalties_and_temperatures_stay_finite():
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.tensor([[1.0, 3.0, -2.0, 0.5]])
+    # The repetition penalty divides the seen positive logits by 1e-308: +inf before saturation.
+    r = request(tokens=(1, 3), temperature=1e-5, repetition_penalty=1e-308, seed=3, logprobs=3)
+    out = sampler(logits.clone(), [r])
+    assert out.token_ids[0] in (1, 3)
+    assert all(math.isfinite(v) for v in [out.logprobs[0], *out.top_logprobs[0]])
+
+
+def test_logprobs_of_forbidden_tokens_are_finite():
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.tensor([[9.0, 1.0, 0.5]])
+    out = sampler(logits.clone(), [request(temperature=0, min_tokens=1, stop_token_ids=[2], logprobs=3)])
+    assert out.token_ids == [1]
+    assert out.top_ids[0][-2:] and sorted(out.top_logprobs[0])[:2] == [-9999.0, -9999.0]
+
+
+@pytest.mark.parametrize("seed", [0, -(2**63), 2**64 - 1, 2**64 + 5])
+def test_every_accepted_seed_works(seed):
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.randn(1, 50)
+    first = sampler(logits.clone(), [request(temperature=1.0, seed=seed)]).token_ids
+    assert sampler(logits.clone(), [request(temperature=1.0, seed=seed)]).token_ids == first

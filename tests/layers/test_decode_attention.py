@@ -60,3 +60,17 @@ def test_native_op_rejects_blocks_outside_the_cache():
     tables[1, 0] = cache.shape[1]
     with pytest.raises(RuntimeError, match="outside the cache"):
         OP(q, k, v, cache, slots, tables, seq_lens, 0.3)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 1000])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_windowed_op_matches_reference(window, dtype, tol):
+    """Windows inside one block, across blocks, on 16-token runs, and longer than every sequence."""
+    q, k, v, cache, slots, tables, seq_lens = random_batch(dtype, 7, block_size=8, head_dim=64, num_blocks=7 * 12,
+                                                           seed=window, width=12)
+    ref_cache = cache.clone()
+    out = OP(q, k, v, cache, slots, tables, seq_lens, 0.2, window)
+    expected = reference_decode_attention(q, k, v, ref_cache, slots, tables, seq_lens, 0.2, window)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+    if window == 1:  # a query that sees only itself returns its own value
+        torch.testing.assert_close(out.float(), v.repeat_interleave(3, dim=1).float(), rtol=tol, atol=tol)

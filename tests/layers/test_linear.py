@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from vivace.kernels import quant_linear_kernel
 from vivace.layers import quant_format as qf
+from vivace.layers.gguf_blocks import from_gguf_blocks
 from vivace.layers.linear import QuantizedLinear
 
 BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
@@ -99,7 +100,7 @@ def test_rejects_bad_shapes_and_modes() -> None:
     with pytest.raises(ValueError):
         QuantizedLinear.from_float(torch.randn(16, 64), mode="int2")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        qf.from_gguf_blocks(np.zeros((16, 10), np.uint8), gguf.GGMLQuantizationType.Q5_K)
+        from_gguf_blocks(np.zeros((16, 10), np.uint8), gguf.GGMLQuantizationType.Q3_K)
 
 
 def test_fallback_forced_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:

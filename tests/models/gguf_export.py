@@ -1,6 +1,7 @@
 """Write a tiny transformers model as a GGUF the way llama.cpp's convert_hf_to_gguf.py does:
 its metadata keys, tensor names, q/k row permutation (llama arch only), rope_freqs for
-llama3 scaling, norms and biases in F32, and a byte-level ("gpt2") tokenizer."""
+llama3 scaling, Gemma's norms stored as 1 + w, norms and biases in F32, and a byte-level
+("gpt2") tokenizer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 import transformers
 
+from layers.gguf_random import random_blocks  # tests/ is on sys.path, as for every test package
 from .tiny import BOS_ID, CHAT_TEMPLATE, EOS_ID, MERGES, SPECIAL_TOKENS, TOKENS
 
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -19,24 +21,37 @@ _LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
 }
+_GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+         "gemma3_text": "gemma3"}
 
 
 def write_gguf(model: transformers.PreTrainedModel, path: Path,
-               ggml_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
-    """Export ``model`` to ``path``; matrices are stored as ``ggml_type`` (F32, F16, or a 32-block quant)."""
+               ggml_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+               types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """Export ``model`` to ``path``; matrices are stored as ``ggml_type`` (F32, F16, or a quant),
+    or as ``types[part]`` for the GGUF tensor part named (``attn_q``, ``token_embd``, ...).
+    Types the gguf package cannot quantize to (the K-quants) get random codes of that type."""
     config = model.config
-    arch = "qwen2" if config.model_type == "qwen2" else "llama"
+    arch = ARCHS[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{config.model_type}")
-    _add_hparams(writer, config)
+    _add_hparams(writer, config, arch)
     _add_tokenizer(writer)
     for name, values in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        _add_tensor(writer, _gguf_name(name), _llama_cpp_order(values.numpy(), name, config, arch), ggml_type)
+        values = _llama_cpp_order(values.numpy(), name, config, arch)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            values = values + 1.0
+        gguf_name = _gguf_name(name, arch)
+        _add_tensor(writer, gguf_name, values, (types or {}).get(gguf_name.split(".")[-2], ggml_type))
     rope = config.rope_parameters
-    if rope["rope_type"] == "llama3":
+    if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -49,7 +64,7 @@ def _head_dim(config: transformers.PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) -> None:
+def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig, arch: str) -> None:
     head_dim = _head_dim(config)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -62,9 +77,12 @@ def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if getattr(config, "sliding_window", None) and arch in ("gemma3", "phi3"):
+        writer.add_sliding_window(config.sliding_window)
     writer.add_vocab_size(config.vocab_size)
-    if config.rope_parameters["rope_type"] == "linear":
+    if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_parameters["factor"])
 
@@ -88,16 +106,20 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray,
         writer.add_tensor(name, values.astype(np.float32))
     elif ggml_type == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, values.astype(np.float16))
+    elif ggml_type in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
+                       gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q3_K):
+        writer.add_tensor(name, random_blocks(ggml_type, *values.shape), raw_dtype=ggml_type)
     else:
         writer.add_tensor(name, gguf.quants.quantize(values, ggml_type), raw_dtype=ggml_type)
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str) -> str:
     module, _, leaf = hf_name.rpartition(".")
     if module in _GLOBAL:
         return f"{_GLOBAL[module]}.{leaf}"
     _, _, layer, part = module.split(".", 3)
-    return f"blk.{layer}.{_LAYER[part]}.{leaf}"
+    names = {**_LAYER, **_GEMMA3_LAYER} if arch == "gemma3" else _LAYER
+    return f"blk.{layer}.{names[part]}.{leaf}"
 
 
 def _llama_cpp_order(values: np.ndarray, name: str, config: transformers.PretrainedConfig, arch: str) -> np.ndarray:

@@ -51,11 +51,41 @@ def test_unsupported_architecture() -> None:
     assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
 
 
-def test_active_sliding_window_is_refused() -> None:
-    with pytest.raises(ValueError, match="sliding window"):
-        ModelConfig.from_hf(tiny_config("mistral", sliding_window=16))
-    assert ModelConfig.from_hf(tiny_config("mistral", sliding_window=128)).architecture == "MistralForCausalLM"
-    assert ModelConfig.from_hf(tiny_config("qwen2", sliding_window=16, use_sliding_window=False))
+def test_sliding_windows() -> None:
+    config = ModelConfig.from_hf(tiny_config("mistral", sliding_window=16))
+    assert config.sliding_window == 16 and [config.window(i) for i in range(2)] == [16, 16]
+    # A window as long as the context is full attention.
+    assert ModelConfig.from_hf(tiny_config("mistral", sliding_window=128)).sliding_window is None
+    assert ModelConfig.from_hf(tiny_config("qwen2", sliding_window=16, use_sliding_window=False)).window(1) is None
+    qwen = ModelConfig.from_hf(tiny_config("qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=1))
+    assert [qwen.window(i) for i in range(2)] == [None, 16]
+
+
+def test_reads_gemma3() -> None:
+    config = ModelConfig.from_hf(tiny_config("gemma3"))
+    assert config.architecture == "Gemma3ForCausalLM" and config.qk_norm
+    assert [config.window(i) for i in range(7)] == [6] * 5 + [None, 6]
+    assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
+    assert config.head_dim == 32 and config.hidden_size == 32
+    scaled = ModelConfig.from_hf(tiny_config("gemma3", query_pre_attn_scalar=24, sliding_window_pattern=2))
+    assert scaled.attention_scale == 24 ** -0.5 and scaled.layer_types[:2] == ("sliding_attention", "full_attention")
+    assert ModelConfig.from_hf(tiny_config("gemma3").to_dict()) == config
+
+
+def test_reads_qwen3_and_phi3() -> None:
+    qwen3 = ModelConfig.from_hf(tiny_config("qwen3"))
+    assert qwen3.qk_norm and not qwen3.attention_bias and qwen3.head_dim == 32 and qwen3.sliding_window is None
+    phi3 = ModelConfig.from_hf(tiny_config("phi3"))
+    assert phi3.architecture == "Phi3ForCausalLM" and phi3.sliding_window == 9 and not phi3.qk_norm
+
+
+def test_unsupported_gemma_and_phi_features() -> None:
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        ModelConfig.from_hf(tiny_config("gemma3", attn_logit_softcapping=50.0))
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf(tiny_config("phi3", partial_rotary_factor=0.75))
+    with pytest.raises(ValueError, match="'gelu' for Gemma3ForCausalLM"):
+        ModelConfig.from_hf(tiny_config("gemma3", hidden_activation="gelu"))
 
 
 def test_dynamic_rope_is_refused_with_the_reason() -> None:
@@ -64,7 +94,7 @@ def test_dynamic_rope_is_refused_with_the_reason() -> None:
 
 
 def test_other_unsupported_features() -> None:
-    with pytest.raises(ValueError, match="hidden_act"):
+    with pytest.raises(ValueError, match="activation 'gelu'"):
         ModelConfig.from_hf(tiny_config("llama", hidden_act="gelu"))
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_hf(tiny_config("llama", mlp_bias=True))

@@ -4,10 +4,12 @@ and GGUF Q8_0/Q4_1 tensors taken code for code (q/k rows un-permuted, q/k/v and 
 from __future__ import annotations
 
 import gguf
+import transformers
 import pytest
 import torch
 from torch import nn
 
+from vivace.kernels import quant_linear_kernel
 from vivace.layers.linear import QuantizedLinear
 from vivace.models import load_model
 from vivace.models.quantize import native_quantization, quantize_model
@@ -54,17 +56,50 @@ def test_rejects_unknown_mode(tiny) -> None:
         quantize_model(model, "int3")
 
 
-@pytest.mark.parametrize(("ggml_type", "mode"), [(gguf.GGMLQuantizationType.Q8_0, "int8"),
-                                                 (gguf.GGMLQuantizationType.Q4_1, "int4"),
-                                                 (gguf.GGMLQuantizationType.F16, "none")], ids=["q8_0", "q4_1", "f16"])
-def test_auto_runs_a_gguf_in_its_own_format(tiny, tmp_path, ggml_type, mode: str) -> None:
+@pytest.mark.parametrize(("ggml_type", "bits"), [(gguf.GGMLQuantizationType.Q8_0, {8}),
+                                                 (gguf.GGMLQuantizationType.Q4_1, {4}),
+                                                 (gguf.GGMLQuantizationType.F16, set())], ids=["q8_0", "q4_1", "f16"])
+def test_auto_runs_a_gguf_in_its_own_format(tiny, tmp_path, ggml_type, bits: set[int]) -> None:
     path = write_gguf(tiny("llama").hf, tmp_path / "model.gguf", ggml_type)
-    assert native_quantization(path) == mode
+    assert native_quantization(path) == ("none" if ggml_type == gguf.GGMLQuantizationType.F16 else "gguf")
     model = load_model(str(path), torch.float32, "auto").model
-    bits = {m.bits for m in model.layers.modules() if isinstance(m, QuantizedLinear)}
-    assert bits == {"int8": {8}, "int4": {4}, "none": set()}[mode]
+    bits_here = {m.bits for m in model.layers.modules() if isinstance(m, QuantizedLinear)}
+    # Without a native kernel the torch fallback would be slower than float: auto keeps float.
+    assert bits_here == (bits if quant_linear_kernel() is not None else set())
 
 
 def test_auto_keeps_a_float_checkpoint_float(tiny) -> None:
     model = load_model(str(tiny("llama").path), torch.float32, "auto").model
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
+    """A Q4_K_M-like file (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0 tensors) plus one Q3_K tensor: "gguf"
+    (what "auto" picks where the native kernels run) takes each in its own form (q/k/v of three formats stacked in a common 8-bit one), runs the
+    Q3_K one as float with a warning, and the logits stay those of the file's dequantized values."""
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    q = gguf.GGMLQuantizationType
+    types = {"attn_q": q.Q4_K, "attn_k": q.Q5_0, "attn_v": q.Q6_K, "attn_output": q.Q5_K, "ffn_gate": q.Q4_K,
+             "ffn_up": q.Q4_K, "ffn_down": q.Q6_K, "token_embd": q.Q8_0, "output": q.Q6_K}
+    path = write_gguf(hf, tmp_path / "kquant.gguf", q.F32, types)
+    reference = load_model(str(path), torch.float32, "none")
+    with caplog.at_level("WARNING"):
+        loaded = load_model(str(path), torch.float32, "gguf")
+    assert not caplog.records
+    layer = loaded.model.layers[0]
+    assert (layer.self_attn.qkv_proj.bits, layer.self_attn.qkv_proj.mins is not None) == (8, True)
+    assert (layer.mlp.gate_up_proj.bits, layer.self_attn.o_proj.bits, layer.mlp.down_proj.bits) == (4, 8, 8)
+    assert loaded.model.lm_head.bits == 8
+    ids = prompt(12, seed=9)
+    expected = PagedRun(reference.model, reference.config).step({"a": ids})["a"]
+    actual = PagedRun(loaded.model, loaded.config).step({"a": ids})["a"]
+    assert ((actual - expected).norm() / expected.norm()).item() < 2e-2
+
+    path = write_gguf(hf, tmp_path / "q3k.gguf", q.F32, {**types, "ffn_down": q.Q3_K})
+    with caplog.at_level("WARNING"):
+        loaded = load_model(str(path), torch.float32, "gguf")
+    assert "Q3_K (2 tensors)" in caplog.text and "dequantized float" in caplog.text
+    assert type(loaded.model.layers[0].mlp.down_proj) is nn.Linear

@@ -38,6 +38,19 @@ KINDS = {
     "linear_rope": (transformers.LlamaConfig, dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_theta=1e6)),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None, head_dim=32)),
+    # Windows shorter than the test prompts, and not a multiple of the block size.
+    "mistral_sliding": (transformers.MistralConfig, dict(sliding_window=7)),
+    "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32, rope_theta=1e6)),
+    "phi3": (transformers.Phi3Config, dict(sliding_window=9, pad_token_id=None)),
+    # llama.cpp's layout (5 sliding layers, 1 global, 1 sliding), two rope bases, head_dim apart from
+    # hidden/heads, and llama.cpp's attention scale (1/sqrt(head_dim)), so that a GGUF export holds it all.
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        num_hidden_layers=7, hidden_size=32, intermediate_size=48, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=6, tie_word_embeddings=True, rope_theta=1e6, rope_local_base_freq=1e4)),
+    # Transformers-only choices a GGUF can't carry: an attention scale apart from head_dim, pattern 2.
+    "gemma3_pattern2": (transformers.Gemma3TextConfig, dict(
+        num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=6, sliding_window_pattern=2,
+        tie_word_embeddings=True, rope_theta=1e6, rope_local_base_freq=1e4)),
 }
 
 

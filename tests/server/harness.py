@@ -45,7 +45,8 @@ def serving(engine: AsyncEngine | None, settings: ServerSettings) -> Iterator[Ru
     port = free_port()
     app = build_app(engine, settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=5))
+                                           lifespan="off", timeout_graceful_shutdown=5,
+                                           **settings.uvicorn_tls()))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -53,7 +54,8 @@ def serving(engine: AsyncEngine | None, settings: ServerSettings) -> Iterator[Ru
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", app, engine)
+        scheme = "https" if settings.ssl_certfile else "http"
+        yield RunningServer(f"{scheme}://127.0.0.1:{port}", app, engine)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -30,13 +30,13 @@ def completion(**changes: object) -> dict:
 
 CASES = [
     # (path, body, status, the field the error's param must name (or lie under), or None)
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format.type"),
+    (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    (CHAT, chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema"),
     (CHAT, chat(logit_bias={"42": 5}), 400, "logit_bias"),
     (CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
     (CHAT, chat(frobnicate=True), 400, "frobnicate"),
     (CHAT, chat(messages=[]), 400, "messages"),
-    (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.role"),
+    (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.tool_call_id"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
      "messages.0.content.0.type"),
     (CHAT, chat(temperature=-1), 400, "temperature"),

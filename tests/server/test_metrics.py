@@ -1,4 +1,5 @@
-"""``/metrics``: every documented metric is exposed, and a request moves the right ones."""
+"""``/metrics``: every documented metric is exposed, and a request moves the right ones;
+``/debug/timings`` lists the events behind the timing histograms."""
 
 from __future__ import annotations
 
@@ -15,15 +16,23 @@ DOCUMENTED = [
     "vivace:request_rejected_total", "vivace:request_timeout_total",
     "vivace:spec_decode_num_drafts_total", "vivace:spec_decode_num_draft_tokens_total",
     "vivace:spec_decode_num_accepted_tokens_total", "vivace:spec_decode_acceptance_rate",
-    "vivace:spec_decode_mean_accepted_length",
+    "vivace:spec_decode_mean_accepted_length", "vivace:server_work_seconds_count",
 ]
+# The engine's own step timings: a single-process server exposes them; behind Ray Serve each
+# replica keeps its own (the ingress does not aggregate them yet).
+ENGINE_TIMINGS = ["vivace:engine_step_seconds_count", "vivace:engine_handoff_seconds_count",
+                  "vivace:gc_pause_seconds_count"]
 
 
 def test_documented_metrics_are_exposed(server: RunningServer) -> None:
+    assert_exposed(server, DOCUMENTED + ENGINE_TIMINGS)
+
+
+def assert_exposed(server: RunningServer, names: list[str]) -> None:
     server.client().completions.create(model="tiny", prompt="warm", max_tokens=2)
     with server.http() as http:
         text = http.get("/metrics").text
-    for name in DOCUMENTED:
+    for name in names:
         assert f"\n{name}" in text, name
 
 
@@ -40,3 +49,30 @@ def test_a_request_moves_its_counters_and_histograms(server: RunningServer) -> N
         assert after[name] - before[name] == 1
     itl = "vivace:inter_token_latency_seconds_count"
     assert after[itl] - before[itl] == 3
+
+
+def test_a_streamed_chat_moves_the_timing_histograms_and_lists_its_events(server: RunningServer) -> None:
+    def count(name: str, **labels: str) -> float:
+        return metric_value(server, f"vivace:{name}_count", **labels)
+
+    before = {phase: count("engine_step_seconds", phase=phase) for phase in ("forward", "total")}
+    work_before = {work: count("server_work_seconds", work=work) for work in ("parse", "prompt", "sse_write")}
+    with server.http() as http:
+        since = http.get("/debug/timings").json()["now"]
+    stream = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a b c"}], max_tokens=4, stream=True,
+        extra_body={"ignore_eos": True})
+    assert len([chunk for chunk in stream]) >= 5
+    for phase, value in before.items():
+        assert count("engine_step_seconds", phase=phase) - value >= 4  # one step per token at least
+    assert count("server_work_seconds", work="parse") - work_before["parse"] == 1
+    assert count("server_work_seconds", work="prompt") - work_before["prompt"] == 1
+    assert count("server_work_seconds", work="sse_write") - work_before["sse_write"] >= 5
+    with server.http() as http:
+        timings = http.get("/debug/timings", params={"since": since}).json()
+        assert http.get("/debug/timings", params={"since": "soon"}).status_code == 400
+    steps = timings["steps"]
+    assert sum(step["decode_tokens"] for step in steps) >= 3
+    assert all(since <= step["start"] <= timings["now"] and step["total"] >= step["forward"] > 0 for step in steps)
+    assert {"start", "lag"} <= set(timings["handoffs"][0])
+    assert len(timings["prompt"]) == 1 and timings["prompt"][0]["seconds"] > 0

@@ -14,23 +14,18 @@ from collections.abc import AsyncIterator
 
 from vivace.config import EngineConfig
 from vivace.engine.deadlines import DeadlineQueue, Deadlines, QueueTimeoutError, RequestTimeoutError
+from vivace.engine.errors import EngineDeadError, EngineStepError, RequestFailedError
 from vivace.engine.llm_engine import EngineStats, LLMEngine
 from vivace.engine.outputs import RequestOutput
-from vivace.engine.sampling_params import SamplingParams
+from vivace.engine.sampling_params import SamplingParams, StructuredOutput
+from vivace.engine.step_timing import StepTimings
 from vivace.models import LoadedModel
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served."""
-
-
-class EngineStepError(RuntimeError):
-    """A step failed while this request was in flight; the engine itself goes on."""
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]], timings: StepTimings, sent_at: float) -> None:
+    timings.record_handoff(sent_at)
     for sink, output in batch:
         sink.put_nowait(output)
 
@@ -46,7 +41,10 @@ class AsyncEngine:
     """Loads the model, warms it up, and serves ``generate`` streams from an engine thread."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        start = time.perf_counter()
         self.engine = LLMEngine(config, loaded)
+        logger.info("vivace: engine built in %.1f s (model, native kernels, decode graph)",
+                    time.perf_counter() - start)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
@@ -56,7 +54,11 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self._deadlines = DeadlineQueue()
         self.error: BaseException | None = None
+        start = time.perf_counter()
         self.warm_up()
+        logger.info("vivace: warmed up in %.1f s", time.perf_counter() - start)
+        self.timings = self.engine.timings
+        self.timings.watch_gc()
         self._thread = threading.Thread(target=self._run, name="vivace-engine", daemon=True)
         self._thread.start()
 
@@ -141,13 +143,16 @@ class AsyncEngine:
         # One wake-up per event loop per step, not one per output: each costs a syscall.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
+            if output.error is not None:
+                self._deliver_error(output.request_id, RequestFailedError(output.error))
+                continue
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 loop, sink, index = stream
                 output.outputs[0].index = index
                 batches.setdefault(loop, []).append((sink, output))
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            loop.call_soon_threadsafe(_put_all, batch, self.timings, time.perf_counter())
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -191,6 +196,10 @@ class AsyncEngine:
                 if sub_id in remaining:
                     self._commands.put(("abort", sub_id))
 
+    def compile_grammar(self, structured: StructuredOutput) -> None:
+        """Raise ValueError (naming the problem) unless ``structured`` compiles. Thread-safe."""
+        self.engine.grammars.compile(structured)
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError when the request can never be served (context, vocabulary, KV pool)."""
         self.engine.validate(prompt_ids, params)
@@ -216,3 +225,5 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=10)
+        self.engine.token_masks.shutdown()
+        self.timings.unwatch_gc()

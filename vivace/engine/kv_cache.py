@@ -131,6 +131,19 @@ class KVCacheManager:
                 self.cached.setdefault(parent, block)
         self.num_hashed[request.request_id] = max(start, end)
 
+    def forget(self, request: Request) -> list[int]:
+        """Take the blocks that only ``request`` holds out of the prefix cache and return their
+        ids: after a failed forward their contents may be garbage (NaN), so no later request may
+        take them as a prefix, and the caller clears them before the pool hands them out again."""
+        forgotten = []
+        for block in self.tables.get(request.request_id, []):
+            if block.ref_count == 1:
+                if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+                forgotten.append(block.block_id)
+        return forgotten
+
     def trim(self, request: Request, num_tokens: int) -> None:
         """Give back the request's trailing blocks that hold no token below ``num_tokens``
         (slots reserved for rejected speculative tokens)."""

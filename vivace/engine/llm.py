@@ -53,12 +53,14 @@ class LLM:
                 total = results[delta.request_id]
                 _accumulate(total.outputs[0], delta.outputs[0])
                 total.finished, total.num_cached_tokens = delta.finished, delta.num_cached_tokens
+                total.error = delta.error
         return [self._merge([results[i] for i in ids]) for ids in order]
 
     @staticmethod
     def _merge(choices: list[RequestOutput]) -> RequestOutput:
         first = choices[0]
-        return dataclasses.replace(first, outputs=[c.outputs[0] for c in choices])
+        error = next((c.error for c in choices if c.error is not None), None)
+        return dataclasses.replace(first, outputs=[c.outputs[0] for c in choices], error=error)
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -12,16 +13,26 @@ import torch
 from vivace.config import EngineConfig
 from vivace.engine.detokenizer import IncrementalDetokenizer
 from vivace.engine.draft import DraftProposer
+from vivace.engine.grammar import GrammarCompiler, TokenMasks, advance
 from vivace.engine.kv_cache import KVCacheManager
+from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
+from vivace.engine.pacer import pacer_for
 from vivace.engine.request import Request
 from vivace.engine.runner import ModelRunner, num_blocks_for_budget
 from vivace.engine.sampler import SampledTokens, Sampler
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
+from vivace.engine.step_timing import StepTimings
 from vivace.layers.packed_linear import prepack_linears
 from vivace.models import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLogitsError(ValueError):
+    """A request's logits hold NaN or infinity: its forward went wrong, not its sampling."""
 
 
 @dataclass
@@ -44,7 +55,9 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        start = time.perf_counter()
         self.loaded = loaded or load_model(config.model, config.torch_dtype, config.quantization)
+        logger.info("vivace: model %s loaded in %.1f s", self.loaded.name, time.perf_counter() - start)
         prepack_linears(self.loaded.model)
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings
@@ -52,10 +65,11 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             self.loaded, config.block_size, config.torch_dtype, config.kv_cache_memory_gb, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_prefill_chunk)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.torch_dtype,
                                   self.max_model_len, config.max_num_seqs if config.compile else 0)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk, pacer_for(config, self.runner.compiled_rows))
+        self.timings = StepTimings()
         self.sampler = Sampler(self.loaded.config.eos_token_ids, config.seed)
         self.spec_stats = SpecStats()
         # n-gram proposals cost nothing to make; a draft's cost a forward per token.
@@ -67,6 +81,9 @@ class LLMEngine:
             prepack_linears(draft_model.model)
             self.draft = DraftProposer(draft_model, num_blocks, config.block_size, config.torch_dtype,
                                        self.loaded.config.vocab_size)
+        vocab_size, eos = self.loaded.config.vocab_size, self.loaded.config.eos_token_ids
+        self.grammars = GrammarCompiler(self.tokenizer, vocab_size, eos)
+        self.token_masks = TokenMasks(vocab_size)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
@@ -80,22 +97,17 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What this engine can ever serve: vocabulary, context length, KV pool."""
+        return RequestLimits(self.loaded.config.vocab_size, self.max_model_len, self.kv.block_size,
+                             len(self.kv.blocks))
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError when the request can never be served."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
-        vocab = self.loaded.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        wanted = num_prompt + (params.max_tokens or 1)
-        if wanted > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{num_prompt} prompt tokens plus {params.max_tokens or 1} max_tokens were requested")
-        if -(-wanted // self.kv.block_size) > len(self.kv.blocks):
-            raise ValueError(f"the request needs {wanted} tokens of KV cache; the pool holds "
-                             f"{len(self.kv.blocks) * self.kv.block_size}")
+        self.limits.check(prompt_token_ids, params)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None) -> Request:
@@ -108,6 +120,8 @@ class LLMEngine:
             params.max_tokens = self.max_model_len - len(token_ids)
         request = Request(request_id, token_ids, params, priority, next(self._arrivals),
                           arrival_time or time.perf_counter())
+        if params.structured is not None:
+            request.matcher = self.grammars.compile(params.structured)
         self.requests[request_id] = request
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
@@ -120,11 +134,21 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        request.finish_reason = FinishReason.ABORT
+        return self._end(request, FinishReason.ABORT)
+
+    def _end(self, request: Request, reason: FinishReason, error: str | None = None,
+             poisoned: bool = False) -> RequestOutput:
+        """Finish ``request`` now (``error`` says why it failed, if it did); its blocks return
+        to the pool, cleared and out of the prefix cache if its forward went ``poisoned``."""
+        if poisoned:
+            self.runner.clear_blocks(self.kv.forget(request))
+        request.finish_reason = reason
         request.timings.finished = time.perf_counter()
         self._release(request)
-        delta = CompletionOutput(0, "", [], [] if request.logprobs is not None else None, FinishReason.ABORT)
-        return self._output(request, delta, finished=True)
+        delta = CompletionOutput(0, "", [], [] if request.logprobs is not None else None, reason)
+        output = self._output(request, delta, finished=True)
+        output.error = error
+        return output
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -132,55 +156,120 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one batch; return a delta output for every token emitted (several for a request
-        whose proposals were accepted, so clients still see one token per chunk)."""
+        whose proposals were accepted, so clients still see one token per chunk).
+
+        A failure that belongs to one request (a non-finite logit in its rows, its sampling, its
+        detokenization or stop strings) ends that request alone, with an output whose ``error``
+        is set; every other request gets its tokens as if it were not there. A failed forward
+        ends the requests of this step that way; the engine goes on with the next step."""
+        marks = [time.perf_counter()]
         batch = self.scheduler.schedule()
         if not batch:
             return []
         now = time.perf_counter()
+        marks.append(now)
         plan: list[tuple[Request, int, int]] = []  # request, first logits row, number of rows
         logit_indices: list[int] = []
         offset = 0
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.timings.scheduled is None:
                 request.timings.scheduled = now
+            if request.num_tokens - request.num_computed_tokens > 1:
+                request.timings.prefill_chunks.append((now, num_new))
             offset += num_new
             num_spec = len(request.spec_token_ids)
             if request.num_computed_tokens + num_new == request.num_tokens + num_spec:
                 plan.append((request, len(logit_indices), num_spec + 1))
                 logit_indices.extend(range(offset - 1 - num_spec, offset))
-        logits = self.runner.execute(batch, self.kv, logit_indices)
+        constrained = [(request, row) for request, row, _ in plan if request.matcher is not None]
+        masks = self.token_masks.fill_async([r.matcher for r, _ in constrained]) if constrained else None
+        try:
+            logits = self.runner.execute(batch, self.kv, logit_indices)
+        except Exception as exc:
+            if masks is not None:
+                masks.exception()  # let the mask worker finish with these requests' matchers
+            logger.exception("the forward failed; ending the %d requests of this step", len(batch.requests))
+            return [self._end(request, FinishReason.ABORT, f"the engine step failed: {exc}", poisoned=True)
+                    for request in batch.requests]
+        # A row's sum is finite exactly when each of its logits is (NaN and inf propagate; sane
+        # logits can't overflow float32): one read of the rows, taken before masks add -inf.
+        finite = torch.isfinite(logits.sum(-1)).tolist() if plan else []
+        if masks is not None:  # filled while the forward ran
+            self.token_masks.apply(logits, [row for _, row in constrained], masks.result())
+        marks.append(time.perf_counter())
         sampling = {request.request_id for request, _, _ in plan}
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.request_id not in sampling:
                 request.num_computed_tokens += num_new  # a prompt chunk that samples nothing yet
         outputs: list[RequestOutput] = []
-        for request, sampled in self._sample(plan, logits):
-            outputs.extend(self._emit(request, sampled))
+        samples = self._sample(plan, logits, finite)
+        marks.append(time.perf_counter())
+        for request, sampled in samples:
+            try:
+                if isinstance(sampled, Exception):
+                    raise sampled
+                outputs.extend(self._emit(request, sampled))
+            except Exception as exc:  # this request's own fault: it alone ends
+                logger.error("request %s failed", request.request_id, exc_info=exc)
+                outputs.append(self._end(request, FinishReason.ABORT, f"this request failed: {exc}",
+                                         poisoned=isinstance(exc, NonFiniteLogitsError)))
+        marks.append(time.perf_counter())
         for request in batch.requests:
+            if request.request_id not in self.requests:
+                continue  # failed above: released, and nothing it computed this step is cached
             self.kv.cache_full_blocks(request)
             if request.finish_reason is not None:
                 self._release(request)
             else:
                 self.kv.trim(request, request.num_tokens)
         self._propose()
+        marks.append(time.perf_counter())
+        self.timings.record_step(marks, batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_budget)
+        self.scheduler.observe_step(batch, marks[-1] - marks[0])
         return outputs
 
-    def _sample(self, plan: list[tuple[Request, int, int]], logits: torch.Tensor | None
-                ) -> list[tuple[Request, SampledTokens]]:
-        """Sample plain rows together; verify each request's proposals on its own rows."""
-        plain = [(request, row) for request, row, num_rows in plan if num_rows == 1]
-        results = []
-        if plain:
-            sampled = self.sampler(logits[[row for _, row in plain]], [r for r, _ in plain])
-            results = [(request, sampled.row(i)) for i, (request, _) in enumerate(plain)]
+    def _sample(self, plan: list[tuple[Request, int, int]], logits: torch.Tensor | None, finite: list[bool]
+                ) -> list[tuple[Request, SampledTokens | Exception]]:
+        """Sample plain rows together; verify each request's proposals on its own rows. A request
+        whose rows held a non-finite logit (``finite`` per row), or whose sampling raises, gets
+        the exception instead."""
+        if not plan:
+            return []
+        results: list[tuple[Request, SampledTokens | Exception]] = []
+        plain = []
         for request, row, num_rows in plan:
-            if num_rows > 1:
-                proposal = request.spec_token_ids
-                sampled = self.sampler.verify(logits[row:row + num_rows], request, proposal)
-                self._record_speculation(request, len(proposal), len(sampled.token_ids) - 1)
-                request.spec_token_ids, request.spec_draft_probs = [], None
-                results.append((request, sampled))
-        return results
+            if not all(finite[row:row + num_rows]):
+                results.append((request, NonFiniteLogitsError("the model produced non-finite logits")))
+            elif num_rows == 1:
+                plain.append((request, row))
+            else:
+                results.append((request, self._verify(request, logits[row:row + num_rows])))
+        return self._sample_plain(plain, logits) + results
+
+    def _sample_plain(self, plain: list[tuple[Request, int]], logits: torch.Tensor
+                      ) -> list[tuple[Request, SampledTokens | Exception]]:
+        """One sampler call for all rows; if it raises, each row alone, so that the failure
+        lands on the request it belongs to."""
+        if not plain:
+            return []
+        requests = [request for request, _ in plain]
+        try:
+            sampled = self.sampler(logits[[row for _, row in plain]], requests)
+        except Exception as exc:
+            if len(plain) == 1:
+                return [(requests[0], exc)]
+            return [result for one in plain for result in self._sample_plain([one], logits)]
+        return [(request, sampled.row(i)) for i, request in enumerate(requests)]
+
+    def _verify(self, request: Request, logits: torch.Tensor) -> SampledTokens | Exception:
+        proposal = request.spec_token_ids
+        try:
+            sampled = self.sampler.verify(logits, request, proposal)
+        except Exception as exc:
+            return exc
+        self._record_speculation(request, len(proposal), len(sampled.token_ids) - 1)
+        request.spec_token_ids, request.spec_draft_probs = [], None
+        return sampled
 
     def _record_speculation(self, request: Request, proposed: int, accepted: int) -> None:
         self.spec_stats.num_steps += 1
@@ -198,7 +287,8 @@ class LLMEngine:
         chosen, ks = [], []
         for request in decoding:
             params = request.params
-            if not params.speculative or params.has_penalties or request.num_output_tokens < params.min_tokens:
+            if (not params.speculative or params.has_penalties or request.matcher is not None
+                    or request.num_output_tokens < params.min_tokens):
                 continue
             room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
             k = min(self.adaptive_k.next_k(request), room)
@@ -243,6 +333,8 @@ class LLMEngine:
             stop = detokenizer.add_token(token_id, match_stop=request.num_output_tokens >= params.min_tokens)
             if stop is not None:
                 request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+            elif request.matcher is not None and advance(request.matcher, token_id):
+                request.finish_reason = FinishReason.STOP  # the grammar is complete
             elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 request.finish_reason = FinishReason.LENGTH
         finished = request.finish_reason is not None

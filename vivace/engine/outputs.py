@@ -29,6 +29,8 @@ class Timings:
     first_token: float | None = None
     finished: float | None = None
     token_times: list[float] = field(default_factory=list)
+    preemptions: list[float] = field(default_factory=list)  # instants it was preempted
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (step start, tokens)
 
     @property
     def queue_time(self) -> float:
@@ -70,6 +72,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     timings: Timings
+    error: str | None = None  # set (with ``finished``) when this request alone failed
 
     @property
     def prompt_tokens(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ class Request:
     spec_k: int = 0       # adaptive proposal length (0: not yet set)
     spec_misses: int = 0  # consecutive steps with nothing accepted
     spec_pause: int = 0   # steps left without speculation
+    matcher: Any = None  # the grammar's state for a constrained request (vivace.engine.grammar)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -54,7 +56,9 @@ class Request:
         self.logprobs = [] if self.params.logprobs is not None else None
         self.generator = None
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            # Any accepted seed (signed or unsigned 64-bit, plus a choice's index) maps into
+            # the generator's unsigned 64-bit range.
+            self.generator = torch.Generator().manual_seed(self.params.seed % 2**64)
         self.timings = Timings(arrival=self.arrival_time)
 
     @property

@@ -60,6 +60,20 @@ class ModelRunner:
             self.decoder = CompiledDecoder(self.model, self.kv_caches, compile_max_batch)
             self.warm_up()
 
+    @property
+    def compiled_rows(self) -> int:
+        """The most rows (tokens) a step may have and still run the compiled decode step; 0 without one."""
+        return self.decoder.max_batch if self.decoder is not None else 0
+
+    def clear_blocks(self, block_ids: list[int]) -> None:
+        """Zero the K/V of ``block_ids`` in every layer. Attention reads whole blocks and masks
+        the slots past a sequence's end, and a masked NaN still poisons the sum (0 * NaN), so a
+        block a failed forward may have filled with NaN is cleared before it is reused."""
+        if block_ids:
+            index = torch.tensor(block_ids, dtype=torch.long)
+            for cache in self.kv_caches:
+                cache.index_fill_(1, index, 0.0)
+
     def build_inputs(self, batch: ScheduledBatch, kv: KVCacheManager) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
         positions: list[int] = []

@@ -4,6 +4,10 @@ Order: penalties, min_tokens masking, then (for non-greedy rows) temperature, to
 top-p and min-p, then a draw from the request's own generator, so a seeded request
 samples the same tokens whatever else shares its batch. Logprobs are those of the
 model's distribution after penalties, before temperature and truncation.
+
+Safe for every value the request schema accepts: overflow (a tiny repetition penalty or
+temperature) saturates at the largest finite float instead of becoming inf, every filter keeps
+the most likely token, and logprobs leave as finite numbers (MIN_LOGPROB for -inf).
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import torch
 from vivace.engine.request import Request
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.speculative import verify
+
+# What a logprob of -inf is written as (as vLLM does): JSON has no infinities.
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -46,6 +53,13 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
                 logits[row, ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
 
 
+def saturate(logits: torch.Tensor) -> torch.Tensor:
+    """In place: +inf becomes the largest finite value, NaN becomes -inf (-inf stays), so the
+    argmax survives and a softmax over a row with any finite value stays finite."""
+    return torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
+                             neginf=float("-inf"))
+
+
 def mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]) -> None:
     """Forbid eos and stop tokens until a request has its min_tokens."""
     for row, request in enumerate(requests):
@@ -68,6 +82,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         sorted_logits, order = logits.sort(descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        drop[0] = False  # and always the most likely one (a top_p below float32's range is 0 here)
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
@@ -79,7 +94,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
         logits = logits.float()
-        apply_penalties(logits, requests)
+        if any(r.params.has_penalties for r in requests):  # the only source of inf here
+            apply_penalties(logits, requests)
+            saturate(logits)
         mask_stop_tokens(logits, requests, self.eos_token_ids)
         token_ids = logits.argmax(-1).tolist()
         for row, request in enumerate(requests):
@@ -105,7 +122,8 @@ class Sampler:
     @staticmethod
     def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """The distribution a non-greedy request samples from (temperature, then truncation)."""
-        return filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
+        scaled = saturate(logits / params.temperature)
+        return filter_logits(scaled, params.top_k, params.top_p, params.min_p).softmax(-1)
 
     def _draw(self, logits: torch.Tensor, request: Request) -> int:
         probs = self.probabilities(logits, request.params)
@@ -115,7 +133,7 @@ class Sampler:
         wanted = [r.params.logprobs for r in requests]
         if all(n is None for n in wanted):
             return SampledTokens(token_ids, None, [[] for _ in requests], [[] for _ in requests])
-        logprobs = logits.log_softmax(-1)
+        logprobs = torch.nan_to_num_(logits.log_softmax(-1), nan=MIN_LOGPROB, neginf=MIN_LOGPROB)
         chosen = logprobs.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
         max_n = max(n or 0 for n in wanted)
         top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)

@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+GrammarKind = Literal["json_schema", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match. ``spec`` is text: a JSON schema (``json_schema``),
+    a regular expression (``regex``), a JSON list of strings (``choice``), or a Lark or GBNF
+    grammar in llguidance's dialect (``grammar``). ``vivace.engine.grammar`` compiles it."""
+
+    kind: GrammarKind
+    spec: str
+
+# Temperatures below this sample greedily: dividing logits by less overflows float32 (as vLLM).
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """What to sample and when to stop. Validated on construction (raises ValueError).
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
+    ``temperature < SAMPLING_EPS`` (0 included) means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``logprobs`` is None (none) or the number of top alternatives to return
     besides the chosen token's logprob (0 = only the chosen token).
     """
@@ -32,6 +48,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # allow speculative decoding for this request (when the engine has it)
+    structured: StructuredOutput | None = None  # constrain the output (such requests never speculate)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:

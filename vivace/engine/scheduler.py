@@ -3,8 +3,10 @@
 Each step: every decoding request gets its next token first, then unfinished prompts get
 chunks, then waiting requests are admitted in (priority, arrival) order while the budget,
 ``max_num_seqs`` and the KV pool allow. While any request is decoding, the prompt tokens of
-a step are capped at ``max_prefill_chunk``, so a long prompt delays the streams' next tokens
-by one chunk's compute at most; a step without decodes may fill the whole budget with prompt.
+a step are capped: by the pacer (``vivace.engine.pacer``: what fits the ITL target by the
+measured step costs), or at ``max_prefill_chunk`` when one is set; so a long prompt delays the
+streams' next tokens by one chunk's compute at most. A step without decodes may fill the whole
+budget with prompt.
 When the pool cannot grow a running request, the lowest-priority, newest running request
 is preempted by recompute: its blocks are freed and it waits to be computed again.
 """
@@ -12,9 +14,11 @@ is preempted by recompute: its blocks are freed and it waits to be computed agai
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 
 from vivace.engine.kv_cache import KVCacheManager
+from vivace.engine.pacer import Pacer, prompt_kilopositions
 from vivace.engine.request import Request, RequestStatus
 
 
@@ -25,6 +29,13 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_decode_tokens: int = 0  # of total_tokens, those of requests decoding (and verifying proposals)
+    prompt_budget: int = 0  # the most prompt tokens this step could take
+    prompt_kpos: float = 0.0  # its prompt tokens' positions summed, in thousands (their attention's work)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.total_tokens - self.num_decode_tokens
 
     @property
     def total_tokens(self) -> int:
@@ -35,12 +46,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """Chooses each step's batch. With ``max_prefill_chunk`` set, a step that decodes takes at
+    most that many prompt tokens; otherwise ``pacer`` decides, and without a pacer either, the
+    whole budget may go to prompts."""
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int | None = None) -> None:
+                 max_prefill_chunk: int | None = None, pacer: Pacer | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk
+        self.pacer = None if max_prefill_chunk else pacer
         self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -66,11 +82,35 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         budget = self._schedule_running(decoding, self.max_num_batched_tokens, batch)
-        prompt_budget = min(budget, self.max_prefill_chunk) if decoding else budget
-        prompt_budget = self._schedule_running(prefilling, prompt_budget, batch)
+        batch.prompt_budget = self._prompt_budget(batch.total_tokens, budget, prefilling)
+        prompt_budget = self._schedule_running(prefilling, batch.prompt_budget, batch)
         if not batch.preempted:
             self._admit_waiting(batch, prompt_budget)
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            if request.num_tokens - request.num_computed_tokens > 1:
+                batch.prompt_kpos += prompt_kilopositions(request.num_computed_tokens, num_new)
+            else:
+                batch.num_decode_tokens += num_new
         return batch
+
+    def _prompt_budget(self, decode_tokens: int, budget: int, prefilling: list[Request]) -> int:
+        if not decode_tokens:
+            return budget
+        if self.pacer is None:
+            return min(budget, self.max_prefill_chunk or budget)
+        start = prefilling[0].num_computed_tokens if prefilling else 0
+        return self.pacer.budget(decode_tokens, budget, self._oldest_prompt_wait(prefilling), start)
+
+    def _oldest_prompt_wait(self, prefilling: list[Request]) -> float:
+        """Seconds the longest-waiting request without a first token has waited (0 if none)."""
+        unserved = [r.arrival_time for r in prefilling if r.timings.first_token is None]
+        unserved += [r.arrival_time for _, r in self.waiting if r.timings.first_token is None]
+        return time.perf_counter() - min(unserved) if unserved else 0.0
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Teaches the pacer (if any) what ``batch`` cost."""
+        if self.pacer is not None:
+            self.pacer.observe(batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_kpos, seconds)
 
     def _schedule_running(self, requests: list[Request], budget: int, batch: ScheduledBatch) -> int:
         """Give each of ``requests`` its next tokens within ``budget``; returns what is left."""
@@ -110,6 +150,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.spec_token_ids, victim.spec_draft_probs = [], None
         victim.num_preemptions += 1
+        victim.timings.preemptions.append(time.perf_counter())
         self.num_preemptions += 1
         batch.preempted.append(victim)
         self.add(victim)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import vivace.layers.decode_attention  # noqa: F401  (registers torch.ops.vivace.paged_decode_attention)
 from vivace.layers import prefill_attention
@@ -51,28 +50,22 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous K and V ``[length, num_kv_heads, head_dim]`` of one sequence."""
-    num_blocks = -(-length // kv_cache.shape[2])
-    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, n, block_size, h, d]
-    blocks = blocks.flatten(1, 2)[:, :length]
-    return blocks[0], blocks[1]
-
-
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, scale: float,
+    kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for a batch mixing prefill chunks and decodes.
 
     q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
     Writes k, v to the cache, then returns ``[num_tokens, num_heads, head_dim]``. Decodes
     (one new token) are attended together in one ``paged_decode_attention`` call; prefill
-    chunks one by one. A ``DecodeMetadata`` batch is that one call and nothing else.
+    chunks one by one. A ``DecodeMetadata`` batch is that one call and nothing else. With
+    ``window``, each query attends only the last ``window`` positions up to its own (a
+    sliding-window layer); the cache still holds, and the block tables still list, every position.
     """
     if isinstance(meta, DecodeMetadata):
         return torch.ops.vivace.paged_decode_attention(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables,
-                                                       meta.seq_lens, scale)
+                                                       meta.seq_lens, scale, window or 0)
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     starts = [0]
@@ -84,31 +77,20 @@ def paged_attention(
         rows = torch.tensor([starts[i] for i in decodes])
         seq_lens = torch.tensor([meta.seq_lens[i] for i in decodes])
         out[rows] = torch.ops.vivace.paged_decode_attention(
-            q[rows], k[rows], v[rows], kv_cache, meta.slot_mapping[rows], meta.block_tables[decodes], seq_lens, scale)
+            q[rows], k[rows], v[rows], kv_cache, meta.slot_mapping[rows], meta.block_tables[decodes], seq_lens, scale,
+            window or 0)
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
         if q_len > 1:
             start = starts[i]
             out[start:start + q_len] = _prefill_attention(
-                q[start:start + q_len], kv_cache, meta.block_tables[i], seq_len, scale)
+                q[start:start + q_len], kv_cache, meta.block_tables[i], seq_len, scale, window)
     return out
 
 
 def _prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                       seq_len: int, scale: float) -> torch.Tensor:
-    """A chunk of ``q_len`` queries at the end of a ``seq_len``-token sequence."""
-    if prefill_attention.native_supports(q, kv_cache):
+                       seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """A chunk of ``q_len`` queries at the end of a ``seq_len``-token sequence. The native kernel
+    is causal only: a window that hides some key from some query takes the SDPA path."""
+    if (window is None or seq_len <= window) and prefill_attention.native_supports(q, kv_cache):
         return torch.ops.vivace.paged_prefill_attention(q, kv_cache, block_table, seq_len, scale)
-    q_len = q.shape[0]
-    keys, values = _gather(kv_cache, block_table, seq_len)
-    query = q.transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
-    keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
-    values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
-    if q_len == seq_len:
-        attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
-                                                  enable_gqa=keys.shape[1] != query.shape[1])
-    else:
-        # Query j sits at position seq_len - q_len + j and sees keys up to there.
-        mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
-        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                                  enable_gqa=keys.shape[1] != query.shape[1])
-    return attended[0].transpose(0, 1)
+    return prefill_attention.sdpa_prefill_attention(q, kv_cache, block_table, seq_len, scale, window)

@@ -3,7 +3,8 @@
 // Registers vivace::paged_decode_attention with the dispatcher, so eager calls and compiled
 // graphs (inductor's C++ wrapper included) reach it without Python. The cache is one tensor
 // [2, num_blocks, block_size, kv_heads, head_dim] (keys, then values); a token's slot is
-// block * block_size + offset. Scores and the softmax are float32 whatever the dtype.
+// block * block_size + offset. Scores and the softmax are float32 whatever the dtype. With a
+// window w > 0 a query attends only the last w tokens of its sequence (sliding-window layers).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -39,13 +40,15 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
 }
 
-// Attend the `group` query heads sharing kv head `kvh` of one sequence over its first
-// `seq_len` tokens; ND = head_dim / 16. q and out point at the group's first head
-// ([group, head_dim]). Blocks are walked in table order, so no token needs a division.
+// Attend the `group` query heads sharing kv head `kvh` of one sequence over its tokens
+// [start, seq_len); ND = head_dim / 16. q and out point at the group's first head
+// ([group, head_dim]). Blocks are walked in table order, so no token needs a division; scores
+// are kept at their token's index (those below `start` are never written or read).
 template <typename T, int ND>
-void attend_group(const T* q, T* out, const T* keys, const T* values, const int64_t* table,
+void attend_group(const T* q, T* out, const T* keys, const T* values, const int64_t* table, int64_t start,
                   int64_t seq_len, int64_t kvh, float scale, const Layout& s, std::vector<float>& buf) {
   const int64_t stride = s.token_stride(), bs = s.block_size, num_blocks = (seq_len + bs - 1) / bs;
+  const int64_t first_block = start / bs;
   buf.resize(seq_len + 16);
   float* scores = buf.data();
   for (int64_t g = 0; g < s.group; ++g) {
@@ -54,11 +57,11 @@ void attend_group(const T* q, T* out, const T* keys, const T* values, const int6
     for (int i = 0; i < ND; ++i) query[i] = _mm512_mul_ps(load16(qg + 16 * i), _mm512_set1_ps(scale));
     // Scores, 16 tokens at a time where a block allows.
     __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < num_blocks; ++j) {
+    for (int64_t j = first_block; j < num_blocks; ++j) {
       const T* base = keys + table[j] * bs * stride + kvh * ND * 16;
       const int64_t n = std::min(bs, seq_len - j * bs);
       float* sc = scores + j * bs;
-      int64_t t = 0;
+      int64_t t = std::max<int64_t>(0, start - j * bs);
       for (; t + 16 <= n; t += 16) {
         __m512 part[16];
         for (int u = 0; u < 16; ++u) {
@@ -82,7 +85,7 @@ void attend_group(const T* q, T* out, const T* keys, const T* values, const int6
     // Softmax numerators; the sum divides the output once at the end.
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
     __m512 total = _mm512_setzero_ps();
-    int64_t t = 0;
+    int64_t t = start;
     for (; t + 16 <= seq_len; t += 16) {
       const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + t), top));
       total = _mm512_add_ps(total, e);
@@ -97,11 +100,11 @@ void attend_group(const T* q, T* out, const T* keys, const T* values, const int6
     // Values weighted by the numerators.
     __m512 acc[ND];
     for (int i = 0; i < ND; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < num_blocks; ++j) {
+    for (int64_t j = first_block; j < num_blocks; ++j) {
       const T* base = values + table[j] * bs * stride + kvh * ND * 16;
       const int64_t n = std::min(bs, seq_len - j * bs);
       const float* sc = scores + j * bs;
-      for (int64_t u = 0; u < n; ++u) {
+      for (int64_t u = std::max<int64_t>(0, start - j * bs); u < n; ++u) {
         const __m512 p = _mm512_set1_ps(sc[u]);
         const T* v = base + u * stride;
         for (int i = 0; i < ND; ++i) acc[i] = _mm512_fmadd_ps(p, load16(v + 16 * i), acc[i]);
@@ -115,7 +118,7 @@ void attend_group(const T* q, T* out, const T* keys, const T* values, const int6
 template <typename T>
 void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                       const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq_lens,
-                      double scale, at::Tensor& out, const Layout& s) {
+                      double scale, int64_t window, at::Tensor& out, const Layout& s) {
   const int64_t num_seqs = q.size(0), row_bytes = s.token_stride() * sizeof(T);
   T* keys = cache.data_ptr<T>();
   T* values = keys + s.num_slots * s.token_stride();
@@ -133,7 +136,7 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     for (int64_t j = 0; j < (lens[b] + s.block_size - 1) / s.block_size; ++j)
       TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "block ", table[j], " is outside the cache");
   }
-  using Attend = void (*)(const T*, T*, const T*, const T*, const int64_t*, int64_t, int64_t, float,
+  using Attend = void (*)(const T*, T*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float,
                          const Layout&, std::vector<float>&);
   Attend attend = nullptr;
   switch (s.head_dim / 16) {
@@ -152,9 +155,11 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.kv_heads, kvh = task % s.kv_heads, head = kvh * s.group;
+      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
       attend(q.data_ptr<T>() + b * q.stride(0) + head * s.head_dim,
              out.data_ptr<T>() + (b * s.kv_heads * s.group + head) * s.head_dim, keys, values,
-             tables.data_ptr<int64_t>() + b * tables.stride(0), lens[b], kvh, static_cast<float>(scale), s, buf);
+             tables.data_ptr<int64_t>() + b * tables.stride(0), start, lens[b], kvh, static_cast<float>(scale), s,
+             buf);
     }
   });
 }
@@ -164,7 +169,8 @@ bool rows_dense(const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) ==
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2, "kv_cache must be contiguous [2, N, bs, h, d]");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && k.scalar_type() == kv_cache.scalar_type() &&
@@ -182,9 +188,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   switch (q.scalar_type()) {
-    case at::kFloat: write_and_attend<float>(qd, kd, vd, kv_cache, slots, tables, lens, scale, out, s); break;
-    case at::kBFloat16: write_and_attend<at::BFloat16>(qd, kd, vd, kv_cache, slots, tables, lens, scale, out, s); break;
-    case at::kHalf: write_and_attend<at::Half>(qd, kd, vd, kv_cache, slots, tables, lens, scale, out, s); break;
+    case at::kFloat: write_and_attend<float>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s); break;
+    case at::kBFloat16: write_and_attend<at::BFloat16>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s); break;
+    case at::kHalf: write_and_attend<at::Half>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
@@ -194,7 +200,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
 
 TORCH_LIBRARY_FRAGMENT(vivace, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vivace, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -20,10 +20,11 @@ from vivace.layers.native import AVX512_CFLAGS, AVX512_CPU_FLAGS, load_library
 
 def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, window: int = 0) -> torch.Tensor:
     """Store ``k``, ``v`` ``[num_seqs, kv_heads, d]`` at ``slot_mapping`` in ``kv_cache``
     ``[2, num_blocks, block_size, kv_heads, d]``, then attend ``q`` ``[num_seqs, heads, d]`` over the
-    first ``seq_lens[i]`` tokens of blocks ``block_tables[i]``; returns ``[num_seqs, heads, d]``.
+    first ``seq_lens[i]`` tokens of blocks ``block_tables[i]`` (with ``window`` > 0, only the last
+    ``window`` of them); returns ``[num_seqs, heads, d]``.
     Only the columns of ``block_tables`` that the longest sequence needs are read."""
     two, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(two, num_blocks * block_size, kv_heads, head_dim)
@@ -33,6 +34,8 @@ def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     rows = kv_cache.view(two, num_blocks, -1).index_select(1, block_tables[:, :width].flatten())
     keys, values = rows.view(two, len(q), width * block_size, kv_heads, head_dim).transpose(2, 3).to(q.dtype)
     mask = torch.arange(width * block_size)[None, :] < seq_lens[:, None]
+    if window > 0:
+        mask &= torch.arange(width * block_size)[None, :] >= seq_lens[:, None] - window
     attended = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
                                               scale=scale, enable_gqa=kv_heads != q.shape[1])
     return attended.squeeze(2)
@@ -48,7 +51,7 @@ def _register() -> str:
 
     @torch.library.register_fake("vivace::paged_decode_attention")
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     return backend

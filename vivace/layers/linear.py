@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers (int8 per output row, int4 per group, GGUF Q8_0/Q4_0/Q4_1).
+"""Weight-only quantized linear layers (int8 per output row, int4 per group, GGUF formats).
 
 ``QuantizedLinear`` keeps its weight in the tiled layout of ``vivace.layers.quant_format`` and
 runs the native AVX-512 VNNI kernel (activations quantized to int8 per group of 32 on the fly)
@@ -17,6 +17,7 @@ from torch import nn
 
 from vivace.kernels import quant_linear_kernel
 from vivace.layers import quant_format as qf
+from vivace.layers.gguf_blocks import from_gguf_blocks
 
 QuantMode = Literal["int8", "int4"]
 Backend = Literal["native", "torch"]
@@ -65,8 +66,9 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_gguf(cls, data: np.ndarray, ggml_type: gguf.GGMLQuantizationType,
                   bias: torch.Tensor | None = None) -> QuantizedLinear:
-        """Build from GGUF Q8_0 / Q4_0 / Q4_1 block bytes ``[out_features, row_bytes]``."""
-        return cls(qf.from_gguf_blocks(data, ggml_type), bias)
+        """Build from GGUF block bytes ``[out_features, row_bytes]`` of a type in
+        ``vivace.layers.gguf_blocks.NATIVE_TYPES``."""
+        return cls(from_gguf_blocks(data, ggml_type), bias)
 
     @property
     def backend(self) -> Backend:

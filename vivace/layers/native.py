@@ -11,6 +11,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[st
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     build_dir = cache / "vivace" / "kernels" / f"{source.stem}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
         load(name=f"vivace_{source.stem}_{digest}", sources=[str(source)], extra_cflags=list(cflags),
@@ -59,4 +61,6 @@ def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[st
     except Exception as exc:  # any build or load failure means: use the PyTorch fallback
         logger.warning("vivace: native %s failed to build or load (%s); using PyTorch code", source.name, exc)
         return False
+    logger.info("vivace: native %s ready in %.1f s (built once per source, then cached)", source.name,
+                time.perf_counter() - start)
     return True

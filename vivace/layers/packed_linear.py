@@ -14,9 +14,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vivace.layers.native import load_library
+from vivace.layers.native import cpu_has, load_library
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN packs bfloat16 weights only on CPUs with these (or AVX-NE-CONVERT); elsewhere it raises.
+_BF16_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512dq")
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16) if cpu_has(_BF16_CPU_FLAGS) or cpu_has(("avx_ne_convert",)) \
+    else (torch.float32,)
 
 
 class PackedLinear(nn.Module):

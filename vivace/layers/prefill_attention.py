@@ -27,17 +27,31 @@ MAX_HEAD_DIM = 128
 def reference_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                 seq_len: int, scale: float) -> torch.Tensor:
     """Gather the sequence's K/V and call SDPA (is_causal when ``q_len == seq_len``, else a mask)."""
-    q_len = q.shape[0]
-    num_blocks = -(-seq_len // kv_cache.shape[2])
-    blocks = kv_cache[:, block_table[:num_blocks]].flatten(1, 2)[:, :seq_len]  # [2, seq_len, h, d]
+    return sdpa_prefill_attention(q, kv_cache, block_table, seq_len, scale)
+
+
+def sdpa_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """The op's contract through SDPA; with ``window``, query ``j`` sees only the last ``window``
+    positions up to its own, and only the blocks some query sees are gathered."""
+    q_len, block_size = q.shape[0], kv_cache.shape[2]
+    if window is not None and seq_len <= window:
+        window = None  # every query sees every key
+    first_block = 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[:, block_table[first_block:num_blocks]].flatten(1, 2)[:, :seq_len - first_block * block_size]
     query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
     keys = blocks[0].transpose(0, 1).unsqueeze(0).to(q.dtype)
     values = blocks[1].transpose(0, 1).unsqueeze(0).to(q.dtype)
     gqa = keys.shape[1] != query.shape[1]
-    if q_len == seq_len:
+    if q_len == seq_len and window is None:
         attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+        key_pos = torch.arange(first_block * block_size, seq_len)[None, :]
+        query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
         attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return attended[0].transpose(0, 1).contiguous()
 

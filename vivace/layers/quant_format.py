@@ -13,12 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import gguf
-import numpy as np
 import torch
 
 TILE_ROWS = 16
-GGUF_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -43,6 +40,13 @@ class QuantizedWeight:
             weight = codes * scales + self.mins.to(torch.float32).unsqueeze(-1)
         return weight.view(n, k).to(dtype)
 
+    def widened(self) -> QuantizedWeight:
+        """The same weight as 8-bit codes with per-group mins (``m = -z * d`` for a zero point,
+        exact in float16 for the power-of-two zero points used here): a form every weight of
+        one group size shares, so weights of different formats can be stacked."""
+        mins = self.mins if self.mins is not None else (self.scales.float() * -self.zero_point).to(torch.float16)
+        return QuantizedWeight(self.codes, self.scales, mins, 0, 8, self.group_size)
+
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     """Symmetric int8 with one scale per output row (codes offset by 128)."""
@@ -65,30 +69,6 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
     safe = torch.where(scales == 0, 1.0, scales.to(torch.float32)).unsqueeze(-1)
     codes = torch.round((w - mins.to(torch.float32).unsqueeze(-1)) / safe).clamp(0, 15).to(torch.uint8)
     return QuantizedWeight(codes.view(n, k), scales, mins, 0, 4, group_size)
-
-
-def from_gguf_blocks(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> QuantizedWeight:
-    """Codes and scales straight from GGUF Q8_0 / Q4_0 / Q4_1 block bytes ``[N, row_bytes]``.
-
-    Raises ValueError for any other type. No float copy of the weight is made.
-    """
-    blocks = np.array(data, dtype=np.uint8, copy=True)  # the source may be a read-only file map
-    n = blocks.shape[0]
-    layouts = {gguf.GGMLQuantizationType.Q8_0: 34, gguf.GGMLQuantizationType.Q4_0: 18,
-               gguf.GGMLQuantizationType.Q4_1: 20}
-    if ggml_type not in layouts:
-        raise ValueError(f"GGUF type {ggml_type.name} has no direct quantized form; supported: Q8_0, Q4_0, Q4_1")
-    blocks = torch.from_numpy(blocks).view(n, -1, layouts[ggml_type])
-    scales = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
-    if ggml_type == gguf.GGMLQuantizationType.Q8_0:
-        codes = (blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-        return QuantizedWeight(codes.reshape(n, -1), scales, None, 128, 8, GGUF_BLOCK)
-    has_min = ggml_type == gguf.GGMLQuantizationType.Q4_1
-    packed = blocks[..., 4:] if has_min else blocks[..., 2:]
-    # A block's byte j holds element j (low nibble) and element j + 16 (high nibble).
-    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, -1)
-    mins = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1) if has_min else None
-    return QuantizedWeight(codes, scales, mins, 0 if has_min else 8, 4, GGUF_BLOCK)
 
 
 def tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -8,16 +8,26 @@ from typing import Any
 
 import transformers
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
+SLIDING, FULL = "sliding_attention", "full_attention"
 # "freq_factors" is llama.cpp's form of llama3 scaling: per-frequency divisors stored in the GGUF.
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+_ACTIVATIONS = {"Gemma3ForCausalLM": "gelu_pytorch_tanh"}  # every other architecture: "silu"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder. ``rope_scaling`` is None for plain RoPE,
-    else a dict with ``rope_type`` in ``ROPE_TYPES`` and that type's parameters."""
+    """Shape and numerics of a decoder of the supported families. ``rope_scaling`` is None for
+    plain RoPE, else a dict with ``rope_type`` in ``ROPE_TYPES`` and that type's parameters.
+
+    ``layer_types`` lists each layer's attention, ``"full_attention"`` or ``"sliding_attention"``
+    (the last ``sliding_window`` positions, the query's own included); empty means all full.
+    Sliding layers rotate with ``local_rope_theta`` (unscaled) when it is set (Gemma 3).
+    """
 
     architecture: str
     vocab_size: int
@@ -36,6 +46,12 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     attention_out_bias: bool = False  # bias on the output projection (Llama's attention_bias=True)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None
+    qk_norm: bool = False  # RMSNorm over each q and k head before the rotation (Qwen3, Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma 3), else head_dim's
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2 style)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -49,22 +65,37 @@ class ModelConfig:
             hint = (" (its frequencies depend on the longest sequence in the batch, so logits would "
                     "depend on batch composition)" if rope_type == "dynamic" else "")
             raise ValueError(f"unsupported rope scaling {rope_type!r}{hint}; supported: {', '.join(ROPE_TYPES)}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_hidden_layers}")
+        if set(self.layer_types) - {SLIDING, FULL}:
+            raise ValueError(f"unsupported layer types {sorted(set(self.layer_types) - {SLIDING, FULL})}; "
+                             f"supported: {FULL}, {SLIDING}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window")
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` in tokens, or None for full attention."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | transformers.PretrainedConfig) -> ModelConfig:
         """Build from a ``config.json`` dict or a transformers config.
 
         Raises ValueError for an unsupported architecture (naming the supported ones) or a
-        feature vivace does not implement (active sliding window, non-SiLU MLP, MLP bias,
-        partial rotary, dynamic RoPE).
+        feature vivace does not implement (another activation, MLP bias, partial rotary,
+        dynamic or long RoPE, attention logit soft-capping).
         """
         if isinstance(config, dict):
             config = _to_transformers_config(config)
         architecture = _architecture(config.architectures, config.model_type)
-        _check_supported_features(config)
-        theta, scaling = _rope(config)
-        eos = config.eos_token_id
+        _check_supported_features(config, architecture)
+        theta, scaling, local_theta = _rope(config)
         attention_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        window, layer_types = _sliding_layers(config)
         return cls(
             architecture=architecture,
             vocab_size=config.vocab_size,
@@ -82,7 +113,13 @@ class ModelConfig:
             attention_bias=attention_bias,
             attention_out_bias=architecture != "Qwen2ForCausalLM" and attention_bias,
             bos_token_id=config.bos_token_id,
-            eos_token_ids=_as_tuple(eos),
+            eos_token_ids=_as_tuple(config.eos_token_id),
+            sliding_window=window,
+            layer_types=layer_types,
+            local_rope_theta=local_theta,
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            query_pre_attn_scalar=getattr(config, "query_pre_attn_scalar", None),
+            final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         )
 
 
@@ -103,36 +140,49 @@ def _architecture(architectures: list[str] | None, model_type: str | None) -> st
     return architecture
 
 
-def _check_supported_features(config: transformers.PretrainedConfig) -> None:
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
+def _check_supported_features(config: transformers.PretrainedConfig, architecture: str) -> None:
+    activation = _ACTIVATIONS.get(architecture, "silu")
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", activation)
+    if act != activation:
+        raise ValueError(f"unsupported activation {act!r} for {architecture}; only {activation!r} is implemented")
     if getattr(config, "mlp_bias", False):
         raise ValueError("unsupported mlp_bias=True")
-    if _uses_sliding_window(config):
-        raise ValueError(f"unsupported sliding window attention (sliding_window={config.sliding_window} < "
-                         f"max_position_embeddings={config.max_position_embeddings}); "
-                         "set sliding_window to null in config.json to serve it with full attention")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("unsupported attn_logit_softcapping (Gemma 2); Gemma 3 has none")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("unsupported use_bidirectional_attention=True (an encoder, not a causal LM)")
 
 
-def _uses_sliding_window(config: transformers.PretrainedConfig) -> bool:
+def _sliding_layers(config: transformers.PretrainedConfig) -> tuple[int | None, tuple[str, ...]]:
+    """``(window, layer_types)``: transformers' ``layer_types`` where the config has them (Qwen2/3
+    compute them from ``use_sliding_window`` and ``max_window_layers``, Gemma 3 from its pattern),
+    else every layer sliding when ``sliding_window`` is set (Mistral, Phi-3). A window at least
+    the context length is full attention."""
     window = getattr(config, "sliding_window", None)
     if window is None or window >= config.max_position_embeddings:
-        return False
-    if config.model_type == "qwen2":  # Qwen2 windows only layers from max_window_layers on, if enabled
-        return bool(config.use_sliding_window) and config.max_window_layers < config.num_hidden_layers
-    return True
+        return None, ()
+    layer_types = tuple(getattr(config, "layer_types", None) or [SLIDING] * config.num_hidden_layers)
+    return (window, layer_types) if SLIDING in layer_types else (None, ())
 
 
-def _rope(config: transformers.PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
-    """``(theta, scaling)`` from transformers 5's ``rope_parameters`` or 4's ``rope_theta``/``rope_scaling``."""
+def _rope(config: transformers.PretrainedConfig) -> tuple[float, dict[str, Any] | None, float | None]:
+    """``(theta, scaling, local theta)`` from transformers 5's ``rope_parameters`` (per layer type
+    for Gemma 3) or 4's ``rope_theta``/``rope_scaling``."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    local_theta = None
+    if FULL in params:  # one set of parameters per layer type
+        local = dict(params.get(SLIDING) or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope scaling {local['rope_type']!r} on sliding layers")
+        local_theta = local.get("rope_theta")
+        params = dict(params[FULL])
     theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", 10000.0)
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("unsupported partial_rotary_factor != 1")
     rope_type = params.pop("type", None) or params.get("rope_type", "default")
     if rope_type == "default":
-        return theta, None
-    return theta, {**params, "rope_type": rope_type}
+        return theta, None, local_theta
+    return theta, {**params, "rope_type": rope_type}, local_theta
 
 
 def _as_tuple(token_ids: int | list[int] | None) -> tuple[int, ...]:

@@ -1,8 +1,10 @@
 """A llama.cpp GGUF model: config and tokenizer from its metadata, weights dequantized to
-float32 under Hugging Face names, with llama.cpp's rotary row permutation undone."""
+float32 under Hugging Face names and conventions: llama.cpp's rotary row permutation undone
+(llama arch), Gemma's stored ``1 + w`` norms back to ``w``."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,16 +14,26 @@ import numpy as np
 import torch
 import transformers
 
-from vivace.models.config import ModelConfig
+from vivace.models.config import FULL, SLIDING, ModelConfig
 from vivace.models.gguf_file import GGUFFile
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Where an architecture's tensors differ from llama's names.
+_ARCH_LAYER_NAMES = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # stored fused, as vivace runs them
+}
+# llama.cpp's Gemma 3: every 6th layer global, sliding layers rotate with base 10000.
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
 
 
@@ -37,12 +49,12 @@ class GGUFModel:
 def open_gguf(path: Path) -> GGUFModel:
     """Read ``path``'s config and tokenizer; weights are dequantized as ``tensors`` is consumed.
 
-    Raises ValueError for an architecture other than llama/qwen2, missing metadata, an
+    Raises ValueError for an architecture other than those of ``_ARCHITECTURES``, missing metadata, an
     unsupported rope scaling, or a tensor it cannot place or dequantize.
     """
     file = GGUFFile(path)
     config = model_config(file)
-    return GGUFModel(config, _tokenizer(path, file), _tensors(file, config))
+    return GGUFModel(config, _tokenizer(path, file), _tensors(file, config, file.metadata["general.architecture"]))
 
 
 def model_config(file: GGUFFile) -> ModelConfig:
@@ -59,26 +71,45 @@ def model_config(file: GGUFFile) -> ModelConfig:
         return value
 
     hidden, heads = get("{arch}.embedding_length"), get("{arch}.attention.head_count")
+    layers, context = get("{arch}.block_count"), get("{arch}.context_length")
     eos = [file.metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]
-    return ModelConfig(
+    config = ModelConfig(
         architecture=_ARCHITECTURES[arch],
         vocab_size=file.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=get("{arch}.feed_forward_length"),
-        num_hidden_layers=get("{arch}.block_count"),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=get("{arch}.attention.head_count_kv", heads),
         head_dim=get("{arch}.attention.key_length", hidden // heads),
         rms_norm_eps=get("{arch}.attention.layer_norm_rms_epsilon"),
         rope_theta=float(get("{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(file, arch),
-        max_position_embeddings=get("{arch}.context_length"),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in file.tensors,
         attention_bias="blk.0.attn_q.bias" in file.tensors,
         attention_out_bias="blk.0.attn_output.bias" in file.tensors,
         bos_token_id=file.metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(token for token in eos if token is not None)),
+        qk_norm="blk.0.attn_q_norm.weight" in file.tensors,
     )
+    window = file.metadata.get(f"{arch}.attention.sliding_window")
+    if arch == "phi3" and window and window < context:
+        config = dataclasses.replace(config, sliding_window=window, layer_types=(SLIDING,) * layers)
+    if arch == "gemma3":
+        config = _gemma3(config, get("{arch}.attention.sliding_window"),
+                         float(file.metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_THETA)))
+    return config
+
+
+def _gemma3(config: ModelConfig, window: int, local_theta: float) -> ModelConfig:
+    """Gemma 3's extras as llama.cpp sets them: the fixed layer pattern, the local rope base, and
+    the attention scale (1/sqrt(head_dim), but 1/sqrt(hidden/heads) for the 62-layer 27B)."""
+    layers = config.num_hidden_layers
+    scalar = config.hidden_size // config.num_attention_heads if layers == 62 else config.head_dim
+    layer_types = tuple(FULL if (i + 1) % _GEMMA3_PATTERN == 0 else SLIDING for i in range(layers))
+    return dataclasses.replace(config, sliding_window=window, layer_types=layer_types, local_rope_theta=local_theta,
+                               query_pre_attn_scalar=scalar)
 
 
 def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
@@ -105,17 +136,19 @@ def _tokenizer(path: Path, file: GGUFFile) -> transformers.PreTrainedTokenizerFa
     return tokenizer
 
 
-def _tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(file: GGUFFile, config: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
     rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     permuted = config.architecture == "LlamaForCausalLM"  # llama.cpp permutes llama-arch q/k only
     for name, info in file.tensors.items():
         if name == _ROPE_FREQS:
             continue
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, arch)
         values = file.dequantize(info)
         part = name.split(".")[-2]
         if permuted and part in rotary_heads:
             values = _unpermute(values, rotary_heads[part])
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            values = values - 1.0  # llama.cpp stores Gemma's RMSNorm factor 1 + w
         yield hf_name, torch.from_numpy(values)
 
 
@@ -127,11 +160,13 @@ def _unpermute(values: np.ndarray, num_heads: int) -> np.ndarray:
     return values.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str) -> str:
+    """The Hugging Face name of GGUF tensor ``name`` in a model of architecture ``arch``."""
     base, _, leaf = name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".")
-        mapped = f"model.layers.{layer}.{_LAYER_NAMES[part]}" if part in _LAYER_NAMES else None
+        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+        mapped = f"model.layers.{layer}.{names[part]}" if part in names else None
     else:
         mapped = _GLOBAL_NAMES.get(base)
     if mapped is None:

@@ -1,8 +1,11 @@
-"""The Llama family (Llama, Mistral without sliding window, Qwen2) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
 
 Inputs are one flat batch: tokens of every sequence back to back, no batch dimension.
 q/k/v and gate/up are each one fused Linear, so a decode step issues fewer kernels;
-the loader concatenates the checkpoint's separate weights in that order.
+the loader concatenates the checkpoint's separate weights in that order (Phi-3 ships them fused).
+What sets the members apart, all read from ``ModelConfig``: q/k/v biases (Qwen2), per-head q/k
+RMSNorm (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen2/3 with ``use_sliding_window``).
+Gemma 3 (``vivace.models.gemma3``) builds on the attention and model classes here.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from vivace.layers.attention import AttentionMetadata, DecodeMetadata, paged_attention
-from vivace.layers.norm import RMSNorm
 from vivace.layers.fused import apply_rotary, silu_mul
+from vivace.layers.norm import RMSNorm
 from vivace.layers.rotary import RotaryEmbedding
-from vivace.models.config import ModelConfig
+from vivace.models.config import FULL, SLIDING, ModelConfig
+
+Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) of this batch's positions
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -30,27 +35,41 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """Attention of layer ``layer``: windowed when the config makes it a sliding layer."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale
+        self.window = config.window(layer)
+        self.rope_type = SLIDING if self.window is not None and config.local_rope_theta else FULL
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size,
                                 bias=config.attention_out_bias, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor,
+                meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qk, v = self.qkv_proj(x).split(
-            [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
-        # q and k heads share positions, so one rotation covers both.
-        qk = apply_rotary(qk.view(num_tokens, -1, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        cos, sin = rope[self.rope_type]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.q_norm is None:
+            qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
+            # q and k heads share positions, so one rotation covers both.
+            qk = apply_rotary(qk.view(num_tokens, -1, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim), cos, sin)
+            k = apply_rotary(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -65,14 +84,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, layer, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``: the stream is ``residual + x`` before this layer's
         attention (``x`` itself for the first layer), plus the attention output; the caller adds
@@ -81,13 +100,16 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta), residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta), residual)
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names are Hugging Face's without the ``model.`` prefix, except the fused
-    ``qkv_proj`` and ``gate_up_proj``; with tied embeddings there is no ``lm_head``."""
+    ``qkv_proj`` and ``gate_up_proj``; with tied embeddings there is no ``lm_head``.
+    Subclasses change ``layer_class``, ``embed`` and ``convert_checkpoint_tensor``."""
+
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -96,27 +118,44 @@ class LlamaForCausalLM(nn.Module):
         # loader builds the model, that init's first call costs a 1.5 s import of sympy.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling, dtype)
+        self.local_rotary = None
+        if config.local_rope_theta and config.sliding_window:
+            self.local_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                                config.local_rope_theta, None, dtype)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+
+    @staticmethod
+    def convert_checkpoint_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A Hugging Face checkpoint tensor as this model holds it (unchanged here)."""
+        return tensor
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` after the final norm, for tokens
         ``input_ids`` at ``positions`` (both ``[num_tokens]``); writes their K/V into ``kv_caches``
         (one tensor per layer) at ``meta.slot_mapping``."""
-        cos, sin = self.rotary(positions)
-        x, residual = self.embed_tokens(input_ids), None
+        rope = {FULL: self.rotary(positions)}
+        if self.local_rotary is not None:
+            rope[SLIDING] = self.local_rotary(positions)
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for hidden states ``[N, hidden_size]``."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

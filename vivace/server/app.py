@@ -12,7 +12,12 @@ from vivace.server.body_limit import BodyLimitMiddleware
 from vivace.server.chat import create_chat_completion
 from vivace.server.completions import create_completion
 from vivace.server.errors import install_error_handlers
-from vivace.server.routes import health, list_models, metrics
+from vivace.server.openapi import error_responses, generation_route, install_openapi
+from vivace.server.playground import mount_playground
+from vivace.server.protocol import ChatCompletionRequest, CompletionRequest
+from vivace.server.request_id import RequestIdMiddleware
+from vivace.server.responses import ChatCompletionResponse, CompletionResponse, HealthResponse, ModelList
+from vivace.server.routes import debug_timings, health, list_models, metrics
 from vivace.server.settings import ServerSettings
 from vivace.server.state import ServerState, server_state
 
@@ -24,22 +29,48 @@ def _require_api_key(request: Request) -> None:
     request.state.api_key = check_api_key(request, server_state(request).settings.api_keys)
 
 
-def build_app(engine: AsyncEngine | None, settings: ServerSettings) -> FastAPI:
+def build_app(engine: AsyncEngine | None, settings: ServerSettings,
+              state: ServerState | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``.
 
     With ``engine`` None the app starts not ready (``/health`` 503, requests 503) until
     ``app.state.vivace.attach_engine(engine)``. The caller owns the engine and shuts it down.
+    ``state`` replaces the app's ServerState (a scaled-out server passes its own, whose
+    engines are remote, built with the same ``settings``); ``engine`` is then ignored.
     """
-    app = FastAPI(title="vivace", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.vivace = ServerState(settings=settings, engine=engine)
+    app = FastAPI(title="vivace", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app.state.vivace = state or ServerState(settings=settings, engine=engine)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_middleware(RequestIdMiddleware)
+    app.add_api_route("/health", health, methods=["GET"], response_model=HealthResponse,
+                      responses=error_responses(405, 503))
+    app.add_api_route("/metrics", metrics, methods=["GET"], responses={
+        200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **error_responses(405)})
     authenticated = [Depends(_require_api_key)]
-    app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=authenticated)
+    app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=authenticated,
+                      response_model=ModelList, responses=error_responses(401, 405, 503))
+    app.add_api_route("/debug/timings", debug_timings, methods=["GET"], dependencies=authenticated,
+                      responses=error_responses(400, 401, 405, 503))
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"],
-                      dependencies=authenticated)
+                      dependencies=authenticated,
+                      **generation_route(ChatCompletionRequest, ChatCompletionResponse))
     app.add_api_route("/v1/completions", create_completion, methods=["POST"],
-                      dependencies=authenticated)
+                      dependencies=authenticated, **generation_route(CompletionRequest, CompletionResponse))
+    _install_extras(app, settings)
+    install_openapi(app, app.state.vivace)
     return app
+
+
+def _install_extras(app: FastAPI, settings: ServerSettings) -> None:
+    """The web playground at ``/`` and, when asked for, OpenTelemetry request traces."""
+    if settings.ui:
+        mount_playground(app)
+    if settings.otlp_traces_endpoint:
+        try:  # OpenTelemetry is imported only when traces are asked for
+            from vivace.server.tracing import install_tracing
+        except ImportError as exc:
+            raise ValueError("--otlp-traces-endpoint needs OpenTelemetry: "
+                             "pip install 'vivace[otel]'") from exc
+        install_tracing(app, settings.otlp_traces_endpoint)

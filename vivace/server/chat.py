@@ -3,46 +3,78 @@
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vivace.engine.outputs import CompletionOutput, TokenLogprob
+from vivace.engine.sampling_params import StructuredOutput
+from vivace.server.errors import APIError
 from vivace.server.generation import (
     ClientDisconnected, EngineRequest, timings_of, unless_disconnected, usage_of)
-from vivace.server.prompts import chat_prompt_ids, fit_max_tokens, parse_body, sampling_params
+from vivace.server.prompts import chat_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params
+from vivace.server.request_id import request_id_of
 from vivace.server.protocol import ChatCompletionRequest
 from vivace.server.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-    ChatLogprobs, ChatTokenLogprob, DeltaMessage, TopLogprob)
+    ChatLogprobs, ChatTokenLogprob, DeltaMessage, FunctionCall, FunctionCallDelta, ToolCall,
+    ToolCallDelta, TopLogprob)
 from vivace.server.sse import sse_event, sse_response
+from vivace.server.structured import check_compiles, json_schema, requested_constraint, structured_output
+from vivace.server.tool_parser import ToolCallParser, parse_tool_calls
+from vivace.server.tools import call_grammar, parameters_schema, tool_choice
 from vivace.server.state import server_state
+
+if TYPE_CHECKING:
+    from vivace.engine.async_engine import AsyncEngine
 
 
 async def create_chat_completion(request: Request) -> Response:
     """OpenAI chat completions; see ``vivace.server.protocol.ChatCompletionRequest``."""
     state = server_state(request)
-    body = await parse_body(request, ChatCompletionRequest)
-    engine = state.engine_for(body.model)
-    prompt_ids = chat_prompt_ids(engine.tokenizer, body)
+    body = await parse_body(request, ChatCompletionRequest, state.metrics.work["parse"])
+    caller = state.caller(request)
+    engine = state.engine_for(body.model, caller)
+    choice = tool_choice(body)
+    prompt_ids = await off_the_loop(state.metrics.work["prompt"], chat_prompt_ids, engine.tokenizer, body, choice,
+                                    size=sum(len(m.text()) for m in body.messages))
     max_tokens = fit_max_tokens(len(prompt_ids), body.requested_max_tokens(),
                                 engine.max_model_len, "messages")
     params = sampling_params(body, max_tokens, body.requested_logprobs())
-    caller = state.caller(request)
-    job = EngineRequest(engine, state.metrics, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}",
+    params.structured = await _constraint(engine, body, choice)
+    calls = choice != "none"
+    job = EngineRequest(engine, state.metrics, prompt_ids, params, request_id_of(request, "chatcmpl"),
                         caller.priority(body.priority), caller.deadlines)
     ticket = state.admission.admit(caller.api_key, caller.tier, [job])
     if body.stream:
-        return sse_response(_chunks(job, state.model_name(), body.include_usage()), ticket.release)
+        return sse_response(_chunks(job, state.model_name(body.model), body.include_usage(), calls), ticket.release,
+                            state.metrics.work["sse_write"])
     try:
         await unless_disconnected(request, job.run())
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
         ticket.release()
-    return JSONResponse(_response(job, state.model_name()).model_dump(mode="json"))
+    return JSONResponse(_response(job, state.model_name(body.model), calls).model_dump(mode="json"))
+
+
+async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: str
+                      ) -> StructuredOutput | None:
+    """The output's grammar: the tool-call grammar when tools may be called, else what
+    ``response_format`` or vLLM's extras ask for. Each part is checked to compile (400)."""
+    if choice == "none" or not body.tools:
+        return await requested_constraint(engine, body)
+    if structured_output(body) is not None:
+        raise APIError(400, "A structured-output constraint can't be combined with tool calls; "
+                            "set tool_choice to \"none\" or drop it", param="tool_choice")
+    for i, tool in enumerate(body.tools):
+        param = f"tools.{i}.function.parameters"
+        await check_compiles(engine, param, json_schema(parameters_schema(tool), param))
+    grammar = call_grammar(body.tools, choice, body.parallel_tool_calls)
+    await check_compiles(engine, "tools", grammar)
+    return grammar
 
 
 def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -56,32 +88,62 @@ def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> ChatLo
         for lp in logprobs or []])
 
 
-def _response(job: EngineRequest, model: str) -> ChatCompletionResponse:
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=_logprobs(job, c.logprobs), finish_reason=c.finish_reason)
-               for c in job.choices]
+def _message(text: str, finish_reason: str | None, calls: bool) -> tuple[AssistantMessage, str | None]:
+    """The assistant's message, tool calls read out of its text when they may be there."""
+    if not calls:
+        return AssistantMessage(content=text), finish_reason
+    content, parsed = parse_tool_calls(text)
+    tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name or "", arguments=c.arguments))
+                  for c in parsed]
+    return AssistantMessage(content=content, tool_calls=tool_calls), _finish(finish_reason, bool(parsed))
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _response(job: EngineRequest, model: str, calls: bool) -> ChatCompletionResponse:
+    choices = []
+    for c in job.choices:
+        message, reason = _message(c.text, c.finish_reason, calls)
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(job, c.logprobs),
+                                  finish_reason=reason))
     return ChatCompletionResponse(id=job.request_id, model=model, choices=choices,
                                   usage=usage_of([job]), timings=timings_of(job))
 
 
-def _chunk_choice(job: EngineRequest, delta: CompletionOutput) -> ChatChunkChoice | None:
+def _chunk_choice(job: EngineRequest, delta: CompletionOutput,
+                  parser: ToolCallParser | None) -> ChatChunkChoice | None:
     reason = delta.finish_reason.value if delta.finish_reason else None
-    if not delta.text and reason is None and not delta.logprobs:
+    text, tool_deltas = delta.text, []
+    if parser is not None:
+        text, tool_deltas = parser.feed(delta.text)
+        if reason is not None:
+            text += parser.finish()[0]
+            reason = _finish(reason, bool(parser.calls))
+    if not text and not tool_deltas and reason is None and not delta.logprobs:
         return None
-    return ChatChunkChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
-                           logprobs=_logprobs(job, delta.logprobs), finish_reason=reason)
+    message = DeltaMessage(content=text if text or not tool_deltas else None, tool_calls=[
+        ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,
+                      function=FunctionCallDelta(name=d.name, arguments=d.arguments))
+        for d in tool_deltas])
+    return ChatChunkChoice(index=delta.index, delta=message, logprobs=_logprobs(job, delta.logprobs),
+                           finish_reason=reason)
 
 
-async def _chunks(job: EngineRequest, model: str, include_usage: bool) -> AsyncGenerator[str, None]:
+async def _chunks(job: EngineRequest, model: str, include_usage: bool,
+                  calls: bool) -> AsyncGenerator[str, None]:
     def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
         return sse_event(ChatCompletionChunk(id=job.request_id, model=model, choices=choices,
                                              **extra))
 
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(job.params.n)])
+    parsers = {i: ToolCallParser() for i in range(job.params.n)} if calls else {}
     async with contextlib.aclosing(job.deltas()) as deltas:
         async for out in deltas:
-            choices = [c for c in (_chunk_choice(job, d) for d in out.outputs) if c is not None]
+            choices = [c for c in (_chunk_choice(job, d, parsers.get(d.index)) for d in out.outputs)
+                       if c is not None]
             if choices or out.finished:
                 yield chunk(choices, timings=timings_of(job) if out.finished else None)
     if include_usage:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import AsyncGenerator
 
 from starlette.requests import Request
@@ -14,42 +13,48 @@ from vivace.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vivace.server.errors import APIError
 from vivace.server.generation import (
     ClientDisconnected, EngineRequest, merge, timings_of, unless_disconnected, usage_of)
-from vivace.server.prompts import completion_prompt_ids, fit_max_tokens, parse_body, sampling_params
+from vivace.server.prompts import (
+    completion_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params)
+from vivace.server.request_id import request_id_of
 from vivace.server.protocol import CompletionRequest
 from vivace.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from vivace.server.sse import sse_event, sse_response
+from vivace.server.structured import requested_constraint
 from vivace.server.state import server_state
 
 
 async def create_completion(request: Request) -> Response:
     """OpenAI text completions; see ``vivace.server.protocol.CompletionRequest``."""
     state = server_state(request)
-    body = await parse_body(request, CompletionRequest)
-    engine = state.engine_for(body.model)
+    body = await parse_body(request, CompletionRequest, state.metrics.work["parse"])
+    caller = state.caller(request)
+    engine = state.engine_for(body.model, caller)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    caller = state.caller(request)
+    structured = await requested_constraint(engine, body)
+    request_id = request_id_of(request, "cmpl")
     jobs, echoes = [], []
     for i, prompt in enumerate(body.prompts()):
-        ids = completion_prompt_ids(engine.tokenizer, prompt)
+        ids = await off_the_loop(state.metrics.work["prompt"], completion_prompt_ids, engine.tokenizer, prompt,
+                                 size=len(prompt) if isinstance(prompt, str) else 0)
         max_tokens = fit_max_tokens(len(ids), body.max_tokens, engine.max_model_len, "prompt")
         params = sampling_params(body, max_tokens, body.logprobs)
+        params.structured = structured
         jobs.append(EngineRequest(engine, state.metrics, ids, params, f"{request_id}-{i}",
                                   caller.priority(body.priority), caller.deadlines))
         echoes.append((prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids))
                       if body.echo else "")
     ticket = state.admission.admit(caller.api_key, caller.tier, jobs)
     if body.stream:
-        return sse_response(_chunks(jobs, echoes, request_id, state.model_name(),
-                                    body.include_usage()), ticket.release)
+        return sse_response(_chunks(jobs, echoes, request_id, state.model_name(body.model),
+                                    body.include_usage()), ticket.release, state.metrics.work["sse_write"])
     try:
         await unless_disconnected(request, _run_all(jobs))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
         ticket.release()
-    return JSONResponse(_response(jobs, echoes, request_id, state.model_name())
+    return JSONResponse(_response(jobs, echoes, request_id, state.model_name(body.model))
                         .model_dump(mode="json"))
 
 

@@ -11,7 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("vivace.server")
@@ -22,6 +22,7 @@ _ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout_error",
@@ -29,25 +30,42 @@ _ERROR_TYPES = {
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, the answer to every failed request."""
+
+    error: ErrorDetail
+
+
 class APIError(Exception):
     """An error to answer with ``status`` and an OpenAI error body (and a Retry-After header
-    when ``retry_after`` seconds are given)."""
+    when ``retry_after`` seconds are given, plus any other ``headers``, e.g. a 405's Allow)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, retry_after: int | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
@@ -55,11 +73,14 @@ class APIError(Exception):
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """A 400 naming an offending field, e.g. ``param="messages.0.role"``. Of a union's
-    failures the deepest is the informative one ("content.0.type", not "content: not a str")."""
-    first = max(exc.errors(), key=lambda error: len(error.get("loc", ())))
+    failures the deepest is the informative one ("content.0.type", not "content: not a str"),
+    and of equally deep ones a broken bound ("prompt.0: >= 0") over another member's type."""
+    first = max(exc.errors(), key=lambda error: (len(error.get("loc", ())),
+                                                 not str(error.get("type", "")).endswith("_type")))
     # Unions add the member type to the location ("prompt.list[int].0"); keep the field path only.
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(part for part in loc if "[" not in part and part not in _UNION_TAGS) or None
+    param = ".".join(part for part in loc if "[" not in part and part not in _UNION_TAGS
+                     and not part.startswith(("constrained-", "function-"))) or None
     kind = first.get("type")
     if kind == "extra_forbidden":
         message = f"Unsupported or unknown field '{param}'"
@@ -81,7 +102,7 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return APIError(exc.status_code, str(exc.detail)).response()
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
 
 async def _server_error(_: Request, exc: Exception) -> JSONResponse:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import uuid
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 from starlette.requests import Request
 
 from vivace.engine.deadlines import Deadlines, QueueTimeoutError, RequestTimeoutError
+from vivace.engine.errors import EngineStepError, RequestFailedError
 from vivace.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vivace.engine.sampling_params import SamplingParams
 from vivace.server.errors import APIError
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
     from vivace.server.metrics import ServerMetrics
 
 T = TypeVar("T")
+logger = logging.getLogger("vivace.server")
 
 
 class ClientDisconnected(Exception):
@@ -60,6 +64,8 @@ class EngineRequest:
         self.prompt_ids = prompt_ids
         self.params = params
         self.request_id = request_id
+        # Unique in the engine even when clients reuse an X-Request-Id; log lines show both.
+        self.engine_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         self.priority = priority
         self.deadlines = deadlines
         self.choices = [ChoiceState(i) for i in range(params.n)]
@@ -79,7 +85,7 @@ class EngineRequest:
 
     async def deltas(self) -> AsyncGenerator[RequestOutput, None]:
         """The engine's delta outputs, each already folded into ``choices``."""
-        stream = self.engine.generate(self.prompt_ids, self.params, self.request_id, self.priority,
+        stream = self.engine.generate(self.prompt_ids, self.params, self.engine_id, self.priority,
                                       self.deadlines)
         try:
             async with contextlib.aclosing(stream):
@@ -90,6 +96,10 @@ class EngineRequest:
                     yield out
         except ValueError as exc:  # the engine refuses requests that can never fit its KV pool
             raise APIError(400, str(exc), code="invalid_request") from None
+        except (RequestFailedError, EngineStepError) as exc:  # this request only; the server goes on
+            logger.warning("request %s failed in the engine: %s", self.engine_id, exc)
+            raise APIError(500, f"The engine could not complete this request: {exc}",
+                           code="request_failed") from None
         except QueueTimeoutError:
             self.metrics.record_timeout("queue")
             raise APIError(503, f"The request waited more than {self.deadlines.max_queue_delay} s "
@@ -100,7 +110,7 @@ class EngineRequest:
                            code="request_timeout") from None
         finally:
             if not self.finished:
-                self.engine.abort(self.request_id)
+                self.engine.abort(self.engine_id)
                 for choice in self.choices:
                     choice.finish_reason = choice.finish_reason or "abort"
             self.metrics.record_request(self)

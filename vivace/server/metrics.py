@@ -3,6 +3,9 @@
 Each app owns its registry: request histograms and counters are recorded as requests end
 (or are refused); engine gauges (running, waiting, KV usage), the preemption count, the
 prefix-cache and the speculative-decoding counters are read from ``engine.stats()`` at scrape time.
+Where the time goes (engine step phases, hand-offs to the event loop, GC pauses, and the server's
+own work: body parsing, chat template and tokenization, SSE writes) is recorded into
+``vivace.engine.step_timing`` logs as it happens and exported as histograms at scrape time.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from vivace.engine.step_timing import DurationHistogram, StepTimings, TimingLog, work_log
 from vivace.server.admission import REJECTION_REASONS
 
 if TYPE_CHECKING:
@@ -26,59 +30,101 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
-class _EngineStatsCollector(Collector):
-    """Gauges read from the engine when scraped (zeros while it is still loading)."""
+_ENGINE_SERIES: tuple[tuple[str, type[Metric], str, Callable[[Any], float]], ...] = (
+    ("num_requests_running", GaugeMetricFamily, "Requests in the engine's running batch.",
+     lambda s: s.num_running),
+    ("num_requests_waiting", GaugeMetricFamily, "Requests waiting to be scheduled.",
+     lambda s: s.num_waiting),
+    ("kv_cache_usage_perc", GaugeMetricFamily, "Fraction of KV cache blocks in use (0 to 1).",
+     lambda s: s.kv_usage),
+    ("num_preemptions", CounterMetricFamily, "Cumulative preemptions.", lambda s: s.num_preemptions),
+    ("prefix_cache_queries", CounterMetricFamily, "Tokens looked up in the prefix cache at "
+     "admission.", lambda s: s.prefix_queries),
+    ("prefix_cache_hits", CounterMetricFamily, "Of those, tokens found cached.",
+     lambda s: s.prefix_hits),
+    # Speculative decoding, named like vLLM's: counters, and the lifetime ratios as gauges.
+    ("spec_decode_num_drafts", CounterMetricFamily, "Verify steps that carried proposed tokens "
+     "(one per request per step).", lambda s: s.spec_steps),
+    ("spec_decode_num_draft_tokens", CounterMetricFamily, "Proposed tokens verified.",
+     lambda s: s.spec_proposed),
+    ("spec_decode_num_accepted_tokens", CounterMetricFamily, "Proposed tokens accepted.",
+     lambda s: s.spec_accepted),
+    ("spec_decode_acceptance_rate", GaugeMetricFamily, "Accepted / proposed tokens since start "
+     "(0 before any proposal).", lambda s: s.spec_accepted / s.spec_proposed if s.spec_proposed else 0.0),
+    ("spec_decode_mean_accepted_length", GaugeMetricFamily, "Tokens emitted per verify step since "
+     "start: accepted ones plus the target's own (0 before any).",
+     lambda s: (s.spec_accepted + s.spec_steps) / s.spec_steps if s.spec_steps else 0.0),
+)
 
-    def __init__(self, stats: Callable[[], Any | None]) -> None:
+
+class EngineStatsCollector(Collector):
+    """Engine series read when scraped. ``stats()`` gives, per engine, its label values (as
+    many as ``labels`` names; none for a lone engine) and its EngineStats, or None for zeros
+    while it is still loading."""
+
+    def __init__(self, stats: Callable[[], list[tuple[tuple[str, ...], Any | None]]],
+                 labels: tuple[str, ...] = ()) -> None:
         self.stats = stats
+        self.labels = labels
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats()
-        values = {
-            "num_requests_running": stats.num_running if stats else 0,
-            "num_requests_waiting": stats.num_waiting if stats else 0,
-            "kv_cache_usage_perc": stats.kv_usage if stats else 0.0,
-        }
-        helps = {
-            "num_requests_running": "Requests in the engine's running batch.",
-            "num_requests_waiting": "Requests waiting to be scheduled.",
-            "kv_cache_usage_perc": "Fraction of KV cache blocks in use (0 to 1).",
-        }
-        for name, value in values.items():
-            yield GaugeMetricFamily(f"vivace:{name}", helps[name], value=value)
-        yield CounterMetricFamily("vivace:num_preemptions", "Cumulative preemptions.",
-                                  value=stats.num_preemptions if stats else 0)
-        yield CounterMetricFamily("vivace:prefix_cache_queries", "Tokens looked up in the prefix "
-                                  "cache at admission.", value=stats.prefix_queries if stats else 0)
-        yield CounterMetricFamily("vivace:prefix_cache_hits", "Of those, tokens found cached.",
-                                  value=stats.prefix_hits if stats else 0)
-        yield from _speculative_metrics(stats)
+        samples = self.stats()
+        for name, family, help_text, value in _ENGINE_SERIES:
+            metric = family(f"vivace:{name}", help_text, labels=self.labels)
+            for label_values, stats in samples:
+                metric.add_metric(label_values, value(stats) if stats is not None else 0)
+            yield metric
 
 
-def _speculative_metrics(stats: Any | None) -> Iterator[Metric]:
-    """Speculative decoding, named like vLLM's: counters, and the lifetime ratios as gauges."""
-    steps = stats.spec_steps if stats else 0
-    proposed = stats.spec_proposed if stats else 0
-    accepted = stats.spec_accepted if stats else 0
-    yield CounterMetricFamily("vivace:spec_decode_num_drafts", "Verify steps that carried proposed "
-                              "tokens (one per request per step).", value=steps)
-    yield CounterMetricFamily("vivace:spec_decode_num_draft_tokens", "Proposed tokens verified.",
-                              value=proposed)
-    yield CounterMetricFamily("vivace:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
-                              value=accepted)
-    yield GaugeMetricFamily("vivace:spec_decode_acceptance_rate", "Accepted / proposed tokens since "
-                            "start (0 before any proposal).", value=accepted / proposed if proposed else 0.0)
-    yield GaugeMetricFamily("vivace:spec_decode_mean_accepted_length", "Tokens emitted per verify step "
-                            "since start: accepted ones plus the target's own (0 before any).",
-                            value=(accepted + steps) / steps if steps else 0.0)
+SERVER_WORK = ("parse", "prompt", "sse_write")
+
+
+def _histogram_family(name: str, doc: str, label: str, histograms: dict[str, DurationHistogram]) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=[label])
+    for value, histogram in histograms.items():
+        buckets, total = histogram.snapshot()
+        family.add_metric([value], [("+Inf" if b == float("inf") else str(b), c) for b, c in buckets], total)
+    return family
+
+
+class _TimingCollector(Collector):
+    """Histograms of the engine's step timings (once it is loaded) and of the server's work."""
+
+    def __init__(self, timings: Callable[[], StepTimings | None], work: dict[str, TimingLog]) -> None:
+        self.timings = timings
+        self.work = work
+
+    def collect(self) -> Iterator[Metric]:
+        yield _histogram_family("vivace:server_work_seconds", "Server work per request or frame: "
+                                "'parse' (body to schema), 'prompt' (chat template and tokenization), "
+                                "'sse_write' (one event frame sent).", "work",
+                                {kind: log.histograms["seconds"] for kind, log in self.work.items()})
+        timings = self.timings()
+        if timings is None:
+            return
+        yield _histogram_family("vivace:engine_step_seconds", "Engine step time by phase: schedule, "
+                                "forward, sample, emit (detokenize, stop checks), finish (block "
+                                "bookkeeping, proposals), and the whole step.", "phase",
+                                timings.steps.histograms)
+        yield _histogram_family("vivace:engine_handoff_seconds", "From the engine thread handing a "
+                                "step's outputs over to the event loop running the hand-over.", "stage",
+                                {"lag": timings.handoffs.histograms["lag"]})
+        yield _histogram_family("vivace:gc_pause_seconds", "Garbage collection pauses of the "
+                                "process (any thread; they hold the GIL).", "collector",
+                                {"python": timings.gc.histograms["pause"]})
 
 
 class ServerMetrics:
-    """The metrics of one app; ``stats`` returns the engine's EngineStats or None."""
+    """The metrics of one app; ``engine`` yields the engine series at scrape time (an
+    :class:`EngineStatsCollector` for one engine), ``timings`` gives the engine's StepTimings or
+    None. ``work`` holds the server's own timing logs, by SERVER_WORK kind. ``listeners`` are also
+    handed every ended request (the tracer is one)."""
 
-    def __init__(self, stats: Callable[[], Any | None]) -> None:
+    def __init__(self, engine: Collector, timings: Callable[[], StepTimings | None] = lambda: None) -> None:
+        self.listeners: list[Callable[[EngineRequest], None]] = []
         self.registry = CollectorRegistry()
         registry = self.registry
+        self.work = {kind: work_log() for kind in SERVER_WORK}
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
             return Histogram(f"vivace:{name}", doc, buckets=buckets, registry=registry)
@@ -104,7 +150,8 @@ class ServerMetrics:
                                  registry=registry)
         for kind in ("queue", "request"):
             self.timed_out.labels(kind=kind)
-        registry.register(_EngineStatsCollector(stats))
+        registry.register(engine)
+        registry.register(_TimingCollector(timings, self.work))
 
     def record_rejection(self, reason: str) -> None:
         """Counts one request refused at admission for ``reason``."""
@@ -116,6 +163,8 @@ class ServerMetrics:
 
     def record_request(self, request: EngineRequest) -> None:
         """Records one ended request (finished or aborted)."""
+        for listener in self.listeners:
+            listener(request)
         self.generation_tokens.inc(request.completion_tokens)
         for choice in request.choices:
             self.request_success.labels(finished_reason=choice.finish_reason or "abort").inc()

@@ -3,6 +3,8 @@ and token-id checks, sampling parameters. Every failure here is a 400 APIError."
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jinja2
@@ -10,31 +12,64 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from vivace.engine.sampling_params import SamplingParams
+from vivace.engine.step_timing import TimingLog, timed
 from vivace.server.errors import APIError, from_validation_error
 from vivace.server.protocol import ChatCompletionRequest, SamplingRequest
+from vivace.server.tools import chat_messages
 
 Schema = TypeVar("Schema", bound=BaseModel)
+T = TypeVar("T")
+# Prompts this long (characters) are templated and tokenized in a worker thread: about 1,000
+# tokens, a few milliseconds of work; shorter ones cost less than the thread hop.
+OFF_LOOP_CHARS = 4096
 
 
-async def parse_body(request: Request, schema: type[Schema]) -> Schema:
-    """The body as ``schema``; 400 for malformed JSON (lone surrogates and NaN included) or a
-    schema violation."""
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON (``application/json`` or a ``+json`` type)."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def parse_body(request: Request, schema: type[Schema], log: TimingLog) -> Schema:
+    """The body as ``schema``; 415 when the Content-Type is given and is not JSON, 400 for
+    malformed JSON (lone surrogates and NaN included) or a schema violation. Records into ``log``
+    how long the parsing took (not the reading)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not is_json(content_type):
+        raise APIError(415, f"Unsupported Content-Type '{content_type}': send the body as "
+                            "application/json", code="unsupported_media_type")
+    raw = await request.body()
     try:
-        return schema.model_validate_json(await request.body())
+        with timed(log):
+            return schema.model_validate_json(raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
 
 
-def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    """Token ids of the messages rendered with the model's chat template."""
+async def off_the_loop(log: TimingLog, work: Callable[..., T], *args: Any, size: int = 0) -> T:
+    """``work(*args)`` timed into ``log``; in a worker thread when ``size`` (characters of
+    input) reaches OFF_LOOP_CHARS, so a long prompt's template and tokenization never hold up the
+    event loop's other streams (the tokenizer releases the GIL while it encodes)."""
+    if size < OFF_LOOP_CHARS:
+        with timed(log):
+            return work(*args)
+
+    def timed_work() -> T:
+        with timed(log):
+            return work(*args)
+    return await asyncio.to_thread(timed_work)
+
+
+def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, tool_choice: str = "none") -> list[int]:
+    """Token ids of the messages (and tools, unless ``tool_choice`` is "none") rendered with
+    the model's chat template, or its Hermes-style convention (``vivace.server.tools``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "This model has no chat template; use /v1/completions",
                        param="messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in body.messages]
+    messages, tools = chat_messages(body, tokenizer, tool_choice)
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False)
+            messages, tools=tools, add_generation_prompt=body.add_generation_prompt, tokenize=False)
     except jinja2.TemplateError as exc:
         raise APIError(400, f"The chat template rejected the messages: {exc}",
                        param="messages") from None

@@ -1,27 +1,98 @@
 """OpenAI request schemas, strict: a field that is unknown, or known but would change the
-result in a way vivace does not support yet, is rejected (400 naming it), never ignored."""
+result in a way vivace does not support yet, is rejected (400 naming it), never ignored; and a
+value of the wrong JSON type is not coerced (``"stream": "yes"`` is a 400, as in OpenAI's API).
+These models are also the published contract: ``/openapi.json`` is generated from them."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from vivace.engine.sampling_params import SamplingParams
 
-TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integers include 2.0; the strict models take an integral float as its int
+    (2.5, "2" and true stay errors), so the server accepts what its published schema allows."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Integer(**bounds: int) -> Any:
+    """An integer field type with JSON Schema bounds (``ge=0``...). The bounds come before the
+    validator that takes integral floats, so the schema states them as ``minimum``/``maximum``
+    (after it, or as a ``Field`` on an optional, pydantic writes its own ``ge`` keys, which JSON
+    Schema tools ignore)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+TokenIds = Annotated[list[Integer(ge=0)], Field(min_length=1)]
+# An empty prompt has nothing to continue from: the schema says so, and the server agrees.
+PromptText = Annotated[str, Field(min_length=1)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class TextPart(_Strict):
@@ -30,9 +101,11 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # a participant's name; the chat template decides whether it shows
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages only: the call this is the result of
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -40,25 +113,26 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-def _unsupported(what: str) -> AfterValidator:
-    """Rejects any value but an empty one: the field exists in OpenAI's API, not in vivace yet."""
+def _unsupported(what: str, empty: dict[str, int]) -> tuple[AfterValidator, Any]:
+    """Rejects any value but an empty one: the field exists in OpenAI's API, not in vivace yet.
+    ``empty`` is the JSON-schema bound that publishes the same rule (e.g. ``maxItems: 0``)."""
     def reject(value: Any) -> Any:
         if value:
             raise ValueError(f"{what} are not supported")
         return value
-    return AfterValidator(reject)
+    return AfterValidator(reject), Field(json_schema_extra=empty)
 
 
 class SamplingRequest(_Strict):
     """Fields shared by chat and text completions (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: Integer(ge=1, le=128) = 1
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: Integer(ge=-(2**63), lt=2**64) | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -67,19 +141,26 @@ class SamplingRequest(_Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    logit_bias: Annotated[dict[str, float] | None, _unsupported("logit_bias values")] = None
+    logit_bias: Annotated[dict[str, float] | None, *_unsupported("logit_bias values", {"maxProperties": 0})] = None
     # vLLM extras
-    top_k: int = Field(0, ge=-1)
+    top_k: Integer(ge=-1) = 0
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: Integer(ge=0) = 0
+    stop_token_ids: list[Integer()] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int | None = None  # lower is sooner; the key's tier sets its default and floor
+    priority: Integer() | None = None  # lower is sooner; the key's tier sets its default and floor
     # vivace's extra: false keeps this request out of speculative decoding (when the server has it)
     speculative: bool = True
+    # Structured output (vivace.server.structured): OpenAI's response_format, vLLM's extras.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -111,14 +192,13 @@ class SamplingRequest(_Strict):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Integer(ge=1) | None = None
+    max_completion_tokens: Integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: Annotated[list[dict[str, Any]] | None, _unsupported("tools")] = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools
+    top_logprobs: Integer(ge=0, le=20) | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
     @field_validator("top_logprobs")
@@ -136,13 +216,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: Integer(ge=1) = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = None
-    suffix: Annotated[str | None, _unsupported("suffix (fill-in-the-middle) values")] = None
+    logprobs: Integer(ge=0, le=20) | None = None
+    best_of: Integer() | None = None
+    suffix: Annotated[str | None, *_unsupported("suffix (fill-in-the-middle) values", {"maxLength": 0})] = None
 
     @field_validator("best_of")
     @classmethod

@@ -78,14 +78,41 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, exclude_if=lambda value: value is None)
+    arguments: str = ""
+
+
+class ToolCallDelta(BaseModel):
+    """OpenAI's streamed piece of a tool call: the first has ``id``, ``type`` and the name."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=lambda value: value is None)
+    type: Literal["function"] | None = Field(None, exclude_if=lambda value: value is None)
+    function: FunctionCallDelta
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda value: not value)
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda value: not value)
 
 
 class ChatChoice(BaseModel):
@@ -138,3 +165,20 @@ class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
 
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,4 +1,4 @@
-"""The small endpoints: ``/health``, ``/v1/models`` and ``/metrics``."""
+"""The small endpoints: ``/health``, ``/v1/models``, ``/metrics`` and ``/debug/timings``."""
 
 from __future__ import annotations
 
@@ -13,24 +13,34 @@ from vivace.server.state import server_state
 
 
 async def health(request: Request) -> Response:
-    """200 while the model is loaded, warmed up and its engine running; 503 otherwise."""
-    engine = server_state(request).engine
-    if engine is None:
-        return APIError(503, "The model is still loading", code="not_ready").response()
-    if not engine.is_running:
-        return APIError(503, "The engine has stopped", code="engine_dead").response()
-    return JSONResponse({"status": "ok"})
+    """200 while the server can serve (model loaded, warmed up, engine running); 503 otherwise."""
+    problem = server_state(request).unavailable()
+    return problem.response() if problem is not None else JSONResponse({"status": "ok"})
 
 
 async def list_models(request: Request) -> Response:
-    """The one served model, in OpenAI's list shape."""
-    state = server_state(request)
-    engine = state.engine_for(None)
-    card = {"id": state.model_name(), "object": "model", "created": int(time.time()),
-            "owned_by": "vivace", "max_model_len": engine.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
+    """The served models, in OpenAI's list shape."""
+    cards = [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "vivace",
+              "max_model_len": engine.max_model_len}
+             for name, engine in server_state(request).served_models()]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition of this server's metrics."""
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def debug_timings(request: Request) -> Response:
+    """The recent timing events (``vivace.engine.step_timing``) that started at or after the
+    ``since`` query parameter (``time.perf_counter()`` seconds, default all), by kind, with the
+    server's ``now`` on the same clock. 503 while the model loads; 400 for a bad ``since``."""
+    state = server_state(request)
+    engine = state.engine_for(None)
+    try:
+        since = float(request.query_params.get("since", "-inf"))
+    except ValueError:
+        raise APIError(400, "since must be a number of seconds", param="since") from None
+    logs = {"steps": engine.timings.steps, "handoffs": engine.timings.handoffs, "gc": engine.timings.gc,
+            **state.metrics.work}
+    return JSONResponse({"now": time.perf_counter(), **{kind: log.rows(since) for kind, log in logs.items()}})

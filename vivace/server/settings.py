@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -17,7 +18,11 @@ class ServerSettings:
     ``served_model_name`` None serves the engine's own model name. ``shutdown_timeout_s``
     bounds how long SIGTERM waits for in-flight requests to finish. ``max_waiting_requests``
     bounds the requests admitted but without output yet (503 beyond); ``request_timeout_s``
-    ends a request that runs longer (504). None means no bound.
+    ends a request that runs longer (504). None means no bound. ``ssl_keyfile`` and
+    ``ssl_certfile`` serve https; with ``ssl_ca_certs`` too, clients must present a certificate
+    signed by one of those CAs (mutual TLS).
+    ``ui`` serves the web playground at ``/``; ``otlp_traces_endpoint`` (an OTLP/HTTP URL,
+    None: no tracing) receives one OpenTelemetry span per request.
     """
 
     host: str = "127.0.0.1"
@@ -31,6 +36,11 @@ class ServerSettings:
     default_tier: Tier = Tier()
     max_waiting_requests: int | None = None
     request_timeout_s: float | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # given: clients must present a certificate it signed
+    ui: bool = True
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -45,8 +55,21 @@ class ServerSettings:
             raise ValueError("every key given a tier must be an accepted api key")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs needs ssl_keyfile and ssl_certfile")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+    def uvicorn_tls(self) -> dict[str, object]:
+        """uvicorn.Config keywords serving https as these settings ask (none for plain http)."""
+        if self.ssl_certfile is None:
+            return {}
+        tls: dict[str, object] = {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile}
+        if self.ssl_ca_certs is not None:
+            tls |= {"ssl_ca_certs": self.ssl_ca_certs, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        return tls
 
     def tier_of(self, api_key: str) -> Tier:
         """The tier of an accepted key ("" when the server has no keys)."""

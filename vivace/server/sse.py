@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from vivace.engine.step_timing import TimingLog
 from vivace.server.errors import APIError
 
 logger = logging.getLogger("vivace.server")
@@ -27,14 +29,21 @@ class _EventStream(StreamingResponse):
     generator left at a ``yield`` by a disconnect still runs its clean-up (the abort) now;
     then calls ``on_close``, even if the generator never started."""
 
-    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None],
+                 writes: TimingLog | None) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
+        self.writes = writes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message: Message) -> None:
+            start = time.perf_counter()
+            await send(message)
+            self.writes.record(start, time.perf_counter() - start)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if self.writes is None else timed_send)
         finally:
             try:
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -55,8 +64,9 @@ async def _framed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None
     yield SSE_DONE
 
 
-def sse_response(events: AsyncGenerator[str, None],
-                 on_close: Callable[[], None] = lambda: None) -> StreamingResponse:
+def sse_response(events: AsyncGenerator[str, None], on_close: Callable[[], None] = lambda: None,
+                 writes: TimingLog | None = None) -> StreamingResponse:
     """A streaming response of ``events``, ended by ``[DONE]`` even after an error;
-    ``on_close`` runs once the response has ended, however it ended."""
-    return _EventStream(_framed(events), on_close)
+    ``on_close`` runs once the response has ended, however it ended; each send (headers, every
+    frame) is timed into ``writes`` when given."""
+    return _EventStream(_framed(events), on_close, writes)

@@ -11,11 +11,13 @@ from starlette.requests import Request
 from vivace.engine.deadlines import Deadlines
 from vivace.server.admission import Admission
 from vivace.server.errors import APIError
-from vivace.server.metrics import ServerMetrics
+from vivace.server.metrics import EngineStatsCollector, ServerMetrics
 from vivace.server.settings import ServerSettings
 from vivace.server.tiers import Tier
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
     from vivace.engine.async_engine import AsyncEngine
 
 
@@ -42,7 +44,8 @@ class ServerState:
     admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine else None)
+        self.metrics = ServerMetrics(self.engine_metrics(),
+                                     lambda: self.engine.timings if self.engine else None)
         self.admission = Admission(self.settings.max_waiting_requests, self.metrics.record_rejection)
 
     def caller(self, request: Request) -> Caller:
@@ -55,12 +58,30 @@ class ServerState:
         """Marks the server ready: from now on requests go to ``engine``."""
         self.engine = engine
 
-    def model_name(self) -> str:
+    def engine_metrics(self) -> Collector:
+        """The engine series of ``/metrics`` (zeros while the model loads)."""
+        return EngineStatsCollector(lambda: [((), self.engine.stats() if self.engine else None)])
+
+    def unavailable(self) -> APIError | None:
+        """Why ``/health`` is not 200 now, or None while the server can serve."""
+        if self.engine is None:
+            return APIError(503, "The model is still loading", code="not_ready")
+        if not self.engine.is_running:
+            return APIError(503, "The engine has stopped", code="engine_dead")
+        return None
+
+    def model_name(self, requested: str | None = None) -> str:
+        """The name responses carry for a request that asked for ``requested`` (one model here)."""
         assert self.engine is not None
         return self.settings.served_model_name or self.engine.model_name
 
-    def engine_for(self, model: str | None) -> AsyncEngine:
-        """The engine serving ``model`` (None: the served one); 503 while loading, 404 if unknown."""
+    def served_models(self) -> list[tuple[str, AsyncEngine]]:
+        """Each served model name with an engine serving it (503 while loading)."""
+        return [(self.model_name(), self.engine_for(None))]
+
+    def engine_for(self, model: str | None, caller: Caller | None = None) -> AsyncEngine:
+        """The engine serving ``model`` (None: the served one) to ``caller`` (a scaled-out
+        server picks a version by its tier); 503 while loading, 404 if unknown."""
         if self.engine is None:
             raise APIError(503, "The model is still loading; retry shortly", code="not_ready")
         if model is not None and model != self.model_name():

@@ -1,0 +1,71 @@
+"""schemathesis hooks for fuzzing vivace (loaded with SCHEMATHESIS_HOOKS=fuzz_hooks).
+
+A positive case is valid by the JSON schema; a few of vivace's rules tie fields together, which a
+JSON schema can't say (top_logprobs needs logprobs, stream_options needs stream, min_tokens <=
+max_tokens, best_of == n, no echo with logprobs, prompt plus max_tokens within the context), and
+the grammar-carrying fields (a JSON schema, regex or grammar to constrain the output, tools and
+their calls) are valid only if the grammar engine compiles them, which no JSON schema can say.
+For positive cases only, this hook makes such a body obey the rules and drops those fields, and
+keeps each case short (at most 8 tokens, 2 choices) so a bounded run covers many cases. Negative
+cases go out untouched. Structured output and tools have their own tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import schemathesis
+
+MAX_TOKENS = 8
+MAX_CHOICES = 2
+
+
+GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "tools", "tool_choice", "parallel_tool_calls")
+
+
+def _drop_grammars(body: dict[str, Any]) -> None:
+    for field in GRAMMAR_FIELDS:
+        body.pop(field, None)
+    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") not in ("text", "json_object"):
+        body.pop("response_format")
+    for message in body.get("messages") or []:
+        if isinstance(message, dict):
+            message.pop("tool_calls", None)
+            message.pop("tool_call_id", None)
+            if message.get("role") == "tool":
+                message["role"] = "user"
+
+
+def _number(value: Any) -> bool:
+    """An integer of JSON Schema's: 5 or 5.0 (never true)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fit(body: dict[str, Any]) -> None:
+    _drop_grammars(body)
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_TOKENS
+    for field in ("max_tokens", "max_completion_tokens"):
+        if _number(body.get(field)):
+            body[field] = min(body[field], MAX_TOKENS)
+    if _number(body.get("n")):
+        body["n"] = min(body["n"], MAX_CHOICES)
+    if "best_of" in body and body["best_of"] is not None:
+        body["best_of"] = body.get("n", 1)
+    limit = min(body.get("max_tokens") or MAX_TOKENS, body.get("max_completion_tokens") or MAX_TOKENS)
+    if _number(body.get("min_tokens")):
+        body["min_tokens"] = min(body["min_tokens"], limit)
+    if not body.get("stream"):
+        body.pop("stream_options", None)
+    if body.get("logprobs") is not True and "messages" in body:
+        body.pop("top_logprobs", None)
+    if body.get("echo") and body.get("logprobs") is not None:
+        body["echo"] = False
+
+
+@schemathesis.hook
+def before_call(ctx: Any, case: Any, kwargs: Any) -> None:
+    meta = case.meta
+    if meta is not None and meta.generation.mode.is_positive and isinstance(case.body, dict):
+        _fit(case.body)

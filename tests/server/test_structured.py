@@ -1,0 +1,161 @@
+"""Structured output and tool calls over HTTP on the tiny random model: whatever it would have
+said, the grammar holds it to the schema, and the official client reads the answers."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from vivace.config import EngineConfig
+from vivace.engine.async_engine import AsyncEngine
+from vivace.server import ServerSettings
+
+from .harness import RunningServer, assert_engine_idle, serving
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["color", "size", "tags"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+                   "required": ["unit", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[RunningServer]:
+    """A context with room for the tool listing the Hermes-style convention puts in the prompt."""
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_kv_blocks=256))
+    try:
+        with serving(engine, ServerSettings(served_model_name="tiny")) as running:
+            yield running
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _idle_after_each(server: RunningServer) -> Iterator[None]:
+    yield
+    assert server.engine is not None
+    assert_engine_idle(server.engine)
+
+
+def test_response_format_json_schema_and_json_object(server: RunningServer) -> None:
+    client = server.client()
+    for temperature in (0.0, 0.9):
+        answer = client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=60, temperature=temperature, seed=1,
+            response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}})
+        assert answer.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)
+    anything = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8,
+                                              response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.startswith("{")
+
+
+def test_vllm_extras_on_completions(server: RunningServer) -> None:
+    client = server.client()
+    choice = client.completions.create(model="tiny", prompt="Yes or no?", max_tokens=8,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in {"yes", "no"}
+    regex = client.completions.create(model="tiny", prompt="Code:", max_tokens=8,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}[0-9]{3}", regex.choices[0].text)
+    grammar = client.completions.create(model="tiny", prompt="Go:", max_tokens=8,
+                                        extra_body={"guided_grammar": 'root ::= "go " ("left" | "right")'})
+    assert grammar.choices[0].text in {"go left", "go right"}
+    cut = client.completions.create(model="tiny", prompt="Say:", max_tokens=3,
+                                    extra_body={"guided_json": {"type": "array", "items": {"type": "string"}}})
+    assert cut.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_assemble(server: RunningServer, stream: bool, choice: object) -> None:
+    # A named function is called once; "required" is held to one call by parallel_tool_calls.
+    request = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=120,
+                   temperature=0, parallel_tool_calls=isinstance(choice, dict))
+    client = server.client()
+    if stream:
+        calls: dict[int, dict] = {}
+        reasons = []
+        for chunk in client.chat.completions.create(**request, stream=True):
+            for c in chunk.choices:
+                reasons.append(c.finish_reason)
+                for delta in c.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"name": None, "arguments": "", "id": delta.id})
+                    call["name"] = call["name"] or delta.function.name
+                    call["arguments"] += delta.function.arguments or ""
+        assert reasons[-1] == "tool_calls"
+        assembled = list(calls.values())
+    else:
+        answer = client.chat.completions.create(**request)
+        assert answer.choices[0].finish_reason == "tool_calls"
+        assert answer.choices[0].message.content is None
+        assembled = [{"name": c.function.name, "arguments": c.function.arguments, "id": c.id}
+                     for c in answer.choices[0].message.tool_calls]
+    assert len(assembled) == 1 and assembled[0]["id"].startswith("call_")
+    tool = {"get_weather": WEATHER, "get_time": TIME}[assembled[0]["name"]]
+    if isinstance(choice, dict):
+        assert assembled[0]["name"] == "get_time"
+    jsonschema.validate(json.loads(assembled[0]["arguments"]), tool["function"]["parameters"])
+
+
+def test_tool_round_trip_is_accepted_and_none_means_text(server: RunningServer) -> None:
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"unit": "c", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    client = server.client()
+    answer = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=5)
+    assert answer.choices[0].finish_reason in {"stop", "length", "tool_calls"}
+    plain = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER],
+                                           tool_choice="none", max_tokens=5)
+    assert plain.choices[0].message.tool_calls is None
+
+
+BAD = [
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}), "response_format.json_schema.schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+     "response_format.json_schema.schema"),
+    (dict(guided_regex="(", guided_choice=["a"]), "guided_choice"),
+    (dict(guided_regex="(unclosed"), "guided_regex"),
+    (dict(guided_json="{not json"), "guided_json"),
+    (dict(guided_grammar="start: undefined_rule"), "guided_grammar"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice.function.name"),
+    (dict(tools=[WEATHER, WEATHER]), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]),
+     "tools.0.function.parameters"),
+    (dict(tools=[WEATHER], response_format={"type": "json_object"}), "tool_choice"),
+    (dict(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]), "messages.0.tool_call_id"),
+    (dict(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[1]"}}]}]), "messages.0.tool_calls.0.function.arguments"),
+]
+
+
+@pytest.mark.parametrize("changes,param", BAD, ids=[p for _, p in BAD])
+def test_bad_constraints_are_400s_naming_the_field(server: RunningServer, changes: dict, param: str) -> None:
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, **changes}
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param, response.text

@@ -1,0 +1,106 @@
+"""Running a scaled-out server: start (or join) a Ray cluster, deploy the engine replicas and
+the ingress as one Serve application, serve until SIGTERM/SIGINT, then drain and stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from vivace.cluster.config import ClusterConfig, Scaling, VersionSpec
+from vivace.cluster.ingress import Ingress
+from vivace.cluster.replica import EngineReplica
+from vivace.cluster.router import ROUTERS
+from vivace.server.settings import ServerSettings
+
+logger = logging.getLogger("vivace.cluster")
+
+APP_NAME = "vivace"
+MAX_ONGOING = 1024  # per replica: the engine queues and admission control bounds, not Serve
+# Serve pushes autoscaling metrics every 10 s by default: too slow to follow queue depth.
+_METRICS_PUSH = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
+
+
+def _scaling_options(scaling: Scaling) -> dict[str, Any]:
+    if scaling.replicas is not None:
+        return {"num_replicas": scaling.replicas}
+    # Queue depth is averaged over the shorter delay, within Serve's bounds: more than its
+    # metrics interval (10 s; it warns below) and at most its default look-back (30 s).
+    window = min(max(min(scaling.upscale_delay, scaling.downscale_delay), 11.0), 30.0)
+    return {"autoscaling_config": {
+        "min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
+        "target_ongoing_requests": scaling.target_ongoing_requests,
+        "upscale_delay_s": scaling.upscale_delay, "downscale_delay_s": scaling.downscale_delay,
+        "look_back_period_s": window,
+        "policy": {"policy_function": "vivace.cluster.autoscale:queue_depth_policy"}}}
+
+
+def _router(routing: str, version: VersionSpec) -> RequestRouterConfig:
+    kwargs = {}
+    if routing == "prefix":
+        kwargs = {"block_size": version.engine.block_size,
+                  "capacity_blocks": version.engine.num_kv_blocks or 4096}
+    return RequestRouterConfig(request_router_class=ROUTERS[routing], request_router_kwargs=kwargs)
+
+
+def build_application(config: ClusterConfig, settings: ServerSettings) -> Application:
+    """The Serve application: one engine deployment per version, and the ingress."""
+    engines = {}
+    for i, model in enumerate(config.models):
+        for version in model.versions:
+            name = config.deployment_names[i, version.name]
+            deployment = serve.deployment(EngineReplica).options(
+                name=name, max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0},
+                health_check_period_s=2.0, graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
+                request_router_config=_router(config.routing, version),
+                **_scaling_options(version.scaling))
+            engines[name] = deployment.bind(version.engine, model.name or settings.served_model_name or "",
+                                            version.name)
+    ingress = serve.deployment(Ingress).options(
+        name="ingress", max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=settings.shutdown_timeout_s)
+    return ingress.bind(config, settings, engines)
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def run_cluster(config: ClusterConfig, settings: ServerSettings) -> int:
+    """Serves until SIGTERM/SIGINT; returns the exit status (0 clean, 1 failed to deploy).
+    A cluster started here is stopped on the way out; on a joined one (``ray_address``) only
+    this application is deleted."""
+    local = config.ray_address is None
+    if local:
+        for name, value in _METRICS_PUSH.items():
+            os.environ.setdefault(name, value)
+    ray.init(address=config.ray_address, include_dashboard=False,
+             logging_level=settings.log_level.upper(), log_to_driver=True)
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port},
+                    logging_config={"log_level": settings.log_level.upper()})
+        try:
+            serve.run(build_application(config, settings), name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:
+            origins = "; ".join(v.origin for m in config.models for v in m.versions)
+            logger.error("the application failed to deploy (models from %s): %s", origins, exc)
+            return 1
+        logger.info("serving on http://%s:%d", settings.host, settings.port)
+        _wait_for_signal()
+        serve.delete(APP_NAME)  # drains: replicas finish what they have in flight
+        return 0
+    finally:
+        if local:
+            serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,124 @@
+"""Grammar-constrained decoding on llguidance: the one module that knows the grammar engine.
+
+A request's ``SamplingParams.structured`` names what its output must match. The engine
+keeps one ``LLMatcher`` per constrained request; each step it fills the constrained rows of
+a token bitmask (on a worker thread, while the model's forward runs), sets every token the
+grammar forbids to -inf in those logits rows, and after sampling advances each matcher by
+the token it got. Compiled grammars are cached by their spec; a request gets a copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+from llguidance import LLMatcher
+
+from vivace.engine.sampling_params import StructuredOutput
+# JSON as json.dumps writes it. Free whitespace lets a small model pad forever; a schema's own
+# "x-guidance" options still override this.
+JSON_LAYOUT: llguidance.JsonCompileOptions = {
+    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A constrained request's matcher refused the token it was given; ends only that request."""
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutput`` specs for one tokenizer. Thread-safe: the server compiles
+    to validate while the engine thread makes matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._lock = threading.Lock()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        # Compiled grammars by spec, per compiler: a request's matcher is a copy of one.
+        self._template = functools.lru_cache(maxsize=256)(self._build)
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary, built on first use (a few hundred ms)."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)
+            return self._ll_tokenizer
+
+    def compile(self, structured: StructuredOutput) -> LLMatcher:
+        """A fresh matcher for ``structured``. Raises ValueError naming what does not compile."""
+        return self._template(structured).deep_copy()
+
+    def _build(self, structured: StructuredOutput) -> LLMatcher:
+        try:
+            if structured.kind == "json_schema":
+                grammar = LLMatcher.grammar_from_json_schema(structured.spec, defaults=JSON_LAYOUT)
+            else:
+                grammar = llguidance.grammar_from(structured.kind, structured.spec)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"invalid {structured.kind}: {exc}") from None
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if is_error:
+            raise ValueError(f"unsupported or invalid {structured.kind}: {messages[0]}")
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"unsupported or invalid {structured.kind}: {matcher.get_error()}")
+        return matcher
+
+
+class TokenMasks:
+    """The batched side: bitmask rows for the constrained requests of a step, filled on a
+    worker thread (llguidance drops the GIL), applied to their logits rows in one call."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vivace-grammar")
+
+    def fill_async(self, matchers: list[LLMatcher]) -> Future[torch.Tensor]:
+        """Starts filling one bitmask row per matcher; the future gives the [n, words] int32 mask."""
+        return self._worker.submit(self._fill, matchers)
+
+    def _fill(self, matchers: list[LLMatcher]) -> torch.Tensor:
+        bitmask = torch.empty((len(matchers), self._words), dtype=torch.int32)
+        for row, matcher in enumerate(matchers):
+            view = bitmask[row]
+            matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+        return bitmask
+
+    def apply(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+        """Set ``logits[rows[i], t]`` to -inf for every token ``t`` that row ``i`` of
+        ``bitmask`` forbids (in place). Columns past the mask's vocabulary are forbidden too."""
+        vocab = logits.shape[-1]
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        bits = np.pad(bits, ((0, 0), (0, max(0, vocab - bits.shape[1]))))[:, :vocab]
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+            # numpy, single-threaded: a few torch ops here would each pay an intra-op thread
+            # hand-off that costs more than the work on a busy 2-core machine.
+            view = logits.numpy()
+            for i, row in enumerate(rows):
+                np.copyto(view[row], -np.inf, where=bits[i] == 0)
+            return
+        allowed = torch.from_numpy(bits).to(logits.device, torch.bool)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=False)
+
+
+def advance(matcher: LLMatcher, token_id: int) -> bool:
+    """Feed the sampled ``token_id`` to ``matcher``; True when the grammar is now complete
+    (nothing but end-of-sequence may follow). Raises GrammarError if the grammar refuses it."""
+    if not matcher.consume_token(token_id):
+        raise GrammarError(f"the grammar refused token {token_id}: {matcher.get_error()}")
+    return matcher.is_stopped()

@@ -1,0 +1,34 @@
+"""What one engine can ever serve, as plain numbers: checked by the engine on every request,
+and by a scaled-out server's ingress before it sends a request to a remote engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vivace.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """An engine's vocabulary, context length and KV pool (``num_blocks`` of ``block_size``)."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when the request can never be served."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        wanted = num_prompt + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{num_prompt} prompt tokens plus {params.max_tokens or 1} max_tokens were requested")
+        if -(-wanted // self.block_size) > self.num_blocks:
+            raise ValueError(f"the request needs {wanted} tokens of KV cache; the pool holds "
+                             f"{self.num_blocks * self.block_size}")

@@ -1,0 +1,158 @@
+"""Reading Hermes-style tool calls out of the model's text as it streams.
+
+``feed`` takes each new piece of text and returns what the client may see now: plain content,
+and tool-call deltas in OpenAI's streaming order (first the call's index, id and name with
+empty arguments, then fragments of the arguments' JSON text). The arguments are the exact
+text the model wrote for the ``"arguments"`` value, so the fragments join into valid JSON
+once the call is complete (the grammar sees to that).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from vivace.server.tools import CALL_CLOSE, CALL_OPEN
+
+# The grammar writes "name" first, then "arguments" (the schema's property order).
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass
+class ToolCallDelta:
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ParsedCall:
+    id: str
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class _Scan:
+    """Where the arguments' JSON value ends: depth of brackets outside strings."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    started: bool = False
+    done: bool = False
+
+    def take(self, text: str) -> int:
+        """How many characters of ``text`` still belong to the value."""
+        for i, char in enumerate(text):
+            if self.escaped:
+                self.escaped = False
+            elif self.in_string:
+                self.escaped = char == "\\"
+                self.in_string = char != '"'
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
+@dataclass
+class ToolCallParser:
+    """Splits one choice's streamed text into content and tool calls."""
+
+    calls: list[ParsedCall] = field(default_factory=list)
+    _pending: str = ""   # text not yet classified
+    _in_call: bool = False
+    _scan: _Scan | None = None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Content and tool-call deltas that ``text`` (the next piece of output) releases."""
+        self._pending += text
+        content, deltas = "", []
+        while True:
+            if not self._in_call:
+                start = self._pending.find(CALL_OPEN)
+                if start < 0:
+                    keep = _partial_suffix(self._pending, CALL_OPEN)
+                    emit = self._pending[:len(self._pending) - keep]
+                    content += emit if not self.calls else emit.strip()
+                    self._pending = self._pending[len(emit):]
+                    return content, deltas
+                content += self._pending[:start] if not self.calls else ""
+                self._pending = self._pending[start + len(CALL_OPEN):]
+                self._in_call, self._scan = True, None
+                self.calls.append(ParsedCall(f"call_{uuid.uuid4().hex[:24]}"))
+            if not self._advance_call(deltas):
+                return content, deltas
+
+    def _advance_call(self, deltas: list[ToolCallDelta]) -> bool:
+        """Consume what it can of the open call; True once the call has closed."""
+        call, index = self.calls[-1], len(self.calls) - 1
+        if self._scan is None:
+            head = _HEAD.match(self._pending)
+            if head is None:
+                return self._close_unparsed(call)
+            call.name = json.loads(head.group(1))
+            deltas.append(ToolCallDelta(index, call.id, call.name, ""))
+            self._pending, self._scan = self._pending[head.end():], _Scan()
+        if not self._scan.started:  # whitespace before the value is no part of it
+            self._pending = self._pending.lstrip()
+            self._scan.started = bool(self._pending)
+        if self._scan.started and not self._scan.done:
+            taken = self._scan.take(self._pending)
+            fragment, self._pending = self._pending[:taken], self._pending[taken:]
+            if fragment:
+                call.arguments += fragment
+                deltas.append(ToolCallDelta(index, arguments=fragment))
+        end = self._pending.find(CALL_CLOSE)
+        if not self._scan.done or end < 0:
+            return False
+        self._pending, self._in_call = self._pending[end + len(CALL_CLOSE):], False
+        return True
+
+    def _close_unparsed(self, call: ParsedCall) -> bool:
+        """A call whose head doesn't read as name-then-arguments: wait for its end, then take
+        both from the whole object (its deltas come at the end)."""
+        end = self._pending.find(CALL_CLOSE)
+        if end < 0:
+            return False
+        try:
+            whole = json.loads(self._pending[:end])
+            call.name, call.arguments = str(whole["name"]), json.dumps(whole["arguments"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            call.arguments = self._pending[:end].strip()
+        self._pending, self._in_call = self._pending[end + len(CALL_CLOSE):], False
+        return True
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """What is left once the output has ended (an opener's prefix was only text after all)."""
+        rest, self._pending = self._pending, ""
+        if self._in_call:
+            return "", []
+        return (rest if not self.calls else rest.strip()), []
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that could begin ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """The content before the calls (None if empty) and the calls of a whole output."""
+    parser = ToolCallParser()
+    content, _ = parser.feed(text)
+    rest, _ = parser.finish()
+    content = (content + rest).strip()
+    return content or None, parser.calls

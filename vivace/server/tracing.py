@@ -1,0 +1,160 @@
+"""OpenTelemetry traces of requests, exported over OTLP/HTTP (protobuf) when the server is given
+``--otlp-traces-endpoint``. Nothing here is imported otherwise, so tracing off costs nothing.
+
+Each engine request becomes one ``llm_request`` span (vLLM's name), a child of the incoming W3C
+``traceparent`` when there is one, carrying vLLM's and the GenAI semantic conventions'
+``gen_ai.*`` attributes. Its ``queue``, ``prefill`` and ``decode`` phases are child spans;
+preemptions and prefill chunks are events. Spans are built from the request's timings once it
+has ended, on the event loop; the SDK's batch processor exports them from its own thread, so
+neither the engine nor a request ever waits on the collector (an unreachable one is logged).
+The standard ``OTEL_*`` variables apply: service name, resource attributes, propagators,
+exporter headers and timeout, batch sizes and delays, ``OTEL_SDK_DISABLED``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from opentelemetry import propagate, trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from vivace.server.generation import EngineRequest
+
+logger = logging.getLogger("vivace.server")
+
+SPAN_NAME = "llm_request"
+_PROPAGATED = (b"traceparent", b"tracestate", b"baggage")
+_incoming_headers: ContextVar[Mapping[str, str]] = ContextVar("vivace_trace_headers", default={})
+
+
+def traces_url(endpoint: str) -> str:
+    """The OTLP/HTTP traces URL of ``endpoint``: a bare collector address gets ``/v1/traces``."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"the OTLP traces endpoint must be an http(s) URL, got {endpoint!r}")
+    return endpoint if parts.path.strip("/") else endpoint.rstrip("/") + "/v1/traces"
+
+
+class _TraceHeaders:
+    """ASGI middleware keeping the request's trace-context headers for the span recorded when
+    its engine request ends (that runs in a task spawned under this call, so it sees them)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in scope["headers"] if name in _PROPAGATED}
+        token = _incoming_headers.set(headers)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _incoming_headers.reset(token)
+
+
+class RequestTracer:
+    """Turns ended engine requests into spans exported to ``endpoint`` (see the module doc)."""
+
+    def __init__(self, endpoint: str, model_name: Callable[[], str]) -> None:
+        resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "vivace")})
+        self.provider = TracerProvider(resource=resource)
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(traces_url(endpoint))))
+        self.tracer = self.provider.get_tracer("vivace")
+        self.model_name = model_name
+
+    def record(self, request: EngineRequest) -> None:
+        """Emits the span of one ended ``request``; never raises (a failure is logged)."""
+        try:
+            self._record(request, _incoming_headers.get())
+        except Exception:
+            logger.exception("could not record the trace of %s", request.request_id)
+
+    def _record(self, request: EngineRequest, headers: Mapping[str, str]) -> None:
+        wall_now, perf_now = time.time_ns(), time.perf_counter()
+
+        def ns(instant: float) -> int:
+            return wall_now - int((perf_now - instant) * 1e9)
+
+        out = request.last
+        t = out.timings if out is not None else None
+        start = ns(t.arrival) if t else wall_now
+        end = ns(t.finished) if t and t.finished is not None else wall_now
+        span = self.tracer.start_span(SPAN_NAME, context=propagate.extract(headers),
+                                      kind=trace.SpanKind.SERVER, start_time=start,
+                                      attributes=request_attributes(request, self.model_name()))
+        if t is not None:
+            phases = trace.set_span_in_context(span)
+            first = t.first_token
+            for name, begin, finish in (("queue", t.arrival, t.scheduled),
+                                        ("prefill", t.scheduled, first),
+                                        ("decode", first, t.finished)):
+                if begin is not None and finish is not None:
+                    self.tracer.start_span(name, context=phases, start_time=ns(begin)).end(ns(finish))
+            for instant in t.preemptions:
+                span.add_event("preempted", timestamp=ns(instant))
+            for instant, tokens in t.prefill_chunks:
+                span.add_event("prefill_chunk", {"tokens": tokens}, timestamp=ns(instant))
+        span.end(end)
+
+    def shutdown(self) -> None:
+        """Exports what is pending (bounded by the exporter's timeout) and stops the exporter."""
+        self.provider.shutdown()
+
+
+def request_attributes(request: EngineRequest, model: str) -> dict[str, Any]:
+    """The ``gen_ai.*`` attributes of one ended request, vLLM's names and the current ones."""
+    params, out = request.params, request.last
+    prompt, completion = len(request.prompt_ids), request.completion_tokens
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "chat" if request.request_id.startswith("chatcmpl") else "text_completion",
+        "gen_ai.request.id": request.request_id, "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": params.max_tokens or 0, "gen_ai.request.n": params.n,
+        "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+        "gen_ai.request.top_k": params.top_k,
+        "gen_ai.response.id": request.request_id, "gen_ai.response.model": model,
+        "gen_ai.response.finish_reasons": [c.finish_reason or "abort" for c in request.choices],
+        "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
+        "gen_ai.usage.prompt_tokens": prompt, "gen_ai.usage.completion_tokens": completion,
+    }
+    if params.seed is not None:
+        attributes["gen_ai.request.seed"] = params.seed
+    if out is None:
+        return attributes
+    t = out.timings
+    attributes["gen_ai.usage.cached_tokens"] = out.num_cached_tokens
+    attributes["gen_ai.latency.time_in_queue"] = t.queue_time
+    attributes["gen_ai.latency.time_in_model_prefill"] = t.prefill_time
+    attributes["gen_ai.latency.time_in_model_decode"] = t.decode_time
+    attributes["gen_ai.latency.num_preemptions"] = len(t.preemptions)
+    if t.first_token is not None:
+        attributes["gen_ai.latency.time_to_first_token"] = t.first_token - t.arrival
+    if t.finished is not None:
+        attributes["gen_ai.latency.e2e"] = t.finished - t.arrival
+    return attributes
+
+
+def install_tracing(app: FastAPI, endpoint: str) -> RequestTracer:
+    """Traces every request of ``app`` to ``endpoint``; the tracer is kept on
+    ``app.state.tracer`` (its owner calls ``shutdown``; process exit does it too)."""
+    state = app.state.vivace
+    tracer = RequestTracer(endpoint, state.model_name)
+    app.add_middleware(_TraceHeaders)
+    state.metrics.listeners.append(tracer.record)
+    app.state.tracer = tracer
+    return tracer
