@@ -17,13 +17,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from vivace.cluster.client import (
     PLACEMENT, ROUTING_DECISIONS, Placement, RemoteEngine, ServedModel, Version)
 from vivace.cluster.config import ClusterConfig
 from vivace.engine.llm_engine import EngineStats
 from vivace.server.app import build_app
+from vivace.server.asgi import HTTPMiddleware
 from vivace.server.errors import APIError
 from vivace.server.metrics import EngineStatsCollector
 from vivace.server.settings import ServerSettings
@@ -131,18 +132,12 @@ async def list_replicas(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": rows})
 
 
-class PlacementHeaders:
+class PlacementHeaders(HTTPMiddleware):
     """ASGI middleware: holds a response's start until its first engine request has started
     on a replica (or the response is whole), then adds ``x-vivace-replica`` and
     ``x-vivace-version`` (comma-separated when a request's prompts ran on several)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         placement = Placement()
         PLACEMENT.set(placement)
         held: list[Message] = []

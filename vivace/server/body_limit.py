@@ -4,21 +4,19 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vivace.server.asgi import HTTPMiddleware
 from vivace.server.errors import APIError
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HTTPMiddleware):
     """Reads each HTTP body in full before the app sees it (at most ``max_bytes``), then replays
     it; later ``receive`` calls reach the client's connection, so disconnects still show."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if not declared.isdigit():
             await self._reject(scope, send, APIError(400, "Invalid Content-Length header"))

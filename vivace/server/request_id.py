@@ -12,6 +12,7 @@ import uuid
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vivace.server.asgi import HTTPMiddleware
 from vivace.server.errors import APIError
 
 HEADER = "X-Request-Id"
@@ -30,17 +31,11 @@ def request_id_of(request: Request, prefix: str) -> str:
     return request_id
 
 
-class RequestIdMiddleware:
+class RequestIdMiddleware(HTTPMiddleware):
     """Checks an incoming ``X-Request-Id`` (400 if it is longer than MAX_LENGTH or holds other
     characters than PATTERN's) and puts the request's id on its response."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = dict(scope["headers"]).get(HEADER.lower().encode())
         state = scope.setdefault("state", {})
         state["request_id"] = given.decode("latin-1") if given is not None else None

@@ -26,7 +26,9 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
+
+from vivace.server.asgi import HTTPMiddleware
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -48,17 +50,11 @@ def traces_url(endpoint: str) -> str:
     return endpoint if parts.path.strip("/") else endpoint.rstrip("/") + "/v1/traces"
 
 
-class _TraceHeaders:
+class _TraceHeaders(HTTPMiddleware):
     """ASGI middleware keeping the request's trace-context headers for the span recorded when
     its engine request ends (that runs in a task spawned under this call, so it sees them)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in scope["headers"] if name in _PROPAGATED}
         token = _incoming_headers.set(headers)
