@@ -91,6 +91,9 @@ def test_metrics_label_each_replica_and_count_routing(server: ClusterServer) -> 
     running = {s["replica"] for s, _ in samples(server, "vivace:num_requests_running")
                if s["model"] == "tiny" and s["version"] == "main"}
     assert running == ids
+    steps = {s["replica"]: v for s, v in samples(server, "vivace:engine_step_seconds_count")
+             if s["model"] == "tiny" and s["phase"] == "total"}
+    assert set(steps) == ids and sum(steps.values()) >= 2  # each request took a step or more
     count = {(s["model"], s["version"]): v for s, v in samples(server, "vivace:replicas")}
     assert count[("tiny", "main")] == 2 and count[("split", "a")] == 1
     decisions = {s["outcome"]: v for s, v in samples(server, "vivace:routing_decisions_total")

@@ -26,7 +26,7 @@ from vivace.engine.llm_engine import EngineStats
 from vivace.server.app import build_app
 from vivace.server.asgi import HTTPMiddleware
 from vivace.server.errors import APIError
-from vivace.server.metrics import EngineStatsCollector
+from vivace.server.metrics import EngineStatsCollector, engine_timing_families
 from vivace.server.settings import ServerSettings
 from vivace.server.state import Caller, ServerState, server_state
 from vivace.server.tiers import DEFAULT_TIER
@@ -92,8 +92,8 @@ class ClusterState(ServerState):
 
 
 class _ClusterCollector(Collector):
-    """The engine series per replica (labels model, version, replica), replicas per version,
-    and the prefix router's decisions."""
+    """The engine series and step-timing histograms per replica (labels model, version,
+    replica), replicas per version, and the prefix router's decisions."""
 
     def __init__(self, state: ClusterState) -> None:
         self.state = state
@@ -106,6 +106,9 @@ class _ClusterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self.engines.collect()
+        yield from engine_timing_families([((r["model"], r["version"], r["replica"]), r.get("timings", {}))
+                                           for replicas in self.state.replicas.values() for r in replicas],
+                                          ("model", "version", "replica"))
         count = GaugeMetricFamily("vivace:replicas", "Running engine replicas per version.",
                                   labels=["model", "version"])
         decisions = CounterMetricFamily(

@@ -17,6 +17,7 @@ from vivace.engine.deadlines import Deadlines
 from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import RequestOutput
 from vivace.engine.sampling_params import SamplingParams
+from vivace.server.metrics import timing_snapshots
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,10 @@ class EngineReplica:
             yield output
 
     def stats(self) -> dict[str, Any]:
-        """This replica's identity and its engine's EngineStats fields."""
+        """This replica's identity, its engine's EngineStats fields and its step timings."""
         return {"replica": self.replica_id, "model": self.model, "version": self.version,
                 "pid": os.getpid(), "state": "RUNNING" if self.engine.is_running else "DEAD",
-                **dataclasses.asdict(self.engine.stats())}
+                **dataclasses.asdict(self.engine.stats()), "timings": timing_snapshots(self.engine.timings)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue depth for the autoscaler: requests running plus waiting in the engine."""

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from vivace.engine.step_timing import DurationHistogram, StepTimings, TimingLog, work_log
+from vivace.engine.step_timing import StepTimings, TimingLog, work_log
 from vivace.server.admission import REJECTION_REASONS
 
 if TYPE_CHECKING:
@@ -79,12 +79,43 @@ class EngineStatsCollector(Collector):
 SERVER_WORK = ("parse", "prompt", "sse_write")
 
 
-def _histogram_family(name: str, doc: str, label: str, histograms: dict[str, DurationHistogram]) -> Metric:
-    family = HistogramMetricFamily(name, doc, labels=[label])
-    for value, histogram in histograms.items():
-        buckets, total = histogram.snapshot()
-        family.add_metric([value], [("+Inf" if b == float("inf") else str(b), c) for b, c in buckets], total)
+# The engine's timing histograms: family name -> (help, label of its series).
+_ENGINE_TIMINGS = {
+    "engine_step_seconds": ("Engine step time by phase: schedule, forward, sample, emit (detokenize, "
+                            "stop checks), finish (block bookkeeping, proposals), and the whole step.", "phase"),
+    "engine_handoff_seconds": ("From the engine thread handing a step's outputs over to the event "
+                               "loop running the hand-over.", "stage"),
+    "gc_pause_seconds": ("Garbage collection pauses of the process (any thread; they hold the GIL).",
+                         "collector"),
+}
+Snapshot = tuple[list[tuple[float, int]], float]  # DurationHistogram.snapshot()
+
+
+def timing_snapshots(timings: StepTimings) -> dict[str, dict[str, Snapshot]]:
+    """The engine's timing histograms as plain data, by family and label value (a replica sends
+    them to the ingress of a cluster)."""
+    return {"engine_step_seconds": {phase: h.snapshot() for phase, h in timings.steps.histograms.items()},
+            "engine_handoff_seconds": {"lag": timings.handoffs.histograms["lag"].snapshot()},
+            "gc_pause_seconds": {"python": timings.gc.histograms["pause"].snapshot()}}
+
+
+def _histogram_family(name: str, doc: str, labels: list[str],
+                      series: list[tuple[tuple[str, ...], Snapshot]]) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=labels)
+    for label_values, (buckets, total) in series:
+        family.add_metric(list(label_values), [("+Inf" if b == float("inf") else str(b), c) for b, c in buckets],
+                          total)
     return family
+
+
+def engine_timing_families(engines: list[tuple[tuple[str, ...], dict[str, dict[str, Snapshot]]]],
+                           labels: tuple[str, ...] = ()) -> Iterator[Metric]:
+    """The timing histograms of ``engines``: per engine, its label values (as many as ``labels``
+    names; none for a lone engine) and its :func:`timing_snapshots`."""
+    for name, (doc, label) in _ENGINE_TIMINGS.items():
+        yield _histogram_family(f"vivace:{name}", doc, [*labels, label],
+                                [((*values, key), snapshot) for values, snapshots in engines
+                                 for key, snapshot in snapshots.get(name, {}).items()])
 
 
 class _TimingCollector(Collector):
@@ -97,21 +128,11 @@ class _TimingCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield _histogram_family("vivace:server_work_seconds", "Server work per request or frame: "
                                 "'parse' (body to schema), 'prompt' (chat template and tokenization), "
-                                "'sse_write' (one event frame sent).", "work",
-                                {kind: log.histograms["seconds"] for kind, log in self.work.items()})
+                                "'sse_write' (one event frame sent).", ["work"],
+                                [((kind,), log.histograms["seconds"].snapshot()) for kind, log in self.work.items()])
         timings = self.timings()
-        if timings is None:
-            return
-        yield _histogram_family("vivace:engine_step_seconds", "Engine step time by phase: schedule, "
-                                "forward, sample, emit (detokenize, stop checks), finish (block "
-                                "bookkeeping, proposals), and the whole step.", "phase",
-                                timings.steps.histograms)
-        yield _histogram_family("vivace:engine_handoff_seconds", "From the engine thread handing a "
-                                "step's outputs over to the event loop running the hand-over.", "stage",
-                                {"lag": timings.handoffs.histograms["lag"]})
-        yield _histogram_family("vivace:gc_pause_seconds", "Garbage collection pauses of the "
-                                "process (any thread; they hold the GIL).", "collector",
-                                {"python": timings.gc.histograms["pause"]})
+        if timings is not None:
+            yield from engine_timing_families([((), timing_snapshots(timings))])
 
 
 class ServerMetrics:
