@@ -7,6 +7,8 @@ there by later processes. Callers fall back to PyTorch code when ``load_library`
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -56,11 +58,30 @@ def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[st
     start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
-        load(name=f"vivace_{source.stem}_{digest}", sources=[str(source)], extra_cflags=list(cflags),
-             build_directory=str(build_dir), is_python_module=False, verbose=False)
+        with _building(build_dir):
+            load(name=f"vivace_{source.stem}_{digest}", sources=[str(source)], extra_cflags=list(cflags),
+                 build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as exc:  # any build or load failure means: use the PyTorch fallback
         logger.warning("vivace: native %s failed to build or load (%s); using PyTorch code", source.name, exc)
         return False
     logger.info("vivace: native %s ready in %.1f s (built once per source, then cached)", source.name,
                 time.perf_counter() - start)
     return True
+
+
+@contextlib.contextmanager
+def _building(build_dir: Path):
+    """Holds ``build_dir``'s build lock: an OS file lock, which ends with its holder, so a
+    process killed mid-build leaves no lock behind. torch's own lock file (``lock``, created by
+    the builder and removed when it is done, which a killed builder never does) found while we
+    hold ours was left by a dead builder: it is removed, or every later load would wait on it."""
+    with open(build_dir / ".vivace-build.lock", "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("vivace: removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
