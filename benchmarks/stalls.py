@@ -49,6 +49,7 @@ class Scenario:
     ttfts: list[float] = field(default_factory=list)
     idle_ttft: float = 0.0
     causes: Counter = field(default_factory=Counter)
+    preemptions: int = 0
 
     def itls(self) -> list[float]:
         return [b - a for a, b in self.gaps]
@@ -145,7 +146,8 @@ def attribute(scenario: Scenario, timings: dict, big: float) -> None:
 async def run_setting(setting: str, args: argparse.Namespace, rep: int) -> list[Scenario]:
     port = free_port()
     command = [sys.executable, "-m", "vivace.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--num-threads", str(args.num_threads), "--log-level", "warning", *SETTINGS[setting]]
+               "--num-threads", str(args.num_threads), "--log-level", "warning", *SETTINGS[setting],
+               *args.serve_args.split()]
     server = Running(Server(setting, command, "", start_timeout_s=args.ready_timeout),
                      REPO / "bench-results" / f"stalls-{setting}.log")
     url = f"http://127.0.0.1:{port}"
@@ -159,13 +161,28 @@ async def run_setting(setting: str, args: argparse.Namespace, rep: int) -> list[
             for streams in args.streams:
                 for prompt_len in args.prompt_lens:
                     scenario = Scenario(streams, prompt_len)
+                    preempted = await preemptions(client, url)
                     start, _ = await run_scenario(client, url, scenario, args, rng, words_per_token)
+                    scenario.preemptions = await preemptions(client, url) - preempted
                     timings = (await client.get(url + "/debug/timings", params={"since": start - 1})).json()
                     attribute(scenario, timings, args.big_gap)
                     results.append(scenario)
+                    itls = scenario.itls()
+                    print(f"  {setting} {streams} streams, {prompt_len}-token prompts: ITL median "
+                          f"{statistics.median(itls) * 1e3:.1f} ms, p99 {percentile(itls, 99) * 1e3:.1f} ms; "
+                          f"TTFT median {statistics.median(scenario.ttfts) * 1e3:.0f} ms, idle "
+                          f"{scenario.idle_ttft * 1e3:.0f} ms; {scenario.preemptions} preemptions",
+                          file=sys.stderr, flush=True)
         return results
     finally:
         server.stop()
+
+
+async def preemptions(client: httpx.AsyncClient, url: str) -> int:
+    """The server's preemption count so far (requests whose KV blocks were taken back)."""
+    text = (await client.get(url + "/metrics")).text
+    return int(next(float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("vivace:num_preemptions_total")))
 
 
 async def calibrate(client: httpx.AsyncClient, url: str, rng: random.Random) -> float:
@@ -178,8 +195,8 @@ async def calibrate(client: httpx.AsyncClient, url: str, rng: random.Random) -> 
 def report(runs: dict[str, list[list[Scenario]]], args: argparse.Namespace) -> None:
     print(f"\n## {args.reps} repetitions, settings alternating; medians over repetitions\n")
     print("| streams | prompt tokens | setting | median ITL (ms) | p99 ITL (ms) | p99 / median | "
-          "max ITL (ms) | arrivals' median TTFT (ms) | idle TTFT (ms) | TTFT / idle | arrivals |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "max ITL (ms) | arrivals' median TTFT (ms) | idle TTFT (ms) | TTFT / idle | arrivals | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for index, (streams, prompt_len) in enumerate((s, p) for s in args.streams for p in args.prompt_lens):
         for setting, reps in runs.items():
             rows = [rep[index] for rep in reps]
@@ -193,7 +210,7 @@ def report(runs: dict[str, list[list[Scenario]]], args: argparse.Namespace) -> N
             print(f"| {streams} | {prompt_len} | {setting} | {itl_med:.1f} | {p99:.1f} | "
                   f"{med(lambda s: percentile(s.itls(), 99) / statistics.median(s.itls())):.2f} | "
                   f"{med(lambda s: max(s.itls()) * 1e3):.0f} | {ttft:.0f} | {idle:.0f} | {ttft / idle:.2f} | "
-                  f"{sum(len(s.ttfts) for s in rows)} |")
+                  f"{sum(len(s.ttfts) for s in rows)} | {sum(s.preemptions for s in rows)} |")
     print(f"\n## Causes of stream gaps above {args.big_gap:g} x the median ITL (all repetitions)\n")
     print("| streams | prompt tokens | setting | big gaps / all gaps | causes |\n|---|---|---|---|---|")
     for index, (streams, prompt_len) in enumerate((s, p) for s in args.streams for p in args.prompt_lens):
@@ -217,6 +234,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds from a prompt's first token to the next prompt")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds measured per scenario")
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--serve-args", default="", help="extra flags for `vivace serve` in every setting, one string")
     parser.add_argument("--big-gap", type=float, default=2.0, help="gaps above this many medians get a cause")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a byte before a request fails")
