@@ -24,20 +24,10 @@ from vivace.models import LoadedModel
 logger = logging.getLogger(__name__)
 
 
-# The most an engine step waits for an event loop to take the previous step's outputs. A compiled
-# step can hold the GIL for its whole length: a loop that missed the moment between two steps
-# then delivered a step's tokens only after the next step (measured: 4% of hand-offs, each as
-# late as the step, doubling those streams' gaps; docs/benchmarks.md, issue 14).
-HANDOFF_WAIT_S = 0.005
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]], timings: StepTimings, sent_at: float,
-             taken: threading.Event) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]], timings: StepTimings, sent_at: float) -> None:
     timings.record_handoff(sent_at)
     for sink, output in batch:
         sink.put_nowait(output)
-    # Runs after the streams woken above have taken their outputs (they were scheduled first).
-    asyncio.get_running_loop().call_soon(taken.set)
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -161,13 +151,8 @@ class AsyncEngine:
                 loop, sink, index = stream
                 output.outputs[0].index = index
                 batches.setdefault(loop, []).append((sink, output))
-        handed: list[threading.Event] = []
         for loop, batch in batches.items():
-            handed.append(threading.Event())
-            loop.call_soon_threadsafe(_put_all, batch, self.timings, time.perf_counter(), handed[-1])
-        deadline = time.perf_counter() + HANDOFF_WAIT_S
-        for taken in handed:  # waiting releases the GIL to the loops
-            taken.wait(max(deadline - time.perf_counter(), 0.0))
+            loop.call_soon_threadsafe(_put_all, batch, self.timings, time.perf_counter())
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
