@@ -50,8 +50,8 @@ class Placement:
 
 
 # Prefix-routing outcomes of this process's routers, per (deployment, outcome): prefix_hit
-# (sent to the replica holding the longest cached prefix), no_prefix (no replica held one),
-# fallback (the holder was too busy or full).
+# (sent to the replica holding the longest cached prefix), no_prefix (no replica held one that
+# covers enough of the prompt), fallback (the holder was too busy or full).
 ROUTING_DECISIONS: collections.Counter[tuple[str, str]] = collections.Counter()
 PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("vivace_placement",
                                                                              default=None)

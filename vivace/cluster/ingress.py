@@ -113,7 +113,7 @@ class _ClusterCollector(Collector):
                                   labels=["model", "version"])
         decisions = CounterMetricFamily(
             "vivace:routing_decisions", "Requests routed: prefix_hit (to the replica holding "
-            "the longest cached prefix), no_prefix (none held one), fallback (it was too busy).",
+            "the longest cached prefix), no_prefix (none held a long enough one), fallback (it was too busy).",
             labels=["model", "version", "outcome"])
         for name, (model, version) in self.state.deployments.items():
             count.add_metric([model, version], len(self.state.replicas[name]))

@@ -2,8 +2,11 @@
 
 ``prefix`` (the default): the replica holding the longest cached prefix of the prompt's token
 ids, at KV-block granularity, unless its queue is longer than the shortest one by more than
-``imbalance_threshold`` requests; otherwise (or when no replica holds any of it) the less
-loaded of two random replicas. The router cannot see the replicas' caches: it remembers which
+``imbalance_threshold`` requests, or the prefix covers less than ``min_share`` of the prompt;
+otherwise (or when no replica holds any of it) the less loaded of two random replicas. The
+share matters because prompts share short heads (a chat template's system prompt): the first
+replica to see one would draw every new conversation until the imbalance threshold, and keep
+them for all their turns (as SGLang's router, a match must cover a share of the prompt). The router cannot see the replicas' caches: it remembers which
 prompt blocks it sent where (chained block hashes, as the engine's prefix cache keys them),
 evicting the least recently used ones beyond each replica's KV pool, and forgets a replica
 when it dies. ``pow2`` and ``round-robin`` are Ray Serve's own routers.
@@ -86,9 +89,10 @@ class PrefixAwareRouter(RequestRouter):
     (KV block size, blocks per replica)."""
 
     def initialize_state(self, block_size: int = 16, capacity_blocks: int = 4096,
-                         imbalance_threshold: int = 4) -> None:
+                         imbalance_threshold: int = 4, min_share: float = 0.3) -> None:
         self.block_size = block_size
         self.imbalance_threshold = imbalance_threshold
+        self.min_share = min_share
         self.table = BlockTable(capacity_blocks)
         self.decisions: dict[str, tuple[str, list[int], set[ReplicaID]]] = {}
 
@@ -110,7 +114,7 @@ class PrefixAwareRouter(RequestRouter):
         holders, matched = self.table.longest_match(hashes, set(by_id))
         outcome = "no_prefix"
         ranks = [two]
-        if matched:
+        if matched * self.block_size >= max(self.min_share * len(call.prompt_ids), 1):
             queues = await self._queue_lengths(candidate_replicas)
             shortest = min(queues.values(), default=0)
             fresh = [by_id[r] for r in holders if queues.get(r, 0) - shortest <= self.imbalance_threshold]
