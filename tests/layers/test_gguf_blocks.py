@@ -41,7 +41,7 @@ def test_decoded_weight_matches_gguf_dequantize(ggml_type, shape) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ggml_type", NATIVE_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 5, 19])
+@pytest.mark.parametrize("m", [1, 2, 5, 19, 300])  # the kernel's 1..7-row passes, 8-row passes, both
 def test_linear_matches_gguf_dequantize_and_matmul(backend, ggml_type, m) -> None:
     rows, cols = SHAPES[m % len(SHAPES)]
     blocks = random_blocks(ggml_type, rows, cols, seed=m)
