@@ -96,7 +96,10 @@ def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
     ids = prompt(12, seed=9)
     expected = PagedRun(reference.model, reference.config).step({"a": ids})["a"]
     actual = PagedRun(loaded.model, loaded.config).step({"a": ids})["a"]
-    assert ((actual - expected).norm() / expected.norm()).item() < 2e-2
+    # The native kernels also round activations to int8 per group of 32 (~0.5% relative each) at
+    # all 8 projections and the logits of this random model: 2.7% measured, 0.7% on the fallback.
+    tolerance = 4e-2 if quant_linear_kernel() is not None else 2e-2
+    assert ((actual - expected).norm() / expected.norm()).item() < tolerance
 
     path = write_gguf(hf, tmp_path / "q3k.gguf", q.F32, {**types, "ffn_down": q.Q3_K})
     with caplog.at_level("WARNING"):
