@@ -74,15 +74,17 @@ def time_runners(runners: dict[str, ModelRunner], batch: int, context: int, roun
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def profile(runner: ModelRunner, context: int) -> str:
-    """torch.profiler's table of the ops one batch-1 decode step runs, by self CPU time."""
+def profile(runner: ModelRunner, context: int, by_shape: bool = False, row_limit: int = 12) -> str:
+    """torch.profiler's table of the ops five batch-1 decode steps run, by self CPU time (each
+    op's input shapes apart when ``by_shape``)."""
     ids, positions, tables = decode_batch(1, context)
     with torch.inference_mode():
         runner.decode(ids, positions, tables)
-        with torch.profiler.profile() as prof:
+        with torch.profiler.profile(record_shapes=by_shape) as prof:
             for _ in range(5):
                 runner.decode(ids, positions, tables)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return prof.key_averages(group_by_input_shape=by_shape).table(sort_by="self_cpu_time_total",
+                                                                 row_limit=row_limit, max_name_column_width=40)
 
 
 def run_latency(args: argparse.Namespace, variant: str) -> None:

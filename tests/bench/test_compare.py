@@ -23,3 +23,11 @@ def test_side_by_side_has_one_ratio_column_per_peer() -> None:
     assert lines[2] == "| decode | median ITL (ms) | 10.00 | 40.00 | – | 0.25x | – |"
     assert lines[3] == "| decode | median TTFT (ms) | 100.0 | 200.0 | – | 0.50x | – |"
     assert lines[4] == "| long | median TTFT (ms) | – | – | – | – | – |"
+
+
+def test_side_by_side_of_several_runs_shows_each_figures_median() -> None:
+    runs = [summarize([finished(0.1, [gap, gap])], duration_s=1.0) for gap in (0.01, 0.03, 0.02)]
+    peer = summarize([finished(0.2, [0.04, 0.04])], duration_s=1.0)
+    figures = [Figure("decode", "median ITL", "ms", lambda s: s.itl.median)]
+    table = side_by_side(figures, {"vivace": {"decode": runs}, "peer": {"decode": [peer]}}, "vivace")
+    assert table.splitlines()[2] == "| decode | median ITL (ms) | 20.00 | 40.00 | 0.50x |"

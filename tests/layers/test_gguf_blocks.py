@@ -30,7 +30,8 @@ def test_decoded_weight_matches_gguf_dequantize(ggml_type, shape) -> None:
     blocks = random_blocks(ggml_type, *shape, seed=shape[0])
     expected = gguf.quants.dequantize(blocks, ggml_type)
     weight = from_gguf_blocks(blocks, ggml_type)
-    assert weight.group_size == 32 and weight.bits == (4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
+    expected_bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else 5 if ggml_type in (T.Q5_0, T.Q5_1, T.Q5_K) else 8
+    assert weight.group_size == 32 and weight.bits == expected_bits
     actual = weight.dequantize().numpy()
     if ggml_type in EXACT:
         np.testing.assert_array_equal(actual, expected)
@@ -40,7 +41,7 @@ def test_decoded_weight_matches_gguf_dequantize(ggml_type, shape) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ggml_type", NATIVE_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 5, 19])
+@pytest.mark.parametrize("m", [1, 2, 5, 19, 300])  # the kernel's 1..7-row passes, 8-row passes, both
 def test_linear_matches_gguf_dequantize_and_matmul(backend, ggml_type, m) -> None:
     rows, cols = SHAPES[m % len(SHAPES)]
     blocks = random_blocks(ggml_type, rows, cols, seed=m)

@@ -13,6 +13,8 @@ from vivace.layers import quant_format as qf
 from vivace.layers.gguf_blocks import from_gguf_blocks
 from vivace.layers.linear import QuantizedLinear
 
+from .gguf_random import random_blocks
+
 BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
     quant_linear_kernel() is None, reason="native kernels unavailable (CPU without AVX-512 VNNI, or build failed)"))]
 GGUF_TYPES = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
@@ -70,17 +72,20 @@ def test_quantization_error_is_small() -> None:
         assert relative_error(layer.dequantize(), weight) < bound
 
 
-def test_rows_and_leading_dims() -> None:
-    weight = torch.randn(40, 64)
-    layer = QuantizedLinear.from_float(weight, mode="int8")
+@pytest.mark.parametrize("ggml_type", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
+                                       gguf.GGMLQuantizationType.Q5_0], ids=lambda t: t.name)
+def test_rows_and_leading_dims(ggml_type) -> None:
+    blocks = random_blocks(ggml_type, 40, 64)
+    layer = QuantizedLinear.from_gguf(blocks, ggml_type)
     rows = torch.tensor([0, 17, 39, 17])
     torch.testing.assert_close(layer.quantized_rows(rows).dequantize(), layer.dequantize()[rows])
+    torch.testing.assert_close(layer.dequantize(), torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type)))
     assert layer(torch.randn(2, 3, 64)).shape == (2, 3, 40)
 
 
 def test_tiling_round_trips() -> None:
-    codes = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
-    for bits in (4, 8):
+    for bits in (4, 5, 8):
+        codes = torch.randint(0, 1 << bits, (32, 64), dtype=torch.uint8)
         assert torch.equal(qf.untile_codes(qf.tile_codes(codes, bits), bits), codes)
     values = torch.randn(32, 2).to(torch.float16)
     assert torch.equal(qf.untile_groups(qf.tile_groups(values)), values)

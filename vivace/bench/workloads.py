@@ -8,6 +8,7 @@ of N tokens is N common English words, close to but not exactly N tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -47,9 +48,11 @@ class Conversation:
     expected_prompt_tokens: int | None = None
 
 
+@functools.cache
 def load_tokenizer(path: str) -> Tokenizer:
     """A tokenizer from a Hugging Face directory or a GGUF file (transformers is
-    imported only here). Raises OSError or ValueError when it cannot be loaded."""
+    imported only here), loaded once per process (a 262k-token GGUF vocabulary takes
+    seconds). Raises OSError or ValueError when it cannot be loaded."""
     from transformers import AutoTokenizer
 
     location = Path(path)

@@ -1,7 +1,10 @@
-// Weight-only int8/int4 GEMM for small and large M on AVX-512 VNNI.
+// Weight-only int8/int5/int4 GEMM for small and large M on AVX-512 VNNI.
 //
 // Weights are tiled so that one 64-byte vector holds 16 output rows x 4 consecutive k
 // (int8) or 16 rows x 8 k as nibbles (int4: low nibbles k 0..3, high nibbles k 4..7).
+// int5 (GGUF Q5_0/Q5_1/Q5_K codes) is int4's four nibble vectors per 32-k group followed by
+// one vector of fifth bits: bit 2j (2j + 1) of its byte b is the fifth bit of byte b's low
+// (high) nibble in nibble vector j, so a group is 320 bytes, 5 bits a weight.
 // Codes are unsigned; each (row, weight group) has an fp16 scale d and either an fp16
 // min m (w = d*q + m) or a fixed zero point z (w = d*(q - z)).
 // Activations are quantized on the fly to int8 per group of 32 (scale dx, code sum s),
@@ -105,7 +108,23 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
     __m512i acc[MB][NT];
     for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_si512();
     const int8_t* xg = p.xq + m0 * p.k + g * kGroup;
-    if constexpr (BITS == 8) {
+    if constexpr (BITS == 5) {
+      const uint8_t* group = p.codes + tile0 * tile_bytes + g * 320;
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* tg = group + t * tile_bytes;
+        const __m512i fifth = _mm512_loadu_si512(tg + 256), sixteen = _mm512_set1_epi8(16);
+        for (int j = 0; j < kGroup / 8; ++j) {
+          __m512i w = _mm512_loadu_si512(tg + j * 64);
+          __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+          lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(1 << (2 * j))), lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(2 << (2 * j))), hi, sixteen);
+          for (int i = 0; i < MB; ++i) {
+            acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+          }
+        }
+      }
+    } else if constexpr (BITS == 8) {
       for (int j = 0; j < kGroup / 4; ++j) {
         for (int t = 0; t < NT; ++t) {
           __m512i w = _mm512_loadu_si512(p.codes + (tile0 + t) * tile_bytes + (g * 8 + j) * 64);
@@ -192,7 +211,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
                         int64_t bits, int64_t out_features, int64_t weight_group, int64_t zero_point) {
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
   const int64_t k = input.size(-1), n = scales.size(0) * kTile;
   const at::Tensor x = input.reshape({-1, k}).contiguous();
   const int64_t m = x.size(0);
@@ -211,6 +230,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
             xa.codes.data(), xa.scales.data(), xa.offsets.data(),
             y.data_ptr<float>(), m, n, k, weight_group};
   if (bits == 8) { if (has_min) run<8, true>(p); else run<8, false>(p); }
+  else if (bits == 5) { if (has_min) run<5, true>(p); else run<5, false>(p); }
   else { if (has_min) run<4, true>(p); else run<4, false>(p); }
   if (out_features != n) y = y.narrow(1, 0, out_features).contiguous();
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());

@@ -1,10 +1,10 @@
-"""GGUF quantized blocks read into ``QuantizedWeight``s that vivace's int4/int8 kernels run.
+"""GGUF quantized blocks read into ``QuantizedWeight``s that vivace's int4/int5/int8 kernels run.
 
 Every format becomes groups of 32 columns with one float16 scale ``d`` and either a min ``m``
-(``w = d * q + m``) or zero point 128 (``w = d * (q - 128)``), codes kept as stored:
+(``w = d * q + m``) or a zero point z (``w = d * (q - z)``), codes kept as stored:
 
 - Q8_0, Q4_0, Q4_1: as stored (bit-exact).
-- Q5_0, Q5_1: the 5-bit codes as 8-bit codes (Q5_0 moved to zero point 128); bit-exact.
+- Q5_0, Q5_1: 5-bit codes (Q5_0 with zero point 16); bit-exact, 5.5 and 6 bits a weight.
 - Q4_K, Q5_K: 4- and 5-bit codes kept; each 32-wide sub-block's ``d * sc`` and ``-dmin * m``
   (six-bit integers times the super-block's float16 ``d``/``dmin``) rounded to float16:
   a relative error of at most 2^-11 on those two numbers.
@@ -41,7 +41,7 @@ def from_gguf_blocks(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> 
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
     blocks = np.array(data, dtype=np.uint8, copy=True).reshape(-1, type_size)  # the source may be a read-only map
     codes, scales, mins, zero_point = _READERS[ggml_type](blocks)
-    bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else 8
+    bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else 5 if ggml_type in (T.Q5_0, T.Q5_1, T.Q5_K) else 8
     return QuantizedWeight(torch.from_numpy(codes.reshape(n, -1)), torch.from_numpy(scales.reshape(n, -1)),
                            None if mins is None else torch.from_numpy(mins.reshape(n, -1)), zero_point, bits, GROUP)
 
@@ -79,7 +79,7 @@ def _q4_1(blocks: np.ndarray) -> Decoded:
 
 def _q5_0(blocks: np.ndarray) -> Decoded:
     codes = _nibbles(blocks[:, 6:]) | (_high_bits(blocks[:, 2:6]) << 4)
-    return codes + 112, _half(blocks[:, :2]).astype(np.float16), None, 128  # d * (q - 16) = d * (q + 112 - 128)
+    return codes, _half(blocks[:, :2]).astype(np.float16), None, 16
 
 
 def _q5_1(blocks: np.ndarray) -> Decoded:

@@ -82,14 +82,14 @@ class QuantizedLinear(nn.Module):
         """The row-major quantized weight, of all rows or of the output rows ``rows``."""
         if rows is None:
             rows = torch.arange(self.out_features)
+            codes = qf.untile_codes(self.codes, self.bits)[: self.out_features]
+        else:  # the tile of each row, untiled, then the row's lane in it
+            codes = qf.untile_codes(self.codes[rows // qf.TILE_ROWS], self.bits).view(len(rows), qf.TILE_ROWS, -1)
+            codes = codes[torch.arange(len(rows)), rows % qf.TILE_ROWS]
         tile, lane = rows // qf.TILE_ROWS, rows % qf.TILE_ROWS
-        codes = self.codes[tile, :, lane]  # [R, K/4 or K/8, 4]
-        if self.bits == 4:
-            codes = torch.stack([codes & 0x0F, codes >> 4], dim=2)
         mins = None if self.mins is None else self.mins[tile, :, lane].view(torch.float16)
         scales = self.scales[tile, :, lane].view(torch.float16)
-        return qf.QuantizedWeight(codes.reshape(len(rows), self.in_features), scales,
-                                  mins, self.zero_point, self.bits, self.group_size)
+        return qf.QuantizedWeight(codes, scales, mins, self.zero_point, self.bits, self.group_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[out_features, in_features]`` this layer multiplies by."""

@@ -1,12 +1,14 @@
 """Weight-only quantized formats: quantizing float weights, reading GGUF blocks, and the tiled
 layout the native kernels read.
 
-A quantized weight ``[N, K]`` is ``QuantizedWeight``: unsigned codes (0..255 for 8 bits, 0..15
-for 4 bits) and, per row and group of ``group_size`` columns, a scale ``d`` and either a min
-``m`` (``w = d * q + m``) or a fixed ``zero_point`` z (``w = d * (q - z)``).
+A quantized weight ``[N, K]`` is ``QuantizedWeight``: unsigned codes (0..255 for 8 bits, 0..31
+for 5, 0..15 for 4) and, per row and group of ``group_size`` columns, a scale ``d`` and either a
+min ``m`` (``w = d * q + m``) or a fixed ``zero_point`` z (``w = d * (q - z)``).
 The tiled layout groups 16 output rows: codes ``[N/16, K/4, 16, 4]`` bytes for 8 bits, or
 ``[N/16, K/8, 16, 4]`` bytes for 4 bits (low nibble k in 8j..8j+3, high nibble 8j+4..8j+7);
-scales and mins ``[N/16, K/group_size, 16]`` float16.
+5 bits are ``[N/16, K/32, 5, 64]``: per 32 columns the 4-bit layout of the low four bits, then
+64 bytes whose byte ``4r + i`` holds in bit ``2j + h`` the fifth bit of row r's column
+``8j + 4h + i``. Scales and mins ``[N/16, K/group_size, 16]`` float16.
 """
 
 from __future__ import annotations
@@ -71,9 +73,18 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
     return QuantizedWeight(codes.view(n, k), scales, mins, 0, 4, group_size)
 
 
+_FIFTH_BIT_PLACES = (1 << torch.arange(8, dtype=torch.int32)).view(4, 2)  # [j, h]: bit 2j + h
+
+
 def tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Row-major codes ``[N, K]`` to the kernels' tiled bytes (module docstring)."""
     n, k = codes.shape
+    if bits == 5:
+        groups = k // 32
+        low = tile_codes(codes & 0x0F, 4).view(n // TILE_ROWS, groups, 4, 64)
+        fifth = (codes >> 4).view(n // TILE_ROWS, TILE_ROWS, groups, 4, 2, 4).permute(0, 2, 1, 5, 3, 4)
+        packed = (fifth.to(torch.int32) * _FIFTH_BIT_PLACES).sum(dim=(-2, -1)).to(torch.uint8)
+        return torch.cat([low, packed.view(n // TILE_ROWS, groups, 1, 64)], dim=2).contiguous()
     if bits == 8:
         return codes.view(n // TILE_ROWS, TILE_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     quads = codes.view(n // TILE_ROWS, TILE_ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
@@ -83,6 +94,12 @@ def tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def untile_codes(tiled: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``tile_codes``: row-major codes ``[N, K]``."""
     tiles, kq = tiled.shape[:2]
+    if bits == 5:
+        low = untile_codes(tiled[:, :, :4].reshape(tiles, kq * 4, TILE_ROWS, 4), 4)
+        packed = tiled[:, :, 4].reshape(tiles, kq, TILE_ROWS, 4, 1, 1).to(torch.int32)
+        fifth = (packed & _FIFTH_BIT_PLACES) != 0  # [tiles, groups, r, i, j, h]
+        fifth = fifth.permute(0, 2, 1, 4, 5, 3).reshape(tiles * TILE_ROWS, kq * 32)
+        return low | (fifth.to(torch.uint8) << 4)
     if bits == 8:
         return tiled.permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, kq * 4)
     quads = torch.stack([tiled & 0x0F, tiled >> 4], dim=2)  # [tiles, K/8, 2, 16, 4]
