@@ -32,6 +32,12 @@ _ERRORS = {
     504: "Ran past the request timeout",
 }
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+# One server-sent event of a streamed answer (OpenAPI 3.1 gives an event stream's media type
+# the schema of each event, as tools like schemathesis read it): ``data`` is a chunk, as JSON,
+# or ``[DONE]`` at the end; an error ends the stream as an error body, then ``[DONE]``.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "A JSON chunk of the answer, an error body, or [DONE]"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -49,7 +55,7 @@ def generation_route(request_model: type[BaseModel], response_model: type[BaseMo
               "schema": {"type": "string", "minLength": 1, "maxLength": MAX_LENGTH, "pattern": PATTERN}}
     ok = {"model": response_model, "description": "The answer; with \"stream\": true, server-sent "
           "events of its chunks, ended by data: [DONE]",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+          "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
     return {"openapi_extra": {"requestBody": body, "parameters": [header]},
             "responses": {200: ok, **error_responses(400, 401, 404, 405, 413, 415, 429, 500, 503, 504)}}
 
