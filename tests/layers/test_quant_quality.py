@@ -3,6 +3,7 @@ teacher-forced greedy (top-1) agreement. Prints the figures; run with ``-s`` to 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -10,28 +11,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vivace.layers.attention import AttentionMetadata
-from vivace.models import load_model
-from vivace.models.llama import kv_cache_shape
-
-TEXT = Path(__file__).parent.parent / "data" / "quant_text.txt"
-BLOCK_SIZE = 16
+REPO = Path(__file__).resolve().parents[2]
+TEXT = REPO / "tests" / "data" / "quant_text.txt"
 # Relative perplexity increase allowed over float32 (issue 5: int8 within 1%, int4 within 5%).
 BOUNDS = {"int8": 0.01, "int4": 0.05}
 
 
-@torch.inference_mode()
 def text_logits(quantization: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, float32 logits) of the default model over the whole text in one prefill."""
-    loaded = load_model("default", torch.float32, quantization)
-    ids = torch.tensor(loaded.tokenizer(TEXT.read_text())["input_ids"])
-    blocks = -(-len(ids) // BLOCK_SIZE)
-    caches = [torch.zeros(kv_cache_shape(loaded.config, blocks, BLOCK_SIZE))
-              for _ in range(loaded.config.num_hidden_layers)]
-    meta = AttentionMetadata(slot_mapping=torch.arange(len(ids)), query_lens=[len(ids)], seq_lens=[len(ids)],
-                             block_tables=torch.arange(blocks).unsqueeze(0), block_size=BLOCK_SIZE)
-    hidden = loaded.model(ids, torch.arange(len(ids)), caches, meta)
-    return ids, loaded.model.compute_logits(hidden)
+    """(token ids, float32 logits) of the default model over the whole text in one prefill,
+    as ``benchmarks/perplexity.py`` computes them."""
+    spec = importlib.util.spec_from_file_location("vivace_perplexity", REPO / "benchmarks" / "perplexity.py")
+    perplexity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perplexity)
+    return perplexity.text_logits("default", quantization, TEXT.read_text())
 
 
 def perplexity(ids: torch.Tensor, logits: torch.Tensor) -> float:
