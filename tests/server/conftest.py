@@ -37,6 +37,23 @@ def single_slot_engine(make_tiny_llama) -> Iterator[AsyncEngine]:
     engine.shutdown()
 
 
+@pytest.fixture(scope="session")
+def default_float_engine() -> Iterator[AsyncEngine]:
+    """The default model with float weights (int4 rambles past max_tokens on short questions),
+    shared by the modules that check real answers; each serves it from its own server."""
+    engine = AsyncEngine(EngineConfig(kv_cache_memory_gb=0.25, quantization="none", max_model_len=2048))
+    yield engine
+    assert_engine_idle(engine)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def default_server(default_float_engine: AsyncEngine) -> Iterator[RunningServer]:
+    with serving(default_float_engine, ServerSettings(served_model_name="smol")) as running:
+        yield running
+    assert_engine_idle(default_float_engine)
+
+
 @pytest.fixture(autouse=True)
 def _engine_integrity(tiny_engine: AsyncEngine) -> Iterator[None]:
     yield

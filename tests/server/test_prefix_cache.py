@@ -4,15 +4,9 @@ prefix-cache queries and hits in tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from vivace.config import EngineConfig
-from vivace.engine.async_engine import AsyncEngine
-from vivace.server import ServerSettings
-
-from .harness import RunningServer, assert_engine_idle, metric_value, serving
+from .harness import RunningServer, metric_value
 
 BLOCK_SIZE = 16
 
@@ -46,18 +40,6 @@ def test_second_turn_reuses_the_first_turns_prompt(server: RunningServer) -> Non
     assert metric_value(server, "vivace:prefix_cache_queries_total") - queries == turn_tokens
     assert metric_value(server, "vivace:prefix_cache_hits_total") - hits == (
         first.usage.prompt_tokens_details.cached_tokens + cached)
-
-
-@pytest.fixture(scope="module")
-def default_server() -> Iterator[RunningServer]:
-    # Float weights: this checks caching, and int4 rambles past max_tokens on this question.
-    engine = AsyncEngine(EngineConfig(kv_cache_memory_gb=0.25, quantization="none"))
-    try:
-        with serving(engine, ServerSettings(served_model_name="smol")) as running:
-            yield running
-        assert_engine_idle(engine)
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.slow

@@ -13,11 +13,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from vivace.config import EngineConfig
-from vivace.engine.async_engine import AsyncEngine
-from vivace.server import ServerSettings
-
-from .harness import RunningServer, assert_engine_idle, serving
+from .harness import RunningServer
 
 pytestmark = pytest.mark.slow
 
@@ -54,27 +50,16 @@ class City(BaseModel):
     continent: Literal["Europe", "Asia", "Africa", "America", "Oceania"]
 
 
-@pytest.fixture(scope="module")
-def smol() -> Iterator[RunningServer]:
-    engine = AsyncEngine(EngineConfig(kv_cache_memory_gb=0.25, quantization="none", max_model_len=2048))
-    try:
-        with serving(engine, ServerSettings(served_model_name="smol")) as running:
-            yield running
-        assert_engine_idle(engine)
-    finally:
-        engine.shutdown()
-
-
-def test_parse_returns_the_pydantic_object(smol: RunningServer) -> None:
-    answer = smol.client().chat.completions.parse(
+def test_parse_returns_the_pydantic_object(default_server: RunningServer) -> None:
+    answer = default_server.client().chat.completions.parse(
         model="smol", messages=[{"role": "user", "content": "Describe Paris."}], response_format=City,
         max_tokens=100, temperature=0)
     assert isinstance(answer.choices[0].message.parsed, City)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_json_schema_answers_validate(smol: RunningServer, temperature: float) -> None:
-    answer = smol.client().chat.completions.create(
+def test_json_schema_answers_validate(default_server: RunningServer, temperature: float) -> None:
+    answer = default_server.client().chat.completions.create(
         model="smol", messages=[{"role": "user", "content": "Invent a user profile."}], max_tokens=200,
         temperature=temperature, seed=7, n=2,
         response_format={"type": "json_schema", "json_schema": {"name": "profile", "schema": PROFILE,
@@ -100,10 +85,10 @@ def _assemble(stream: Iterator) -> tuple[str, list[dict], str | None]:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}},
                                          "auto"])
-def test_tool_calls_assemble_to_valid_arguments(smol: RunningServer, stream: bool, tool_choice: object) -> None:
+def test_tool_calls_assemble_to_valid_arguments(default_server: RunningServer, stream: bool, tool_choice: object) -> None:
     request = dict(model="smol", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=tool_choice,
                    max_tokens=80, temperature=0)
-    client = smol.client()
+    client = default_server.client()
     if stream:
         content, calls, reason = _assemble(client.chat.completions.create(**request, stream=True))
     else:
@@ -120,8 +105,8 @@ def test_tool_calls_assemble_to_valid_arguments(smol: RunningServer, stream: boo
         jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
 
 
-def test_tool_result_round_trip(smol: RunningServer) -> None:
-    client = smol.client()
+def test_tool_result_round_trip(default_server: RunningServer) -> None:
+    client = default_server.client()
     first = client.chat.completions.create(model="smol", messages=ASK_WEATHER, tools=[WEATHER],
                                            tool_choice="required", max_tokens=80, temperature=0)
     call = first.choices[0].message.tool_calls[0]
@@ -134,8 +119,8 @@ def test_tool_result_round_trip(smol: RunningServer) -> None:
     assert second.choices[0].message.content or second.choices[0].message.tool_calls
 
 
-def test_schema_free_grammar_keeps_greedy_output(smol: RunningServer) -> None:
-    client = smol.client()
+def test_schema_free_grammar_keeps_greedy_output(default_server: RunningServer) -> None:
+    client = default_server.client()
     request = dict(model="smol", messages=[{"role": "user", "content": "Name three colors."}],
                    max_tokens=24, temperature=0)
     free = client.chat.completions.create(**request)
@@ -143,8 +128,8 @@ def test_schema_free_grammar_keeps_greedy_output(smol: RunningServer) -> None:
     assert anything.choices[0].message.content == free.choices[0].message.content
 
 
-def test_mixed_batch_gives_each_its_own_answer(smol: RunningServer) -> None:
-    client = smol.client()
+def test_mixed_batch_gives_each_its_own_answer(default_server: RunningServer) -> None:
+    client = default_server.client()
     questions = ["What is the capital of France?", "Name a large animal.", "Say hello."]
     free = dict(model="smol", max_tokens=20, temperature=0)
     alone = [client.chat.completions.create(**free, messages=[{"role": "user", "content": q}])
