@@ -64,8 +64,9 @@ class EngineConfig:
     # quantized GGUF in its own formats (vivace.models.quantize, "gguf" mode), as llama.cpp
     # would; float otherwise.
     quantization: str = "auto"
-    # "auto": cuda when torch sees a GPU (vivace.gpu), else cpu; "cpu" or "cuda" to choose.
-    device: str = "auto"
+    # "cpu", "cuda" (vivace.gpu), or "auto": cuda when torch sees a GPU. The command line's default
+    # is auto; an engine built in Python stays on the CPU unless asked.
+    device: str = "cpu"
     # "auto": the model's weights; "dummy": random weights at its shape (``model`` may then also
     # be a config.json or a preset of vivace.models.dummy), with ``tokenizer`` or the default model's.
     load_format: str = "auto"

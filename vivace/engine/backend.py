@@ -31,9 +31,12 @@ def load(config: EngineConfig) -> LoadedModel:
 
 
 def prepare(loaded: LoadedModel, device: str) -> None:
-    """Device-specific weight layout: on CPU, linear layers repacked for the native GEMM."""
+    """Device-specific weight layout: on CPU, linear layers repacked for the native GEMM; on
+    another device, the weights moved there (when they were loaded elsewhere)."""
     if device == "cpu":
         prepack_linears(loaded.model)
+    else:
+        loaded.model.to(device)
 
 
 def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:

@@ -9,11 +9,16 @@ give float32 results equal to the torch reference up to summation order.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 NO_WINDOW = 1 << 30  # a window no sequence reaches
+# Triton's interpreter multiplies bfloat16/float16 blocks wrongly in tl.dot (3.9: garbage): under
+# it the attention kernels round their operands as on the GPU, then multiply in float32.
+DOT_F32 = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 LOG2E = 1.4426950408889634
 
 
@@ -31,7 +36,7 @@ def _decode_attention_kernel(
     stride_qb, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_bt,
     stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """One program: one sequence, one KV head with its GROUP query heads, one split of the keys."""
     b = tl.program_id(0)
@@ -62,14 +67,21 @@ def _decode_attention_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(CACHE + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(CACHE + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_sub[:, None])
         alpha = tl.exp2(m - m_sub)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
@@ -126,7 +138,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     out = torch.empty_like(q) if out is None else out
     block_d = _pow2(head_dim, 16)
     consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                  BLOCK_N=block_n, NUM_SPLITS=num_splits)
+                  BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=DOT_F32)
     args = (float(scale) * LOG2E, int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0))
     grid = (num_seqs, num_kv_heads, num_splits)
@@ -153,7 +165,7 @@ def _prefill_attention_kernel(
     scale_log2, window,
     stride_qt, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """One program: BLOCK_M consecutive queries of one sequence, one query head."""
     seq = tl.program_id(0)
@@ -186,7 +198,10 @@ def _prefill_attention_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(CACHE + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(CACHE + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         visible = n_mask[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -194,7 +209,11 @@ def _prefill_attention_kernel(
         p = tl.exp2(s - m_sub[:, None])
         alpha = tl.exp2(m - m_sub)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
@@ -220,7 +239,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16),
-        BLOCK_M=block_m, BLOCK_N=block_n)
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=DOT_F32)
     return out
 
 
