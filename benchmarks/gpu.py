@@ -140,6 +140,28 @@ def hf_itl(preset: str, context: int) -> float | None:
     return (long - short) / 64
 
 
+GEMV_SHAPES = {"gate+up 28672x4096": (28672, 4096), "down 4096x14336": (4096, 14336),
+               "qkv 6144x4096": (6144, 4096), "LM head 128256x4096": (128256, 4096)}
+
+
+def gemv_rows() -> dict:
+    """TB/s of cuBLAS ``torch.mv`` and vivace's Triton GEMV at the 8B shape's matrices, bf16,
+    weights rotated through copies larger than L2 so that each call reads HBM."""
+    from vivace.gpu import kernels
+
+    rows = {}
+    for name, (n, k) in GEMV_SHAPES.items():
+        copies = max(2, -(-(256 << 20) // (n * k * 2)))
+        weights = [torch.randn(n, k, dtype=DTYPE, device="cuda") for _ in range(copies)]
+        x = torch.randn(k, dtype=DTYPE, device="cuda")
+        ours = timed(lambda: [kernels.gemv(w, x) for w in weights], 20) / copies
+        theirs = timed(lambda: [torch.mv(w, x) for w in weights], 20) / copies
+        rows[name] = {"cublas_tb_s": n * k * 2 / theirs / 1e12, "triton_tb_s": n * k * 2 / ours / 1e12}
+        del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
@@ -158,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['device']}, torch {torch.__version__}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     batches = [int(b) for b in args.batches.split(",") if b]
     prompts = [int(p) for p in args.prompts.split(",") if p]
+    report["gemv"] = gemv_rows()
+    print("\n| matrix (bf16) | cuBLAS torch.mv | Triton GEMV (host loop, launch cost included) |\n|---|---|---|")
+    for name, g in report["gemv"].items():
+        print(f"| {name} | {g['cublas_tb_s']:.2f} TB/s | {g['triton_tb_s']:.2f} TB/s |")
     for preset in args.presets.split(","):
         row = vivace_rows(preset, args.context, batches, prompts)
         row["hf_static_compile_itl_ms"] = None if args.no_hf else hf_itl(preset, args.context) * 1e3

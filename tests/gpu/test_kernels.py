@@ -159,3 +159,9 @@ def test_decode_splits_fill_the_gpu_but_keep_a_block_of_keys_each() -> None:
     assert kernels.decode_splits(32, 1, 8) == 1
     assert kernels.decode_splits(4096, 64, 8) == 1
     assert math.log2(kernels.decode_splits(100000, 1, 1)).is_integer()
+
+
+def test_gemv() -> None:
+    g = torch.Generator().manual_seed(10)
+    weight, x = torch.randn(19, 70, generator=g).to(DEVICE), torch.randn(70, generator=g).to(DEVICE)
+    torch.testing.assert_close(kernels.gemv(weight, x, block_n=4, block_k=32), weight @ x, rtol=1e-5, atol=1e-5)

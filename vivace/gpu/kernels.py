@@ -365,3 +365,34 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024
     block = min(block, _pow2(width))
     _silu_mul_kernel[(num_tokens, triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width, BLOCK=block)
     return out
+
+
+# --- batch-1 GEMV ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemv_kernel(W, X, Y, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_N rows of ``W`` against ``x``, K in BLOCK_K tiles, float32 accumulation."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_mask = cols < K
+        x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], 1)
+    tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=row_mask)
+
+
+def gemv(weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None, block_n: int = 8,
+         block_k: int = 512) -> torch.Tensor:
+    """``weight @ x`` for ``weight`` ``[N, K]`` and ``x`` ``[K]`` (a batch-1 linear layer without
+    bias): the plain kernel the GPU issue measured against cuBLAS, not yet used by the forward."""
+    n, k = weight.shape
+    assert weight.stride(1) == 1 and x.is_contiguous()
+    out = torch.empty(n, dtype=x.dtype, device=x.device) if out is None else out
+    block_k = min(block_k, _pow2(k, 16))
+    _gemv_kernel[(triton.cdiv(n, block_n),)](weight, x, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
