@@ -180,13 +180,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['device']}, torch {torch.__version__}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     batches = [int(b) for b in args.batches.split(",") if b]
     prompts = [int(p) for p in args.prompts.split(",") if p]
-    report["gemv"] = gemv_rows()
+    try:
+        report["gemv"] = gemv_rows()
+    except Exception as exc:
+        report["gemv"] = {}
+        print(f"GEMV comparison failed: {exc!r}", flush=True)
     print("\n| matrix (bf16) | cuBLAS torch.mv | Triton GEMV (host loop, launch cost included) |\n|---|---|---|")
     for name, g in report["gemv"].items():
         print(f"| {name} | {g['cublas_tb_s']:.2f} TB/s | {g['triton_tb_s']:.2f} TB/s |")
     for preset in args.presets.split(","):
-        row = vivace_rows(preset, args.context, batches, prompts)
-        row["hf_static_compile_itl_ms"] = None if args.no_hf else hf_itl(preset, args.context) * 1e3
+        try:
+            row = vivace_rows(preset, args.context, batches, prompts)
+        except Exception as exc:  # one preset's failure must not lose the others' figures
+            print(f"\n## {preset}: vivace failed: {exc!r}", flush=True)
+            report["presets"].append({"preset": preset, "error": repr(exc)})
+            torch.cuda.empty_cache()
+            continue
+        try:
+            row["hf_static_compile_itl_ms"] = None if args.no_hf else hf_itl(preset, args.context) * 1e3
+        except Exception as exc:
+            row["hf_static_compile_itl_ms"], row["hf_error"] = None, repr(exc)
+            print(f"transformers failed on {preset}: {exc!r}", flush=True)
+            torch.cuda.empty_cache()
         report["presets"].append(row)
         print(f"\n## {preset}, bf16, context {args.context}\n")
         print("| batch | floor (weights + KV) | graph replay | engine step (staging + logits to host) | replay / floor |")

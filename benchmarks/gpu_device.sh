@@ -53,12 +53,20 @@ smoke() {  # a dummy-weight 1B-shape server on the GPU, one streamed and one pla
     timeout 300 "$PYTHON" -m vivace.cli serve llama-3.2-1b --device cuda --load-format dummy --dtype bfloat16 \
         --tokenizer .whl/tokenizer --max-model-len 4096 --port $port > "$out/serve.txt" 2>&1 &
     local pid=$!
-    for _ in $(seq 240); do
-        curl -sf localhost:$port/health > /dev/null 2>&1 && break
-        sleep 1
-    done
-    curl -s localhost:$port/v1/completions -H 'content-type: application/json' \
-        -d '{"model": "llama-3.2-1b-dummy", "prompt": "Hello", "max_tokens": 16, "temperature": 0}' > "$out/smoke.json"
+    "$PYTHON" - "$port" > "$out/smoke.json" 2>&1 <<'PY'
+import sys, time, httpx
+base = f"http://127.0.0.1:{sys.argv[1]}"
+deadline = time.monotonic() + 240
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(1)
+body = {"model": "llama-3.2-1b-dummy", "prompt": "Hello", "max_tokens": 16, "temperature": 0}
+print(httpx.post(f"{base}/v1/completions", json=body, timeout=60).text)
+PY
     for streams in 1 16; do
         timeout 200 "$PYTHON" -m vivace.cli bench --base-url http://localhost:$port --tokenizer .whl/tokenizer \
             --input-len 512 --output-len 64 --num-requests $((streams * 2)) --concurrency $streams --no-progress \
