@@ -9,10 +9,12 @@ import math
 import pytest
 import torch
 
-from vivace.gpu import kernels
-from vivace.layers.rotary import RotaryEmbedding, apply_rotary
+pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
 
-from .conftest import DEVICE
+from vivace.gpu import kernels  # noqa: E402
+from vivace.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+from .conftest import DEVICE  # noqa: E402
 
 BLOCK = 4  # tokens per KV block: sequences span several blocks, out of order
 

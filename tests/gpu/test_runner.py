@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vivace import LLM, SamplingParams
-from vivace.gpu.runner import CudaRunner, graph_buckets
-from vivace.models import load_model
+pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
 
-from .conftest import DEVICE
+from vivace import LLM, SamplingParams  # noqa: E402
+from vivace.gpu.runner import CudaRunner, graph_buckets  # noqa: E402
+from vivace.models import load_model  # noqa: E402
+
+from .conftest import DEVICE  # noqa: E402
 
 PROMPTS = [[5, 900, 31, 4242, 77, 12, 5, 900, 31, 4242, 77, 12, 5, 900], [8, 1000, 20000, 7]]
 NEW = 6
