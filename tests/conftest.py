@@ -4,6 +4,7 @@ with the default model's real tokenizer and chat template."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,13 @@ def default_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def default_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model's tokenizer (with its chat template), saved as HF files."""
+    """The default model's tokenizer (with its chat template), saved as HF files; or the directory
+    ``VIVACE_TEST_TOKENIZER`` names, where it was saved before (a GPU machine without the model's
+    package: see benchmarks/gpu_device.sh)."""
     import transformers
+
+    if os.environ.get("VIVACE_TEST_TOKENIZER"):
+        return Path(os.environ["VIVACE_TEST_TOKENIZER"])
 
     gguf = default_gguf_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

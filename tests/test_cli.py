@@ -101,3 +101,22 @@ def test_tls_flags_and_their_env_twins_reach_the_server(monkeypatch: pytest.Monk
     monkeypatch.delenv("VIVACE_SSL_CERTFILE")
     with pytest.raises(ValueError, match="go together"):
         server_settings(parse_args(["serve"]))
+
+
+def test_device_flag_and_its_env_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VIVACE_DEVICE", raising=False)
+    assert engine_config(parse_args(["serve"])).device == "auto"
+    monkeypatch.setenv("VIVACE_DEVICE", "cpu")
+    assert engine_config(parse_args(["serve"])).device == "cpu"
+    assert engine_config(parse_args(["serve", "--device", "auto", "--enforce-eager",
+                                     "--load-format", "dummy"])).enforce_eager is True
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda"):
+        engine_config(parse_args(["serve", "--device", "tpu"]))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_exits_2_naming_the_problem(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--device", "cuda", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "no CUDA GPU" in err
+    assert main(["generate", "hi", "--device", "cuda"]) == 2

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-from vivace.config import EngineConfig
+from vivace.config import EngineConfig, resolve_device
 
 if TYPE_CHECKING:
     from vivace.server.settings import ServerSettings
@@ -74,6 +74,18 @@ ENGINE_FLAGS = (
     Flag("--num-speculative-tokens", 4, "tokens proposed per speculative step", int),
     Flag("--speculative-max-batch", 4, "no speculation when more requests are decoding", int),
     Flag("--seed", 0, "engine seed for requests that give none", int),
+    Flag("--device", "auto", "cpu, cuda, or auto (cuda when torch sees a GPU)"),
+    Flag("--load-format", "auto", "auto (the model's weights) or dummy (random weights at the shape "
+         "of the model, of a config.json, or of a preset: llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, "
+         "smollm2-135m)"),
+    Flag("--tokenizer", None, "a Hugging Face tokenizer directory (default: the model's; with "
+         "--load-format dummy, the default model's)"),
+    Flag("--gpu-memory-utilization", 0.9, "cuda: share of GPU memory for weights, activations and "
+         "the KV cache, which gets what the others leave", float),
+    Flag("--cuda-graph-max-batch", 64, "cuda: decode batches up to this size replay CUDA graphs "
+         "captured at start", int),
+    Flag("--enforce-eager", False, "cuda: run every step eagerly, without CUDA graphs",
+         kind="switch"),
 )
 SERVER_FLAGS = (
     Flag("--host", "127.0.0.1", "address to listen on"),
@@ -164,7 +176,7 @@ def resolve_flags(args: argparse.Namespace, flags: Sequence[Flag],
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the resolved ``args`` ask for; raises ValueError if it is invalid."""
-    return EngineConfig(
+    config = EngineConfig(
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -174,7 +186,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch, seed=args.seed,
-        quantization=args.quantization, compile=args.compile and not args.eager)
+        quantization=args.quantization, compile=args.compile and not args.eager,
+        device=args.device, load_format=args.load_format, tokenizer=args.tokenizer,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graph_max_batch=args.cuda_graph_max_batch, enforce_eager=args.enforce_eager)
+    resolve_device(config.device)  # --device cuda without a GPU: an error now, before loading
+    return config
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

@@ -7,6 +7,22 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def resolve_device(device: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for a ``--device`` value: ``auto`` is cuda when torch sees a GPU.
+    Raises ValueError naming the problem when cuda is asked for and torch sees none."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"a CPU-only build of torch {torch.__version__}" if torch.version.cuda is None else \
+            f"torch {torch.__version__} built for CUDA {torch.version.cuda}, but no usable GPU or driver"
+        raise ValueError(f"--device cuda: torch sees no CUDA GPU ({build}); use --device cpu or auto")
+    return device
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,19 @@ class EngineConfig:
     # quantized GGUF in its own formats (vivace.models.quantize, "gguf" mode), as llama.cpp
     # would; float otherwise.
     quantization: str = "auto"
+    # "cpu", "cuda" (vivace.gpu), or "auto": cuda when torch sees a GPU. The command line's default
+    # is auto; an engine built in Python stays on the CPU unless asked.
+    device: str = "cpu"
+    # "auto": the model's weights; "dummy": random weights at its shape (``model`` may then also
+    # be a config.json or a preset of vivace.models.dummy), with ``tokenizer`` or the default model's.
+    load_format: str = "auto"
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory (default: the model's)
+    # CUDA: the share of GPU memory weights, activations and the KV pool may take (vLLM's meaning).
+    gpu_memory_utilization: float = 0.9
+    # CUDA: decode steps of up to this many rows replay CUDA graphs captured at start; 0 or
+    # enforce_eager: every step eager.
+    cuda_graph_max_batch: int = 64
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype != "auto":
@@ -66,6 +95,14 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"quantization must be one of auto, none, int8, int4, got {self.quantization!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

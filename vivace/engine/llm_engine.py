@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vivace.config import EngineConfig
+from vivace.config import EngineConfig, resolve_device
+from vivace.engine import backend
 from vivace.engine.detokenizer import IncrementalDetokenizer
 from vivace.engine.draft import DraftProposer
 from vivace.engine.grammar import GrammarCompiler, TokenMasks, advance
@@ -19,7 +20,6 @@ from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from vivace.engine.pacer import pacer_for
 from vivace.engine.request import Request
-from vivace.engine.runner import ModelRunner, num_blocks_for_budget
 from vivace.engine.sampler import SampledTokens, Sampler
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import Scheduler
@@ -56,17 +56,18 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         start = time.perf_counter()
-        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.quantization)
+        if loaded is None:
+            self.loaded = backend.load(config)
+        else:
+            self.loaded = loaded
+            backend.prepare(loaded, resolve_device(config.device))
         logger.info("vivace: model %s loaded in %.1f s", self.loaded.name, time.perf_counter() - start)
-        prepack_linears(self.loaded.model)
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            self.loaded, config.block_size, config.torch_dtype, config.kv_cache_memory_gb, self.max_model_len)
+        num_blocks = backend.num_kv_blocks(config, self.loaded, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.torch_dtype,
-                                  self.max_model_len, config.max_num_seqs if config.compile else 0)
+        self.runner = backend.make_runner(config, self.loaded, num_blocks, self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, pacer_for(config, self.runner.compiled_rows))
         self.timings = StepTimings()

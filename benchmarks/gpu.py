@@ -1,0 +1,230 @@
+"""The CUDA backend on random weights at real shapes (bf16): batch-1 decode against the HBM floor
+and Hugging Face transformers, batched decode against the (weights + KV) floor, and prefill.
+
+    python benchmarks/gpu.py [--presets smollm2-135m,llama-3.2-1b,llama-3.1-8b] [--context 512]
+                             [--batches 8,32,64] [--prompts 128,512,2048] [--no-hf] [--out FILE.json]
+
+Needs a GPU (exits 2 without one). Per preset: the HBM floor (bytes one step reads / the copy
+bandwidth measured in this run), vivace's decode step (a CUDA graph replay, median of 200; and
+the same with the host's input staging and the logits' copy back, as the engine steps), HF's
+static-cache + torch.compile decode in this run (its ITL: the difference of two generate calls'
+times over the difference of their tokens), batch 8/32/64 steps, and prompt prefill times
+(eager forward + LM head of the last token, median of 5). Prints a table per preset; with
+``--out``, also writes every figure as JSON. See docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from vivace.models.dummy import PRESETS
+
+DTYPE = torch.bfloat16
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth, bytes/s, read + write counted (median)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def timed(fn, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` (synchronized on both ends)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bytes_read_per_step(loaded, batch: int, context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one decode step reads: every weight but the embedding table
+    (one row a token), unless it doubles as the LM head; every cached token of each sequence."""
+    from vivace.models.llama import kv_bytes_per_token
+
+    model = loaded.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return weights, batch * context * kv_bytes_per_token(loaded.config, DTYPE)
+
+
+def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int]) -> dict:
+    from vivace.gpu.forward import GpuBatch, forward
+    from vivace.gpu.runner import CudaRunner
+    from vivace.models import load_model
+
+    loaded = load_model(preset, DTYPE, load_format="dummy", device="cuda")
+    block_size = 16
+    max_batch = max([1, *batches])
+    max_len = max(context + 1, *prompts)
+    per_seq = -(-max_len // block_size)
+    num_blocks = max(max_batch * per_seq, per_seq)
+    runner = CudaRunner(loaded, num_blocks, block_size, DTYPE, max_len, device="cuda",
+                        cuda_graph_max_batch=max_batch)
+    graphs = runner.graphs
+    result: dict = {"preset": preset, "context": context, "decode": {}, "prefill_ms": {}}
+
+    for batch in sorted({1, *batches}):
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+        ids, positions = [1] * batch, [context] * batch
+        graphs.replay(ids, positions, tables)  # stage the inputs once; then replay alone
+        size = next(s for s in graphs.buckets if s >= batch)
+        graph, _ = graphs.graphs[size]
+        replay = timed(graph.replay, 200)
+        staged = timed(lambda: graphs.replay(ids, positions, tables)[:batch].float().cpu(), 100)
+        weights, kv = bytes_read_per_step(loaded, batch, context)
+        result["decode"][batch] = {"replay_ms": replay * 1e3, "step_ms": staged * 1e3,
+                                   "weight_bytes": weights, "kv_bytes": kv}
+
+    for length in prompts:
+        tables = torch.arange(per_seq, dtype=torch.int32, device="cuda").view(1, -1)
+        positions = torch.arange(length, device="cuda")
+        batch = GpuBatch(torch.ones(length, dtype=torch.long, device="cuda"), positions,
+                         positions.clone(), tables, torch.tensor([length], dtype=torch.int32, device="cuda"),
+                         torch.tensor([0, length], dtype=torch.int32, device="cuda"), length)
+
+        def prefill() -> None:
+            hidden = forward(loaded.model, batch, runner.kv_caches)
+            loaded.model.compute_logits(hidden[-1:])
+
+        result["prefill_ms"][length] = timed(prefill, 5) * 1e3
+    del runner, graphs, loaded
+    torch.cuda.empty_cache()
+    return result
+
+
+def hf_itl(preset: str, context: int) -> float | None:
+    """Hugging Face transformers' ITL (seconds) at batch 1: static cache + torch.compile (what
+    ``cache_implementation="static"`` compiles), random weights at the preset's shape."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in PRESETS[preset].items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPE).eval()
+    ids = torch.randint(0, config.vocab_size, (1, context), device="cuda")
+
+    def run(new: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(96)  # compiles
+    short, long = statistics.median(run(32) for _ in range(3)), statistics.median(run(96) for _ in range(3))
+    del model
+    torch.cuda.empty_cache()
+    return (long - short) / 64
+
+
+GEMV_SHAPES = {"gate+up 28672x4096": (28672, 4096), "down 4096x14336": (4096, 14336),
+               "qkv 6144x4096": (6144, 4096), "LM head 128256x4096": (128256, 4096)}
+
+
+def gemv_rows() -> dict:
+    """TB/s of cuBLAS ``torch.mv`` and vivace's Triton GEMV at the 8B shape's matrices, bf16,
+    weights rotated through copies larger than L2 so that each call reads HBM."""
+    from vivace.gpu import kernels
+
+    rows = {}
+    for name, (n, k) in GEMV_SHAPES.items():
+        copies = max(2, -(-(256 << 20) // (n * k * 2)))
+        weights = [torch.randn(n, k, dtype=DTYPE, device="cuda") for _ in range(copies)]
+        x = torch.randn(k, dtype=DTYPE, device="cuda")
+        ours = timed(lambda: [kernels.gemv(w, x) for w in weights], 20) / copies
+        theirs = timed(lambda: [torch.mv(w, x) for w in weights], 20) / copies
+        rows[name] = {"cublas_tb_s": n * k * 2 / theirs / 1e12, "triton_tb_s": n * k * 2 / ours / 1e12}
+        del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--batches", default="8,32,64")
+    parser.add_argument("--prompts", default="128,512,2048")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers' compiled decode")
+    parser.add_argument("--out", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py: torch sees no CUDA GPU", file=sys.stderr)
+        return 2
+    bandwidth = copy_bandwidth()
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_bandwidth_tb_s": bandwidth / 1e12, "presets": []}
+    print(f"{report['device']}, torch {torch.__version__}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    prompts = [int(p) for p in args.prompts.split(",") if p]
+    try:
+        report["gemv"] = gemv_rows()
+    except Exception as exc:
+        report["gemv"] = {}
+        print(f"GEMV comparison failed: {exc!r}", flush=True)
+    print("\n| matrix (bf16) | cuBLAS torch.mv | Triton GEMV (host loop, launch cost included) |\n|---|---|---|")
+    for name, g in report["gemv"].items():
+        print(f"| {name} | {g['cublas_tb_s']:.2f} TB/s | {g['triton_tb_s']:.2f} TB/s |")
+    for preset in args.presets.split(","):
+        try:
+            row = vivace_rows(preset, args.context, batches, prompts)
+        except Exception as exc:  # one preset's failure must not lose the others' figures
+            print(f"\n## {preset}: vivace failed: {exc!r}", flush=True)
+            report["presets"].append({"preset": preset, "error": repr(exc)})
+            torch.cuda.empty_cache()
+            continue
+        try:
+            row["hf_static_compile_itl_ms"] = None if args.no_hf else hf_itl(preset, args.context) * 1e3
+        except Exception as exc:
+            row["hf_static_compile_itl_ms"], row["hf_error"] = None, repr(exc)
+            print(f"transformers failed on {preset}: {exc!r}", flush=True)
+            torch.cuda.empty_cache()
+        report["presets"].append(row)
+        print(f"\n## {preset}, bf16, context {args.context}\n")
+        print("| batch | floor (weights + KV) | graph replay | engine step (staging + logits to host) | replay / floor |")
+        print("|---|---|---|---|---|")
+        for batch, d in row["decode"].items():
+            floor = (d["weight_bytes"] + d["kv_bytes"]) / bandwidth * 1e3
+            d["floor_ms"] = floor
+            print(f"| {batch} | {floor:.3f} ms | {d['replay_ms']:.3f} ms | {d['step_ms']:.3f} ms | "
+                  f"{d['replay_ms'] / floor:.2f}x |")
+        hf = row["hf_static_compile_itl_ms"]
+        if hf is not None:
+            one = row["decode"][1]["replay_ms"]
+            print(f"\nHF static cache + torch.compile ITL {hf:.3f} ms; vivace graph replay {one:.3f} ms "
+                  f"({one / hf:.2f}x)")
+        print("\n| prompt tokens | prefill (forward + LM head of the last token) |\n|---|---|")
+        for length, ms in row["prefill_ms"].items():
+            print(f"| {length} | {ms:.2f} ms |")
+        sys.stdout.flush()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

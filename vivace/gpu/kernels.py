@@ -1,0 +1,398 @@
+"""Triton kernels of the CUDA backend, each with a launcher that takes torch tensors.
+
+Paged KV layout, as everywhere in vivace: per layer ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (0 keys, 1 values); a token's slot is ``block * block_size + offset``; a sequence's
+block table lists its blocks in order. Only API present in Triton 3.6 is used. Every kernel
+accumulates in float32 and rounds where the Hugging Face formulation rounds, so float32 inputs
+give float32 results equal to the torch reference up to summation order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+NO_WINDOW = 1 << 30  # a window no sequence reaches
+# Triton's interpreter multiplies bfloat16/float16 blocks wrongly in tl.dot (3.9: garbage): under
+# it the attention kernels round their operands as on the GPU, then multiply in float32.
+DOT_F32 = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(triton.next_power_of_2(n), least)
+
+
+# --- attention ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_attention_kernel(
+    Q, CACHE, BLOCK_TABLES, SEQ_LENS, OUT, M_OUT, L_OUT,
+    scale_log2, window,
+    stride_qb, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One program: one sequence, one KV head with its GROUP query heads, one split of the keys."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
+    start = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        page = tl.load(BLOCK_TABLES + b * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offs = page * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(CACHE + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(CACHE + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m - m_sub)
+        l = l * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=o_mask)
+    else:
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+                 mask=o_mask)
+        tl.store(M_OUT + b * stride_mb + heads * stride_mh + split, m, mask=g_mask)
+        tl.store(L_OUT + b * stride_mb + heads * stride_mh + split, l, mask=g_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    PARTIAL, M_IN, L_IN, OUT, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, head): the splits' partial outputs weighted by their softmax mass."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    m = tl.load(M_IN + b * stride_mb + h * stride_mh + s, mask=s_mask, other=float("-inf"))
+    l = tl.load(L_IN + b * stride_mb + h * stride_mh + s, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max)) * l
+    o = tl.load(PARTIAL + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_splits(max_len: int, num_seqs: int, num_kv_heads: int, block_n: int = 64, num_sms: int = 132) -> int:
+    """Splits of the keys (flash-decoding) for a batch whose sequences hold at most ``max_len``
+    tokens: enough programs to fill the GPU, none with fewer than ``block_n`` keys."""
+    want = max(1, -(-2 * num_sms // max(num_seqs * num_kv_heads, 1)))
+    return min(_pow2(want), _pow2(max(1, max_len // block_n)), 64)
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, window: int | None = None,
+                           num_splits: int = 1, out: torch.Tensor | None = None, block_n: int = 64
+                           ) -> torch.Tensor:
+    """Attention of one new query per sequence ``q`` ``[num_seqs, num_heads, head_dim]`` over the
+    first ``seq_lens[i]`` cached tokens of sequence i (its own K/V already written), the last
+    ``window`` only when given. Query heads sharing a KV head go in one program; with
+    ``num_splits`` > 1 the keys are split among programs and combined (flash-decoding). The
+    grid depends on shapes and ``num_splits`` only, never on the lengths: a CUDA graph holds it."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    block_d = _pow2(head_dim, 16)
+    consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                  BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=DOT_F32)
+    args = (float(scale) * LOG2E, int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0),
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0))
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if num_splits == 1:
+        _decode_attention_kernel[grid](q, kv_cache, block_tables, seq_lens, out, out, out, *args,
+                                       out.stride(0), out.stride(1), 0, 0, 0, **consts)
+        return out
+    partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    _decode_attention_kernel[grid](q, kv_cache, block_tables, seq_lens, partial, m, l, *args,
+                                   partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0),
+                                   m.stride(1), **consts)
+    _combine_splits_kernel[(num_seqs, num_heads)](
+        partial, m, l, out, partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 2), HEAD_DIM=head_dim,
+        BLOCK_D=block_d)
+    return out
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    Q, CACHE, BLOCK_TABLES, QUERY_START, SEQ_LENS, OUT,
+    scale_log2, window,
+    stride_qt, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One program: BLOCK_M consecutive queries of one sequence, one query head."""
+    seq = tl.program_id(0)
+    mblk = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q_start = tl.load(QUERY_START + seq).to(tl.int32)
+    q_len = tl.load(QUERY_START + seq + 1).to(tl.int32) - q_start
+    seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
+    context = seq_len - q_len  # tokens cached before this chunk: the first query's position
+    rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    pos = context + rows
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    lo = tl.maximum(context + mblk * BLOCK_M - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(context + tl.minimum((mblk + 1) * BLOCK_M, q_len), seq_len)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        page = tl.load(BLOCK_TABLES + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offs = page * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(CACHE + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(CACHE + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        visible = n_mask[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m - m_sub)
+        l = l * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                            window: int | None = None, out: torch.Tensor | None = None, block_m: int = 64,
+                            block_n: int = 64) -> torch.Tensor:
+    """Causal attention of a flat batch of chunks: sequence i's ``query_start[i+1] - query_start[i]``
+    queries ``q`` ``[num_tokens, num_heads, head_dim]`` are the last of its ``seq_lens[i]``
+    tokens, whose K/V (this chunk's included) are in the cache; each query attends the tokens up
+    to its own position (the last ``window`` of them when given). A chunk of one query is a decode,
+    so this serves mixed batches, chunked prefill and prefix-cache hits alike."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    block_m = min(block_m, _pow2(max_query_len, 16))
+    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads)
+    _prefill_attention_kernel[grid](
+        q, kv_cache, block_tables, query_start, seq_lens, out, float(scale) * LOG2E, int(window or NO_WINDOW),
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=DOT_F32)
+    return out
+
+
+# --- rotary + KV write -----------------------------------------------------------------------
+
+
+@triton.jit
+def _rotary_kv_write_kernel(
+    QKV, COS, SIN, POSITIONS, SLOTS, Q_OUT, CACHE,
+    stride_t, stride_cos, stride_qt, stride_qh, stride_kv, stride_slot, stride_ch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """One program: one token, one head of q or k (k's program also stores v): the rotation of
+    pairs (i, i + HEAD_DIM/2) by the token's position; q to Q_OUT, k and v to the token's slot."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    i = tl.arange(0, BLOCK_HALF)
+    mask = i < HALF
+    pos = tl.load(POSITIONS + t).to(tl.int64)
+    cos = tl.load(COS + pos * stride_cos + i, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + pos * stride_cos + i, mask=mask, other=0.0).to(tl.float32)
+    src = QKV + t * stride_t + head * HEAD_DIM
+    x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if head < NUM_HEADS:
+        dst = Q_OUT + t * stride_qt + head * stride_qh
+        tl.store(dst + i, o1.to(Q_OUT.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + i, o2.to(Q_OUT.dtype.element_ty), mask=mask)
+    else:
+        kvh = head - NUM_HEADS
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        dst = CACHE + slot * stride_slot + kvh * stride_ch
+        tl.store(dst + i, o1.to(CACHE.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + i, o2.to(CACHE.dtype.element_ty), mask=mask)
+        v_src = src + NUM_KV_HEADS * HEAD_DIM
+        v1 = tl.load(v_src + i, mask=mask, other=0.0)
+        v2 = tl.load(v_src + HALF + i, mask=mask, other=0.0)
+        tl.store(dst + stride_kv + i, v1.to(CACHE.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_kv + HALF + i, v2.to(CACHE.dtype.element_ty), mask=mask)
+
+
+def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
+                    q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """From ``qkv`` ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]`` (q, k, v heads in
+    that order, as vivace's fused projection gives them): the rotated q ``[num_tokens, num_heads,
+    head_dim]`` returned; rotated k and v stored at each token's slot of ``kv_cache``. ``cos``,
+    ``sin``: ``[max_positions, head_dim // 2]`` tables (``RotaryEmbedding``'s). One launch."""
+    num_tokens = qkv.shape[0]
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and kv_cache.is_contiguous()
+    if q_out is None:
+        q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    half = head_dim // 2
+    _rotary_kv_write_kernel[(num_tokens, num_heads + num_kv_heads)](
+        qkv, cos, sin, positions, slot_mapping, q_out, kv_cache,
+        qkv.stride(0), cos.stride(0), q_out.stride(0), q_out.stride(1), kv_cache.stride(0), kv_cache.stride(2),
+        kv_cache.stride(3), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        BLOCK_HALF=_pow2(half))
+    return q_out
+
+
+# --- norms and activations -------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(X, RES, W, OUT, stride_x, stride_r, stride_o, N, eps,
+                     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: (residual += x), then RMSNorm of it, as Hugging Face rounds it."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(RES + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        tl.store(RES + row * stride_r + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x32 * x32, 0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: x * (1 + w), in float32, rounded once
+        y = x32 * inv * (1.0 + w)
+    else:  # Llama: the normalized value rounded to the input dtype, then times w
+        y = (x32 * inv).to(x.dtype).to(tl.float32) * w
+    tl.store(OUT + row * stride_o + cols, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             unit_offset: bool = False, out: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x`` ``[num_tokens, hidden]`` (weight ``1 + w`` with ``unit_offset``); with
+    ``residual``, of ``residual + x``, written into ``residual``: returns ``(normed, residual)``.
+    One launch either way."""
+    num_tokens, hidden = x.shape
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device) if out is None else out
+    res = x if residual is None else residual
+    _rms_norm_kernel[(num_tokens,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
+                                    HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
+                                    BLOCK=_pow2(hidden))
+    return out if residual is None else (out, residual)
+
+
+@triton.jit
+def _silu_mul_kernel(X, OUT, stride_x, stride_o, WIDTH, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < WIDTH
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(X + row * stride_x + WIDTH + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(OUT + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(OUT.dtype.element_ty),
+             mask=mask)
+
+
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` ``[num_tokens, 2 * width]``, rounding as torch does."""
+    num_tokens, width = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device) if out is None else out
+    block = min(block, _pow2(width))
+    _silu_mul_kernel[(num_tokens, triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width, BLOCK=block)
+    return out
+
+
+# --- batch-1 GEMV ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemv_kernel(W, X, Y, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_N rows of ``W`` against ``x``, K in BLOCK_K tiles, float32 accumulation."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_mask = cols < K
+        x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], 1)
+    tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=row_mask)
+
+
+def gemv(weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None, block_n: int = 8,
+         block_k: int = 512) -> torch.Tensor:
+    """``weight @ x`` for ``weight`` ``[N, K]`` and ``x`` ``[K]`` (a batch-1 linear layer without
+    bias): the plain kernel the GPU issue measured against cuBLAS, not yet used by the forward."""
+    n, k = weight.shape
+    assert weight.stride(1) == 1 and x.is_contiguous()
+    out = torch.empty(n, dtype=x.dtype, device=x.device) if out is None else out
+    block_k = min(block_k, _pow2(k, 16))
+    _gemv_kernel[(triton.cdiv(n, block_n),)](weight, x, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
