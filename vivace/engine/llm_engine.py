@@ -19,7 +19,7 @@ from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from vivace.engine.pacer import pacer_for
 from vivace.engine.request import Request
-from vivace.engine.runner import ModelRunner, num_blocks_for_budget
+from vivace.engine.runner import ModelRunner, kv_bytes_per_token, num_blocks_for_budget
 from vivace.engine.sampler import SampledTokens, Sampler
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import Scheduler
@@ -65,6 +65,9 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             self.loaded, config.block_size, config.torch_dtype, config.kv_cache_memory_gb, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_bytes = num_blocks * config.block_size * kv_bytes_per_token(self.loaded, config.torch_dtype)
+        logger.info("vivace: KV cache: %d blocks, %d tokens, %.2f GiB (committed as it is written)",
+                    num_blocks, num_blocks * config.block_size, kv_bytes / (1 << 30))
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.torch_dtype,
                                   self.max_model_len, config.max_num_seqs if config.compile else 0)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -183,6 +186,7 @@ class LLMEngine:
                 logit_indices.extend(range(offset - 1 - num_spec, offset))
         constrained = [(request, row) for request, row, _ in plan if request.matcher is not None]
         masks = self.token_masks.fill_async([r.matcher for r, _ in constrained]) if constrained else None
+        path = self.runner.path(batch)
         try:
             logits = self.runner.execute(batch, self.kv, logit_indices)
         except Exception as exc:
@@ -224,8 +228,9 @@ class LLMEngine:
                 self.kv.trim(request, request.num_tokens)
         self._propose()
         marks.append(time.perf_counter())
-        self.timings.record_step(marks, batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_budget)
-        self.scheduler.observe_step(batch, marks[-1] - marks[0])
+        self.timings.record_step(marks, batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_budget,
+                                 path.value)
+        self.scheduler.observe_step(batch, marks[-1] - marks[0], path)
         return outputs
 
     def _sample(self, plan: list[tuple[Request, int, int]], logits: torch.Tensor | None, finite: list[bool]
