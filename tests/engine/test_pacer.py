@@ -12,7 +12,7 @@ from vivace.config import EngineConfig
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.llm_engine import LLMEngine
 from vivace.engine.pacer import (
-    COLD_PROMPT_TOKENS, Pacer, PacerTargets, PromptPath, PromptPlan, StepCostModel, pacer_for, plan_prompt,
+    COLD_PROMPT_TOKENS, MIN_PROMPT_TOKENS, Pacer, PacerTargets, PromptPath, PromptPlan, StepCostModel, pacer_for, plan_prompt,
     prompt_kilopositions)
 from vivace.engine.request import Request, RequestStatus
 from vivace.engine.sampling_params import SamplingParams
@@ -141,8 +141,10 @@ def test_a_deep_chunk_takes_the_prefill_path_when_it_fits_more_tokens() -> None:
     assert cost(8, deep.tokens, costs, 4000, PREFILL) == pytest.approx(0.035, rel=0.05)  # the fit's error
 
 
-def test_a_target_tighter_than_the_decode_step_still_moves_prompts() -> None:
-    assert plan_prompt(trained(), PacerTargets(itl=0.001), 8, 512, 0.0, 64) == PromptPlan(1, ROWS)
+def test_a_target_tighter_than_the_decode_step_still_moves_prompts_on_the_cheaper_path() -> None:
+    assert plan_prompt(trained(), PacerTargets(itl=0.001), 8, 512, 0.0, 64) == PromptPlan(MIN_PROMPT_TOKENS, ROWS)
+    deep = trained((0.004, 0.00025, 0.0003, 0.0007, 0.02, 0.0002, 0.00001))  # 16 rows at 4000: 49 ms; prefill 24 ms
+    assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 64, 4000) == PromptPlan(MIN_PROMPT_TOKENS, PREFILL)
 
 
 def test_an_overdue_prompt_gets_twice_the_room() -> None:
@@ -170,9 +172,11 @@ def test_the_plan_always_stays_within_its_bounds() -> None:
             decode, step_budget, compiled_rows = rng.randrange(0, 64), rng.randrange(1, 600), rng.choice([0, 64])
             targets = PacerTargets(itl=rng.choice([None, rng.uniform(0.001, 0.05)]), ttft=rng.choice([None, 0.5]))
             plan = plan_prompt(model, targets, decode, step_budget, rng.uniform(0, 1), compiled_rows)
-            assert 1 <= plan.tokens <= step_budget
+            assert min(MIN_PROMPT_TOKENS, step_budget) <= plan.tokens <= step_budget
             if plan.path is ROWS:
                 assert compiled_rows and (decode + plan.tokens <= compiled_rows or not model.warm)
+            else:
+                assert decode == 0 or model.warm or not compiled_rows
 
 
 def test_the_pacer_learns_from_every_step_on_its_path() -> None:

@@ -16,8 +16,9 @@ the prefill path, ``prefill_base + per_prefill_token * p + per_prefill_kpos * k`
 steps weighted more, pulled toward a prior while data is thin); every step teaches it, the
 prompt-only ones (prefill path, ``d = 0``) too. :func:`plan_prompt` is the whole policy: the
 prompt gets the time between the decode-only step and the ITL target, on whichever path fits
-more tokens in it (rows: no more than the compiled step takes); a prompt overdue on its TTFT
-target gets twice the room; with nothing decoding, the whole step budget goes to prompts.
+more tokens in it (rows: no more than the compiled step takes), and never fewer than
+``MIN_PROMPT_TOKENS`` (on the path where they cost less); a prompt overdue on its TTFT target
+gets twice the room; with nothing decoding, the whole step budget goes to prompts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 # The chunk a step takes, as rows, until the model has seen enough steps to be trusted.
 COLD_PROMPT_TOKENS = 16
+# The least a waiting prompt gets while decodes run, on whichever path it costs less: without it,
+# deep into a long prompt the room under the default target fits a few tokens on either path,
+# and a 4,096-token prompt beside 8 streams waited 16 x its idle TTFT (docs/benchmarks.md).
+MIN_PROMPT_TOKENS = 16
 # Without --itl-target-ms the target is this many times the predicted decode-only step.
 DEFAULT_ITL_FACTOR = 2.0
 # A prompt past its TTFT target gets this many times the ITL target's room.
@@ -151,8 +156,8 @@ def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int,
     ``step_budget`` tokens left, and their path, when the longest-waiting unserved prompt has
     waited ``oldest_prompt_wait`` seconds, the compiled step takes up to ``compiled_rows`` rows
     (0: no compiled step, so no rows path) and the next prompt chunk starts at ``prompt_start``.
-    Tokens are always within ``[min(1, step_budget), step_budget]``: however tight the target,
-    a waiting prompt moves."""
+    Tokens are always within ``[min(MIN_PROMPT_TOKENS, step_budget), step_budget]``: however
+    tight the target, a waiting prompt moves."""
     rows_path = PromptPath.ROWS if compiled_rows else PromptPath.PREFILL
     if decode_tokens == 0:
         return PromptPlan(step_budget, PromptPath.PREFILL)
@@ -165,8 +170,14 @@ def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int,
         room *= OVERDUE_FACTOR
     prefill = model.prompt_tokens_within(room, prompt_start, PromptPath.PREFILL)
     rows = min(model.prompt_tokens_within(room, prompt_start), compiled_rows - decode_tokens) if compiled_rows else 0
+    if max(rows, prefill) < MIN_PROMPT_TOKENS:  # the floor, on the path where it costs less
+        tokens = min(MIN_PROMPT_TOKENS, step_budget)
+        kpos = prompt_kilopositions(prompt_start, tokens)
+        cheaper_as_rows = (compiled_rows and decode_tokens + tokens <= compiled_rows and model.predict(
+            decode_tokens, tokens, kpos) <= model.predict(decode_tokens, tokens, kpos, PromptPath.PREFILL))
+        return PromptPlan(tokens, PromptPath.ROWS if cheaper_as_rows else PromptPath.PREFILL)
     if rows >= prefill:
-        return PromptPlan(min(max(rows, 1), step_budget), rows_path)
+        return PromptPlan(min(rows, step_budget), PromptPath.ROWS)
     return PromptPlan(min(prefill, step_budget), PromptPath.PREFILL)
 
 
