@@ -63,9 +63,9 @@ ENGINE_FLAGS = (
     Flag("--itl-target-ms", None, "pacer: inter-token latency the decoding streams keep (default: "
          "twice the measured decode step)", float),
     Flag("--ttft-target-ms", None, "pacer: a prompt waiting longer for its first token gets "
-         "priority (twice the room, past the compiled step; default: none)", float),
-    Flag("--kv-cache-memory-gb", None, "memory for the KV cache, GiB (default: room for one "
-         "max-model-len sequence)", float),
+         "priority (twice the room; default: none)", float),
+    Flag("--kv-cache-memory-gb", None, "memory for the KV cache, GiB (default: room for 16 "
+         "max-model-len sequences, at most 1/8 of RAM; pages count only once written)", float),
     Flag("--num-kv-blocks", None, "KV blocks (overrides --kv-cache-memory-gb)", int),
     Flag("--block-size", 16, "tokens per KV block", int),
     Flag("--no-prefix-caching", False, "do not reuse KV blocks of shared prefixes", kind="switch"),

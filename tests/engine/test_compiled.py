@@ -11,6 +11,8 @@ from vivace.engine.runner import ModelRunner
 from vivace.layers.packed_linear import prepack_linears
 from vivace.models import load_model
 
+from tests.engine.test_pacer import fixed_model
+
 MAX_BATCH = 4  # batches of 5 and more decode eagerly
 
 
@@ -136,4 +138,35 @@ def test_prompt_chunks_beside_decodes_ride_the_compiled_step(tiny_model_dir, mon
     expected = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
     assert [outputs["first"], outputs["later-0"], outputs["later-1"]] == expected
     assert max(rows) >= 4  # decodes plus a 3-token chunk (three decodes alone are 3 rows)
+    compiled.check_integrity()
+
+
+def test_the_pacer_sends_deep_chunks_to_the_prefill_path_and_keeps_greedy_tokens(tiny_model_dir):
+    """With costs that make a row dear the deeper it is, chunks at a prompt's start ride the
+    compiled step and deeper ones take the prefill path beside the decode rows; greedy tokens
+    stay those of an eager engine."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    rng = random.Random(12)
+    batch = [[rng.randrange(3, 49152) for _ in range(length)] for length in (5, 60, 60)]
+    eager = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, quantization="int8")
+    compiled = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, quantization="int8", compile=True,
+                   max_num_seqs=24)
+    engine = compiled.engine
+    # 4 ms + 0.25 ms a decode; a row 0.1 ms + 10 ms per thousand positions; the prefill path 3 ms + 0.3 ms a
+    # token. Beside one decode (4.25 ms of room): ~20 rows at a prompt's start; past position ~32 neither
+    # path fits 16 tokens and the floor's 16 cost less on the prefill path.
+    engine.scheduler.pacer.model = fixed_model((0.004, 0.00025, 0.0001, 0.01, 0.003, 0.0003, 0.0))
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("first", batch[0], params)
+    for step in range(200):
+        if step in (2, 4):
+            engine.add_request(f"later-{step}", batch[step // 2], params)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        if not engine.has_unfinished():
+            break
+    expected = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+    assert [outputs["first"], outputs["later-2"], outputs["later-4"]] == expected
+    paths = {s["path"] for s in engine.timings.steps.rows() if s["decode_tokens"] and s["prompt_tokens"]}
+    assert paths == {"rows", "prefill"}
     compiled.check_integrity()

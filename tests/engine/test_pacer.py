@@ -1,6 +1,6 @@
-"""The pacer on synthetic step costs (no clocks): the cost model finds the costs, the budget
-follows them and the targets, and on a real engine the pacer changes no greedy token while
-``max_prefill_chunk`` still fixes the chunk."""
+"""The pacer on synthetic step costs (no clocks): the cost model finds the costs, the plan
+follows them, the targets and the paths, and on a real engine the pacer changes no greedy token
+while ``max_prefill_chunk`` still fixes the chunk."""
 
 from __future__ import annotations
 
@@ -12,35 +12,58 @@ from vivace.config import EngineConfig
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.llm_engine import LLMEngine
 from vivace.engine.pacer import (
-    MIN_PROMPT_TOKENS, Pacer, PacerTargets, StepCostModel, pacer_for, prompt_budget, prompt_kilopositions)
+    COLD_PROMPT_TOKENS, MIN_PROMPT_TOKENS, Pacer, PacerTargets, PromptPath, PromptPlan, StepCostModel, pacer_for, plan_prompt,
+    prompt_kilopositions)
 from vivace.engine.request import Request, RequestStatus
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import Scheduler
 
-# A step: 4 ms, plus 0.25 ms per decode token, plus 0.05 ms per prompt token (and nothing for
-# the prompt tokens' positions, unless a test says so).
-COSTS = (0.004, 0.00025, 0.00005, 0.0)
+ROWS, PREFILL = PromptPath.ROWS, PromptPath.PREFILL
+# A step: 4 ms, plus 0.25 ms per decode token; a prompt row 0.05 ms (and nothing for its
+# position unless a test says so); the prefill path 20 ms more, plus 0.04 ms a token and
+# 0.001 ms per thousand positions.
+COSTS = (0.004, 0.00025, 0.00005, 0.0, 0.02, 0.00004, 0.000001)
 
 
-def cost(decode_tokens: int, prompt_tokens: int, costs: tuple[float, ...] = COSTS, start: int = 0) -> float:
+def cost(decode_tokens: int, prompt_tokens: int, costs: tuple[float, ...] = COSTS, start: int = 0,
+         path: PromptPath = ROWS) -> float:
     kpos = prompt_kilopositions(start, prompt_tokens)
-    return costs[0] + costs[1] * decode_tokens + costs[2] * prompt_tokens + costs[3] * kpos
+    prompt = costs[2] * prompt_tokens + costs[3] * kpos
+    if path is PREFILL:
+        prompt = costs[4] + costs[5] * prompt_tokens + costs[6] * kpos
+    return costs[0] + costs[1] * decode_tokens + prompt
 
 
-def trained(costs: tuple[float, ...] = COSTS, steps: int = 200, seed: int = 0) -> StepCostModel:
-    """A model fed ``steps`` steps of random shapes costing exactly ``costs``."""
+def trained(costs: tuple[float, ...] = COSTS, steps: int = 300, seed: int = 0) -> StepCostModel:
+    """A model fed ``steps`` steps of random shapes and paths costing exactly ``costs``."""
     model, rng = StepCostModel(), random.Random(seed)
     for _ in range(steps):
         decode, prompt, start = rng.randrange(1, 33), rng.choice([0, 0, rng.randrange(1, 129)]), rng.randrange(0, 4000)
-        model.observe(decode, prompt, prompt_kilopositions(start, prompt), cost(decode, prompt, costs, start))
+        path = rng.choice([ROWS, PREFILL]) if prompt else ROWS
+        if path is PREFILL and rng.random() < 0.3:
+            decode = 0  # a step of prompts alone
+        model.observe(decode, prompt, prompt_kilopositions(start, prompt), cost(decode, prompt, costs, start, path), path)
     return model
 
 
-def test_the_cost_model_finds_linear_step_costs() -> None:
+def fixed_model(costs: tuple[float, ...]) -> StepCostModel:
+    """A warm model that keeps ``costs`` whatever real steps it is then shown."""
+    model = StepCostModel(costs, prior_weight=1e12)
+    for prompt in [0] * 8 + [16] * 8:
+        model.observe(8, prompt, prompt_kilopositions(0, prompt), cost(8, prompt, costs))
+    return model
+
+
+def test_the_cost_model_finds_linear_step_costs_on_both_paths() -> None:
     model = trained()
     assert model.warm
-    assert model.coefficients == pytest.approx(COSTS, rel=0.02, abs=2e-6)
-    assert model.predict(16, 100, prompt_kilopositions(500, 100)) == pytest.approx(cost(16, 100), rel=0.01)
+    assert model.coefficients[:4] == pytest.approx(COSTS[:4], rel=0.02, abs=2e-6)
+    # The prefill path's overhead and per-token cost trade off against each other (and the
+    # prior pulls at both) over the steps seen; their predictions hold.
+    for path in (ROWS, PREFILL):
+        for decode, prompt, start in ((16, 100, 500), (8, 16, 3000), (0, 128, 0)):
+            assert model.predict(decode, prompt, prompt_kilopositions(start, prompt), path) == pytest.approx(
+                cost(decode, prompt, start=start, path=path), rel=0.08)
 
 
 def test_the_cost_model_is_cold_until_it_has_seen_both_kinds_of_step() -> None:
@@ -70,71 +93,101 @@ def test_one_stalled_step_barely_moves_a_warm_model() -> None:
     assert model.predict(8, 32, prompt_kilopositions(0, 32)) < 1.1 * before
 
 
-def test_nothing_decoding_gets_the_whole_budget_and_a_cold_model_the_minimum() -> None:
-    assert prompt_budget(trained(), PacerTargets(), 0, 512, 0.0) == 512
-    assert prompt_budget(StepCostModel(), PacerTargets(), 8, 512, 0.0) == MIN_PROMPT_TOKENS
-    assert prompt_budget(StepCostModel(), PacerTargets(), 8, 10, 0.0) == 10
+def test_nothing_decoding_gets_the_whole_budget_and_a_cold_model_the_cold_chunk() -> None:
+    assert plan_prompt(trained(), PacerTargets(), 0, 512, 0.0) == PromptPlan(512, PREFILL)
+    assert plan_prompt(StepCostModel(), PacerTargets(), 8, 512, 0.0, 64) == PromptPlan(COLD_PROMPT_TOKENS, ROWS)
+    assert plan_prompt(StepCostModel(), PacerTargets(), 8, 10, 0.0, 64) == PromptPlan(10, ROWS)
+    # Without a compiled step, every chunk beside decodes runs the prefill path.
+    assert plan_prompt(StepCostModel(), PacerTargets(), 8, 512, 0.0) == PromptPlan(COLD_PROMPT_TOKENS, PREFILL)
 
 
 def test_the_budget_fills_the_room_under_the_itl_target() -> None:
     model = trained()
     decode_step = model.predict(8)  # about 6 ms
-    budget = prompt_budget(model, PacerTargets(itl=decode_step + 0.005), 8, 512, 0.0)
-    assert budget == pytest.approx(0.005 / COSTS[2], abs=2)  # 5 ms of room at 0.05 ms a token
-    assert cost(8, budget) <= decode_step + 0.005 + 1e-4
-    assert model.prompt_tokens_within(0.005, 0) == pytest.approx(budget, abs=1)
+    plan = plan_prompt(model, PacerTargets(itl=decode_step + 0.005), 8, 512, 0.0, 512)
+    assert plan.path is ROWS  # 5 ms of room: less than the prefill path's overhead
+    assert plan.tokens == pytest.approx(0.005 / COSTS[2], abs=2)  # 5 ms at 0.05 ms a row
+    assert cost(8, plan.tokens) <= decode_step + 0.005 + 1e-4
+    assert model.prompt_tokens_within(0.005, 0) == pytest.approx(plan.tokens, abs=1)
     # Default target: twice the decode step, so the room is one decode step.
-    assert prompt_budget(model, PacerTargets(), 8, 512, 0.0) == pytest.approx(decode_step / COSTS[2], abs=2)
-    # A slower prompt token buys fewer tokens for the same room.
-    dearer = trained((COSTS[0], COSTS[1], 2 * COSTS[2], 0.0))
-    assert prompt_budget(dearer, PacerTargets(itl=decode_step + 0.005), 8, 512, 0.0) == pytest.approx(50, abs=2)
+    assert plan_prompt(model, PacerTargets(), 8, 512, 0.0, 512).tokens == pytest.approx(decode_step / COSTS[2], abs=2)
+    # A slower prompt row buys fewer rows for the same room.
+    dearer = trained((COSTS[0], COSTS[1], 2 * COSTS[2], *COSTS[3:]))
+    assert plan_prompt(dearer, PacerTargets(itl=decode_step + 0.005), 8, 512, 0.0, 512).tokens == pytest.approx(
+        50, abs=2)
 
 
-def test_chunks_deeper_into_their_prompt_get_fewer_tokens() -> None:
-    costs = (*COSTS[:3], 0.0001)  # 0.1 ms per thousand positions: attention over the prompt so far
+def test_chunks_deeper_into_their_prompt_get_fewer_rows() -> None:
+    costs = (*COSTS[:3], 0.0001, *COSTS[4:])  # 0.1 ms per thousand positions: a row reads the prompt so far
     model = trained(costs)
     assert model.coefficients[3] == pytest.approx(0.0001, rel=0.05)
     target = PacerTargets(itl=model.predict(8) + 0.005)
-    budgets = [prompt_budget(model, target, 8, 512, 0.0, prompt_start=start) for start in (0, 1000, 2000)]
-    assert budgets[0] > budgets[1] > budgets[2]
-    for start, budget in zip((0, 1000, 2000), budgets):  # the most that fits, to a token
-        assert cost(8, budget, costs, start) <= target.itl + 1e-5 < cost(8, budget + 2, costs, start)
+    plans = [plan_prompt(model, target, 8, 512, 0.0, 512, start) for start in (0, 1000, 2000)]
+    assert [p.path for p in plans] == [ROWS] * 3
+    assert plans[0].tokens > plans[1].tokens > plans[2].tokens
+    for start, plan in zip((0, 1000, 2000), plans):  # the most that fits, to a token
+        assert cost(8, plan.tokens, costs, start) <= target.itl + 1e-5 < cost(8, plan.tokens + 2, costs, start)
 
 
-def test_a_target_tighter_than_the_decode_step_still_feeds_prompts_the_minimum() -> None:
-    assert prompt_budget(trained(), PacerTargets(itl=0.001), 8, 512, 0.0) == MIN_PROMPT_TOKENS
+def test_a_deep_chunk_takes_the_prefill_path_when_it_fits_more_tokens() -> None:
+    costs = (0.004, 0.00025, 0.0003, 0.0007, 0.02, 0.0002, 0.00001)  # a row: 0.3 ms + 0.7 ms per 1000 deep
+    model = trained(costs)
+    target = PacerTargets(itl=0.035)  # 29 ms of room beside 8 decodes
+    shallow = plan_prompt(model, target, 8, 512, 0.0, 64, prompt_start=0)
+    deep = plan_prompt(model, target, 8, 512, 0.0, 64, prompt_start=4000)
+    assert shallow == PromptPlan(56, ROWS)  # all the compiled step's rows fit
+    assert deep.path is PREFILL
+    assert deep.tokens > model.prompt_tokens_within(0.035 - model.predict(8), 4000, ROWS)
+    assert cost(8, deep.tokens, costs, 4000, PREFILL) == pytest.approx(0.035, rel=0.05)  # the fit's error
 
 
-def test_the_compiled_step_caps_the_budget_until_a_prompt_is_overdue() -> None:
+def test_a_target_tighter_than_the_decode_step_still_moves_prompts_on_the_cheaper_path() -> None:
+    assert plan_prompt(trained(), PacerTargets(itl=0.001), 8, 512, 0.0, 64) == PromptPlan(MIN_PROMPT_TOKENS, ROWS)
+    deep = trained((0.004, 0.00025, 0.0003, 0.0007, 0.02, 0.0002, 0.00001))  # 16 rows at 4000: 49 ms; prefill 24 ms
+    assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 64, 4000) == PromptPlan(MIN_PROMPT_TOKENS, PREFILL)
+
+
+def test_an_overdue_prompt_gets_twice_the_room() -> None:
     model = trained()
-    targets = PacerTargets(itl=0.02, ttft=1.0)
-    uncapped = prompt_budget(model, targets, 8, 512, 0.0)
-    assert uncapped > 56
-    assert prompt_budget(model, targets, 8, 512, 0.5, compiled_rows=64) == 56
-    overdue = prompt_budget(model, targets, 8, 512, 1.5, compiled_rows=64)
-    assert overdue == min(512, 2 * uncapped) or overdue == pytest.approx(2 * uncapped, abs=2)
+    targets = PacerTargets(itl=0.06, ttft=1.0)
+    on_time = plan_prompt(model, targets, 8, 2048, 0.5, 64)
+    overdue = plan_prompt(model, targets, 8, 2048, 1.5, 64)
+    assert on_time.path is overdue.path is PREFILL
+    room = 0.06 - model.predict(8)
+    assert on_time.tokens == model.prompt_tokens_within(room, 0, PREFILL)
+    assert overdue.tokens == model.prompt_tokens_within(2 * room, 0, PREFILL) > on_time.tokens
 
 
-def test_the_budget_always_stays_within_its_bounds() -> None:
+def test_the_compiled_step_caps_the_rows_path() -> None:
+    model = trained((*COSTS[:4], 1.0, *COSTS[5:]))  # a prefill path never worth its overhead
+    plan = plan_prompt(model, PacerTargets(itl=0.02), 8, 512, 0.0, 64)
+    assert plan == PromptPlan(56, ROWS)
+
+
+def test_the_plan_always_stays_within_its_bounds() -> None:
     rng = random.Random(3)
     for seed in range(5):
         model = trained(steps=rng.randrange(0, 60), seed=seed)
         for _ in range(200):
-            decode, step_budget = rng.randrange(0, 64), rng.randrange(1, 600)
-            targets = PacerTargets(itl=rng.choice([None, rng.uniform(0.001, 0.05)]),
-                                   ttft=rng.choice([None, 0.5]))
-            budget = prompt_budget(model, targets, decode, step_budget, rng.uniform(0, 1),
-                                   rng.choice([0, 64]))
-            assert min(MIN_PROMPT_TOKENS, step_budget) <= budget <= step_budget
+            decode, step_budget, compiled_rows = rng.randrange(0, 64), rng.randrange(1, 600), rng.choice([0, 64])
+            targets = PacerTargets(itl=rng.choice([None, rng.uniform(0.001, 0.05)]), ttft=rng.choice([None, 0.5]))
+            plan = plan_prompt(model, targets, decode, step_budget, rng.uniform(0, 1), compiled_rows)
+            assert min(MIN_PROMPT_TOKENS, step_budget) <= plan.tokens <= step_budget
+            if plan.path is ROWS:
+                assert compiled_rows and (decode + plan.tokens <= compiled_rows or not model.warm)
+            else:
+                assert decode == 0 or model.warm or not compiled_rows
 
 
-def test_the_pacer_learns_only_from_steps_its_model_describes() -> None:
+def test_the_pacer_learns_from_every_step_on_its_path() -> None:
     pacer = Pacer(PacerTargets(), compiled_rows=64)
-    pacer.observe(0, 300, 45.0, 0.5)  # prompt only: the prefill path
-    pacer.observe(8, 100, 5.0, 0.5)  # past the compiled rows: an eager step
-    assert pacer.model.num_decode_only == pacer.model.num_with_prompt == 0
-    pacer.observe(8, 16, prompt_kilopositions(0, 16), cost(8, 16))
-    assert pacer.model.num_with_prompt == 1
+    pacer.observe(0, 300, 45.0, 0.5, PREFILL)  # prompt only: the prefill path
+    pacer.observe(8, 100, 5.0, 0.5, PREFILL)
+    pacer.observe(8, 16, prompt_kilopositions(0, 16), cost(8, 16), ROWS)
+    assert pacer.model.num_with_prompt == 3
+    before = pacer.model.coefficients.copy()
+    pacer.observe(8, 0, 0.0, 0.03, ROWS)
+    assert pacer.model.num_decode_only == 1 and (pacer.model.coefficients != before).any()
 
 
 def test_a_fixed_chunk_turns_the_pacer_off() -> None:
@@ -154,7 +207,7 @@ def running_request(kv: KVCacheManager, request_id: str, prompt_len: int, comput
 
 def test_the_scheduler_gives_a_prompt_what_the_pacer_budgets() -> None:
     kv = KVCacheManager(num_blocks=256, block_size=4, enable_prefix_caching=False)
-    pacer = Pacer(PacerTargets(itl=0.0085), model=trained())  # room: 8.5 - 6 ms = 50 tokens
+    pacer = Pacer(PacerTargets(itl=0.0085), 64, trained())  # room: 8.5 - 6 ms = 50 rows
     scheduler = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=512, pacer=pacer)
     streams = [running_request(kv, f"s{i}", 4, 4) for i in range(8)]
     for stream in streams:
@@ -164,7 +217,7 @@ def test_the_scheduler_gives_a_prompt_what_the_pacer_budgets() -> None:
     batch = scheduler.schedule()
     assert batch.num_decode_tokens == 8
     assert batch.prompt_budget == pytest.approx(50, abs=2)
-    assert batch.num_prompt_tokens == batch.prompt_budget
+    assert batch.num_prompt_tokens == batch.prompt_budget and batch.prompt_path is ROWS
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +245,7 @@ def stream_then_prompts(engine: LLMEngine) -> dict[str, list[int]]:
 
 def test_greedy_outputs_are_identical_with_the_pacer_and_a_fixed_chunk(tiny: LLMEngine) -> None:
     paced = LLMEngine(tiny.config, tiny.loaded)
-    paced.scheduler.pacer.model = trained((0.004, 0.00025, 0.0002, 0.0))  # budgets of ~20-30 tokens
+    paced.scheduler.pacer.model = fixed_model((0.004, 0.00025, 0.0, 0.0, 0.0, 0.0002, 0.0))  # chunks of ~20
     fixed = LLMEngine(EngineConfig(model=tiny.config.model, num_kv_blocks=256, block_size=4,
                                    max_prefill_chunk=3), tiny.loaded)
     assert stream_then_prompts(paced) == stream_then_prompts(fixed)
@@ -200,6 +253,7 @@ def test_greedy_outputs_are_identical_with_the_pacer_and_a_fixed_chunk(tiny: LLM
     fixed_prompts = {s["prompt_tokens"] for s in fixed.timings.steps.rows() if s["decode_tokens"]}
     assert max(fixed_prompts) == 3  # the fixed chunk holds while streams decode
     assert max(paced_prompts) > 3
+    assert {s["path"] for s in paced.timings.steps.rows() if s["prompt_tokens"]} == {"prefill"}  # eager: one path
     for engine in (paced, fixed):
         engine.check_integrity()
         assert engine.kv.num_free_blocks == len(engine.kv.blocks)

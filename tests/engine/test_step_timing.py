@@ -39,10 +39,11 @@ def test_timed_records_the_body_even_when_it_raises() -> None:
 def test_steps_record_each_phase_and_gc_pauses_are_watched() -> None:
     timings = StepTimings()
     timings.record_step([1.0, 1.001, 1.011, 1.012, 1.014, 1.015], decode_tokens=8, prompt_tokens=16,
-                        prompt_budget=40)
+                        prompt_budget=40, path="prefill")
     [step] = timings.steps.rows()
     assert step["forward"] == 1.011 - 1.001
     assert abs(step["total"] - 0.015) < 1e-12 and step["prompt_tokens"] == 16
+    assert step["path"] == "prefill"
     timings.watch_gc()
     try:
         gc.collect()

@@ -130,6 +130,7 @@ class AOTDecoder:
         except Exception as exc:  # missing, corrupt or incompatible: build it afresh
             if self.path.exists():
                 logger.warning("vivace: decode graph %s did not load (%s); compiling it again", self.path, exc)
+        logger.info("vivace: compiling the decode graph (once per model, flags and machine; a minute or more)...")
         build(model, kv_caches, max_batch, self.path)
         self._loader = self._load(model)
         logger.info("vivace: decode graph compiled to %s in %.1f s", self.path, time.perf_counter() - start)

@@ -184,6 +184,7 @@ class LLMEngine:
                 logit_indices.extend(range(offset - 1 - num_spec, offset))
         constrained = [(request, row) for request, row, _ in plan if request.matcher is not None]
         masks = self.token_masks.fill_async([r.matcher for r, _ in constrained]) if constrained else None
+        path = self.runner.path(batch)
         try:
             logits = self.runner.execute(batch, self.kv, logit_indices)
         except Exception as exc:
@@ -225,8 +226,9 @@ class LLMEngine:
                 self.kv.trim(request, request.num_tokens)
         self._propose()
         marks.append(time.perf_counter())
-        self.timings.record_step(marks, batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_budget)
-        self.scheduler.observe_step(batch, marks[-1] - marks[0])
+        self.timings.record_step(marks, batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_budget,
+                                 path.value)
+        self.scheduler.observe_step(batch, marks[-1] - marks[0], path)
         return outputs
 
     def _sample(self, plan: list[tuple[Request, int, int]], logits: torch.Tensor | None, finite: list[bool]

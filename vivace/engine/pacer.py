@@ -1,16 +1,24 @@
-"""How many prompt tokens a step may carry while streams are decoding: as many as fit the
-inter-token latency target, by a cost model of the steps learned as the engine runs.
+"""How many prompt tokens a step may carry while streams are decoding, and which way they run:
+as many as fit the inter-token latency target, by a cost model of the steps learned as the
+engine runs.
 
-A step that carries ``d`` decode tokens and ``p`` prompt tokens at positions summing to
-``1000 * k`` lasts about ``base + per_decode_token * d + per_prompt_token * p + per_prompt_kiloposition * k``
-seconds: the last term is the prompt rows' attention, which grows with how far into its prompt a
-chunk is. :class:`StepCostModel` fits those four numbers to the measured steps (least squares,
-recent steps weighted more, pulled toward a prior while data is thin). :func:`prompt_budget` is
-the whole policy: the prompt gets the time between the decode-only step and the ITL target; with
-compiled decode graphs, no more rows than the compiled step takes (a prompt chunk rides it almost
-for free; one row more turns the whole step eager, about twice as slow); a prompt overdue on its
-TTFT target gets twice the room and may leave the compiled step; with nothing decoding, the whole
-step budget goes to prompts.
+A prompt chunk can run two ways beside the decode rows of a step. As *rows* of the compiled
+decode step (one row per prompt token): nearly free at the start of a prompt, but each row
+reads its sequence's whole KV so far, so a chunk deep into a long prompt costs a KV read per
+token. Or on the *prefill* path: the step runs eagerly (the decode rows through the decode
+attention op, the chunk through the paged prefill attention, which reads the prompt's KV once
+per chunk), which costs a fixed overhead per step but little per deep token.
+
+A step carrying ``d`` decode tokens and ``p`` prompt tokens at positions summing to ``1000 * k``
+lasts about ``base + per_decode * d`` plus, as rows, ``per_row * p + per_row_kpos * k``, or, on
+the prefill path, ``prefill_base + per_prefill_token * p + per_prefill_kpos * k`` seconds.
+:class:`StepCostModel` fits those eight numbers to the measured steps (least squares, recent
+steps weighted more, pulled toward a prior while data is thin); every step teaches it, the
+prompt-only ones (prefill path, ``d = 0``) too. :func:`plan_prompt` is the whole policy: the
+prompt gets the time between the decode-only step and the ITL target, on whichever path fits
+more tokens in it (rows: no more than the compiled step takes), and never fewer than
+``MIN_PROMPT_TOKENS`` (on the path where they cost less); a prompt overdue on its TTFT target
+gets twice the room; with nothing decoding, the whole step budget goes to prompts.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,8 +36,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The fixed chunk used until the model has seen enough steps; also the least a prompt ever gets
-# while decodes run, so that no target, however tight, starves waiting prompts.
+# The chunk a step takes, as rows, until the model has seen enough steps to be trusted.
+COLD_PROMPT_TOKENS = 16
+# The least a waiting prompt gets while decodes run, on whichever path it costs less: without it,
+# deep into a long prompt the room under the default target fits a few tokens on either path,
+# and a 4,096-token prompt beside 8 streams waited 16 x its idle TTFT (docs/benchmarks.md).
 MIN_PROMPT_TOKENS = 16
 # Without --itl-target-ms the target is this many times the predicted decode-only step.
 DEFAULT_ITL_FACTOR = 2.0
@@ -36,23 +48,44 @@ DEFAULT_ITL_FACTOR = 2.0
 OVERDUE_FACTOR = 2.0
 
 
+class PromptPath(Enum):
+    """How a step's prompt tokens run beside its decode rows."""
+
+    ROWS = "rows"  # as rows of the compiled decode step
+    PREFILL = "prefill"  # the eager step: paged prefill attention for the chunk
+
+
 def prompt_kilopositions(start: int, tokens: int) -> float:
     """The positions of ``tokens`` prompt tokens from position ``start`` on, summed, in thousands."""
     return tokens * (start + (tokens - 1) / 2) / 1000
 
 
+# Prior coefficients, seconds (per unit of each term): base, per decode token, per prompt row,
+# per thousand prompt-row positions, prefill-path overhead, per prefill token, per thousand
+# prefill positions. Optimistic about the prefill path, so that a deep chunk tries it soon and
+# the measured steps decide.
+PRIOR = (0.002, 0.0005, 0.0005, 0.0002, 0.004, 0.0005, 0.00002)
+
+
+def step_features(decode_tokens: int, prompt_tokens: int, prompt_kpos: float, path: PromptPath) -> np.ndarray:
+    """The cost model's terms of a step (see :data:`PRIOR` for their order)."""
+    rows = path is PromptPath.ROWS
+    prefill = 0.0 if rows else 1.0
+    return np.array([1.0, decode_tokens, prompt_tokens * rows, prompt_kpos * rows,
+                     prefill, prompt_tokens * prefill, prompt_kpos * prefill])
+
+
 class StepCostModel:
-    """Step seconds as ``base + per_decode_token * d + per_prompt_token * p + per_prompt_kiloposition * k``.
+    """Step seconds as a linear function of :func:`step_features`.
 
     Exponentially weighted least squares: each observation's weight halves every
     ``half_life`` later observations; a ridge of ``prior_weight`` observations' worth pulls the
-    coefficients toward ``prior`` (seconds, then seconds per unit of each term). Once warm, a
-    measured step longer than three times its prediction counts as three times (a neighbour's
-    stall is not the step's cost; a real change of cost still moves the fit three-fold per step).
+    coefficients toward ``prior``. Once warm, a measured step longer than three times its
+    prediction counts as three times (a neighbour's stall is not the step's cost; a real change
+    of cost still moves the fit three-fold per step).
     """
 
-    def __init__(self, prior: tuple[float, float, float, float] = (0.002, 0.0005, 0.0005, 0.0),
-                 prior_weight: float = 1.0, half_life: float = 200.0) -> None:
+    def __init__(self, prior: tuple[float, ...] = PRIOR, prior_weight: float = 1.0, half_life: float = 200.0) -> None:
         self.prior = np.array(prior, dtype=np.float64)
         self.ridge = prior_weight * np.eye(len(prior))
         self.decay = 0.5 ** (1.0 / half_life)
@@ -67,11 +100,12 @@ class StepCostModel:
         """Whether the fit rests on enough steps of both kinds to be trusted over the prior."""
         return self.num_decode_only >= 8 and self.num_with_prompt >= 8
 
-    def observe(self, decode_tokens: int, prompt_tokens: int, prompt_kpos: float, seconds: float) -> None:
+    def observe(self, decode_tokens: int, prompt_tokens: int, prompt_kpos: float, seconds: float,
+                path: PromptPath = PromptPath.ROWS) -> None:
         """Adds one measured step (``prompt_kpos``: its prompt tokens' positions summed, in thousands)."""
+        x = step_features(decode_tokens, prompt_tokens, prompt_kpos, path)
         if self.warm:
-            seconds = min(seconds, 3.0 * self.predict(decode_tokens, prompt_tokens, prompt_kpos))
-        x = np.array([1.0, decode_tokens, prompt_tokens, prompt_kpos])
+            seconds = min(seconds, 3.0 * max(float(self.coefficients @ x), 0.0))
         self.gram = self.decay * self.gram + np.outer(x, x)
         self.moment = self.decay * self.moment + seconds * x
         self.coefficients = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ self.prior)
@@ -80,19 +114,23 @@ class StepCostModel:
         else:
             self.num_decode_only += 1
 
-    def predict(self, decode_tokens: int, prompt_tokens: int = 0, prompt_kpos: float = 0.0) -> float:
+    def predict(self, decode_tokens: int, prompt_tokens: int = 0, prompt_kpos: float = 0.0,
+                path: PromptPath = PromptPath.ROWS) -> float:
         """Predicted seconds of a step, never below zero."""
-        x = np.array([1.0, decode_tokens, prompt_tokens, prompt_kpos])
-        return max(float(self.coefficients @ x), 0.0)
+        return max(float(self.coefficients @ step_features(decode_tokens, prompt_tokens, prompt_kpos, path)), 0.0)
 
-    def prompt_tokens_within(self, seconds: float, start: int) -> int:
-        """The most prompt tokens, from position ``start`` on, that add at most ``seconds``."""
-        per_token = max(float(self.coefficients[2]), 1e-6)
-        per_kpos = max(float(self.coefficients[3]), 0.0)
+    def prompt_tokens_within(self, seconds: float, start: int, path: PromptPath = PromptPath.ROWS) -> int:
+        """The most prompt tokens, from position ``start`` on, that add at most ``seconds`` to a
+        step on ``path`` (the prefill path's overhead included)."""
+        fixed, per_token, per_kpos = self.coefficients[4:] if path is PromptPath.PREFILL else (0.0, *self.coefficients[2:4])
+        seconds -= max(float(fixed), 0.0)
+        per_token, per_kpos = max(float(per_token), 1e-6), max(float(per_kpos), 0.0)
+        if seconds <= 0:
+            return 0
         # seconds >= per_token * p + per_kpos * p * (start + (p - 1) / 2) / 1000: a quadratic in p.
         a, b = per_kpos / 2000, per_token + per_kpos * (start - 0.5) / 1000
         tokens = seconds / b if a == 0 else (math.sqrt(b * b + 4 * a * seconds) - b) / (2 * a)
-        return math.floor(tokens) if seconds > 0 else 0
+        return math.floor(tokens)
 
 
 @dataclass(frozen=True)
@@ -104,31 +142,47 @@ class PacerTargets:
     ttft: float | None = None
 
 
-def prompt_budget(model: StepCostModel, targets: PacerTargets, decode_tokens: int, step_budget: int,
-                  oldest_prompt_wait: float, compiled_rows: int = 0, prompt_start: int = 0) -> int:
-    """Prompt tokens for a step that carries ``decode_tokens`` decode tokens and has
-    ``step_budget`` tokens left, when the longest-waiting unserved prompt has waited
-    ``oldest_prompt_wait`` seconds, the compiled step takes up to ``compiled_rows`` rows (0: no
-    compiled step) and the next prompt chunk starts at position ``prompt_start``.
-    Always within ``[min(MIN_PROMPT_TOKENS, step_budget), step_budget]``."""
+@dataclass(frozen=True)
+class PromptPlan:
+    """A step's prompt tokens (at most) and the path they take."""
+
+    tokens: int
+    path: PromptPath
+
+
+def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int, step_budget: int,
+                oldest_prompt_wait: float, compiled_rows: int = 0, prompt_start: int = 0) -> PromptPlan:
+    """The prompt tokens for a step that carries ``decode_tokens`` decode tokens and has
+    ``step_budget`` tokens left, and their path, when the longest-waiting unserved prompt has
+    waited ``oldest_prompt_wait`` seconds, the compiled step takes up to ``compiled_rows`` rows
+    (0: no compiled step, so no rows path) and the next prompt chunk starts at ``prompt_start``.
+    Tokens are always within ``[min(MIN_PROMPT_TOKENS, step_budget), step_budget]``: however
+    tight the target, a waiting prompt moves."""
+    rows_path = PromptPath.ROWS if compiled_rows else PromptPath.PREFILL
     if decode_tokens == 0:
-        return step_budget
+        return PromptPlan(step_budget, PromptPath.PREFILL)
     if not model.warm:
-        return min(MIN_PROMPT_TOKENS, step_budget)
+        return PromptPlan(min(COLD_PROMPT_TOKENS, step_budget), rows_path)
     decode_step = model.predict(decode_tokens)
     target = targets.itl if targets.itl is not None else DEFAULT_ITL_FACTOR * decode_step
     room = target - decode_step
-    overdue = targets.ttft is not None and oldest_prompt_wait > targets.ttft
-    if overdue:
+    if targets.ttft is not None and oldest_prompt_wait > targets.ttft:
         room *= OVERDUE_FACTOR
-    tokens = model.prompt_tokens_within(room, prompt_start)
-    if compiled_rows and not overdue:
-        tokens = min(tokens, compiled_rows - decode_tokens)
-    return min(max(tokens, MIN_PROMPT_TOKENS), step_budget)
+    prefill = model.prompt_tokens_within(room, prompt_start, PromptPath.PREFILL)
+    rows = min(model.prompt_tokens_within(room, prompt_start), compiled_rows - decode_tokens) if compiled_rows else 0
+    if max(rows, prefill) < MIN_PROMPT_TOKENS:  # the floor, on the path where it costs less
+        tokens = min(MIN_PROMPT_TOKENS, step_budget)
+        kpos = prompt_kilopositions(prompt_start, tokens)
+        cheaper_as_rows = (compiled_rows and decode_tokens + tokens <= compiled_rows and model.predict(
+            decode_tokens, tokens, kpos) <= model.predict(decode_tokens, tokens, kpos, PromptPath.PREFILL))
+        return PromptPlan(tokens, PromptPath.ROWS if cheaper_as_rows else PromptPath.PREFILL)
+    if rows >= prefill:
+        return PromptPlan(min(rows, step_budget), PromptPath.ROWS)
+    return PromptPlan(min(prefill, step_budget), PromptPath.PREFILL)
 
 
 class Pacer:
-    """The scheduler's pacer: chooses each step's prompt budget and learns from each step.
+    """The scheduler's pacer: plans each step's prompt tokens and learns from each step.
     ``compiled_rows``: the most rows the engine's compiled step takes (0: none)."""
 
     def __init__(self, targets: PacerTargets, compiled_rows: int = 0, model: StepCostModel | None = None) -> None:
@@ -136,25 +190,22 @@ class Pacer:
         self.compiled_rows = compiled_rows
         self.model = model or StepCostModel()
 
-    def budget(self, decode_tokens: int, step_budget: int, oldest_prompt_wait: float, prompt_start: int) -> int:
-        """:func:`prompt_budget` with this pacer's model and targets; logs its inputs at debug."""
-        tokens = prompt_budget(self.model, self.targets, decode_tokens, step_budget, oldest_prompt_wait,
-                               self.compiled_rows, prompt_start)
+    def plan(self, decode_tokens: int, step_budget: int, oldest_prompt_wait: float, prompt_start: int) -> PromptPlan:
+        """:func:`plan_prompt` with this pacer's model and targets; logs its inputs at debug."""
+        plan = plan_prompt(self.model, self.targets, decode_tokens, step_budget, oldest_prompt_wait,
+                           self.compiled_rows, prompt_start)
         if logger.isEnabledFor(logging.DEBUG):
-            base, per_decode, per_prompt, per_kpos = self.model.coefficients
+            terms = " ".join(f"{c * 1e3:.4f}" for c in self.model.coefficients)
             logger.debug("pacer: decode_tokens=%d step_budget=%d oldest_prompt_wait=%.3fs prompt_start=%d "
-                         "compiled_rows=%d model=(%.2fms + %.3fms/decode + %.4fms/prompt + %.4fms/kpos, "
-                         "warm=%s) -> %d prompt tokens", decode_tokens, step_budget, oldest_prompt_wait,
-                         prompt_start, self.compiled_rows, base * 1e3, per_decode * 1e3, per_prompt * 1e3,
-                         per_kpos * 1e3, self.model.warm, tokens)
-        return tokens
+                         "compiled_rows=%d targets=%s model_ms=(%s) warm=%s -> %d prompt tokens as %s",
+                         decode_tokens, step_budget, oldest_prompt_wait, prompt_start, self.compiled_rows,
+                         self.targets, terms, self.model.warm, plan.tokens, plan.path.value)
+        return plan
 
-    def observe(self, decode_tokens: int, prompt_tokens: int, prompt_kpos: float, seconds: float) -> None:
-        """Feeds one measured step to the cost model, if it is of the kind the model describes:
-        one that decodes (prompt-only steps run the prefill path), within the compiled rows."""
-        rows = decode_tokens + prompt_tokens
-        if decode_tokens and (not self.compiled_rows or rows <= self.compiled_rows):
-            self.model.observe(decode_tokens, prompt_tokens, prompt_kpos, seconds)
+    def observe(self, decode_tokens: int, prompt_tokens: int, prompt_kpos: float, seconds: float,
+                path: PromptPath) -> None:
+        """Feeds one measured step, run on ``path``, to the cost model."""
+        self.model.observe(decode_tokens, prompt_tokens, prompt_kpos, seconds, path)
 
 
 def pacer_for(config: EngineConfig, compiled_rows: int) -> Pacer | None:

@@ -4,27 +4,46 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 
 import numpy as np
 import torch
 
 from vivace.engine.compiled import CompiledDecoder
 from vivace.engine.kv_cache import KVCacheManager
+from vivace.engine.pacer import PromptPath
 from vivace.engine.scheduler import ScheduledBatch
 from vivace.layers.attention import AttentionMetadata, DecodeMetadata
 from vivace.models import LoadedModel
 from vivace.models.llama import kv_cache_shape
 
 
+# Without a budget, the pool holds this many max-model-len sequences, capped at a share of the
+# machine's memory: enough for the default concurrency of long streams without preemption. The
+# pool's pages cost nothing until written (allocate_kv_cache), so the cap bounds what a busy
+# server may come to hold, not what it holds at start.
+DEFAULT_POOL_SEQUENCES = 16
+DEFAULT_POOL_MEMORY_SHARE = 1 / 8
+
+
+def kv_bytes_per_token(loaded: LoadedModel, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes in every layer's cache."""
+    config = loaded.config
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+
+
 def num_blocks_for_budget(loaded: LoadedModel, block_size: int, dtype: torch.dtype, memory_gb: float | None,
                           max_model_len: int) -> int:
-    """KV blocks that fit in ``memory_gb`` GiB, or, when it is None, that hold one ``max_model_len``
-    sequence (0.35 GiB for the default model in float32)."""
-    if memory_gb is None:
-        return -(-max_model_len // block_size)
-    per_block = 2 * loaded.config.num_hidden_layers * block_size * loaded.config.num_key_value_heads
-    per_block *= loaded.config.head_dim * torch.empty((), dtype=dtype).element_size()
-    return max(int(memory_gb * (1 << 30)) // per_block, 1)
+    """KV blocks that fit in ``memory_gb`` GiB, or, when it is None, that hold
+    ``DEFAULT_POOL_SEQUENCES`` ``max_model_len`` sequences within ``DEFAULT_POOL_MEMORY_SHARE``
+    of physical memory (never less than one such sequence): 5.6 GiB, 128k tokens for the default
+    model in float32 on a machine of 45 GiB or more (68k tokens, 2.9 GiB, with 23.5 GiB)."""
+    per_block = block_size * kv_bytes_per_token(loaded, dtype)
+    if memory_gb is not None:
+        return max(int(memory_gb * (1 << 30)) // per_block, 1)
+    per_sequence = -(-max_model_len // block_size)
+    share = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_POOL_MEMORY_SHARE) // per_block
+    return max(min(DEFAULT_POOL_SEQUENCES * per_sequence, share), per_sequence)
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -43,7 +62,9 @@ class ModelRunner:
     ``decode``, one row per token: with ``compile_max_batch`` set, through graphs compiled (or
     loaded from the on-disk cache) here, before the first request, for up to that many rows;
     eagerly otherwise. With compiled graphs, decodes mixed with prompt chunks also take it while
-    the rows fit; other batches with a prompt chunk run the eager prefill path. The cache has one
+    the rows fit, unless the scheduler sent the chunk the prefill path; other batches with a
+    prompt chunk run the eager prefill path (decode rows through the decode attention op, each
+    chunk through the paged prefill attention). The cache has one
     block more than the pool hands out: the scratch block, which block-table padding points at.
     """
 
@@ -132,21 +153,23 @@ class ModelRunner:
         for num_seqs in (1, 2):
             self.decode([0] * num_seqs, [0] * num_seqs, [[self.scratch_block]] * num_seqs)
 
-    def _as_decode_rows(self, batch: ScheduledBatch) -> bool:
-        """Whether the batch runs as decode rows: decodes and verifies always; with compiled
-        graphs, also decodes mixed with short prompt chunks (the chunks' rows ride the compiled
-        decode step instead of turning the whole step eager; their logits are computed and
-        dropped). A step of prompts alone keeps the prefill path."""
+    def path(self, batch: ScheduledBatch) -> PromptPath:
+        """How the batch runs: as decode rows (ROWS) for decodes and verifies alone, and, with
+        compiled graphs, for decodes mixed with prompt chunks the scheduler sent that way while
+        the rows fit (the chunks' rows ride the compiled decode step; their logits are computed
+        and dropped); on the prefill path otherwise, as does a step of prompts alone."""
         decoding = [n == 1 + len(r.spec_token_ids) for r, n in zip(batch.requests, batch.num_new_tokens)]
         if all(decoding):
-            return True
-        return (self.decoder is not None and sum(batch.num_new_tokens) <= self.decoder.max_batch
-                and any(decoding))
+            return PromptPath.ROWS
+        if (self.decoder is not None and batch.prompt_path is PromptPath.ROWS and any(decoding)
+                and sum(batch.num_new_tokens) <= self.decoder.max_batch):
+            return PromptPath.ROWS
+        return PromptPath.PREFILL
 
     def execute(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
         """Run the batch (writing its K/V); return float32 logits ``[len(logit_indices), vocab]``
         at those flat token indices, or None when no logits are wanted this step."""
-        if self._as_decode_rows(batch):
+        if self.path(batch) is PromptPath.ROWS:
             # One row per new token, each attending its own sequence up to its own position:
             # the op writes every row's K/V before attending, so a request's rows (its next
             # token and proposals to verify, or a prompt chunk) may share its block table.

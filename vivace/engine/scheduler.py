@@ -4,7 +4,8 @@ Each step: every decoding request gets its next token first, then unfinished pro
 chunks, then waiting requests are admitted in (priority, arrival) order while the budget,
 ``max_num_seqs`` and the KV pool allow. While any request is decoding, the prompt tokens of
 a step are capped: by the pacer (``vivace.engine.pacer``: what fits the ITL target by the
-measured step costs), or at ``max_prefill_chunk`` when one is set; so a long prompt delays the
+measured step costs, and whether the chunk runs as rows of the compiled decode step or on the
+prefill path), or at ``max_prefill_chunk`` when one is set; so a long prompt delays the
 streams' next tokens by one chunk's compute at most. A step without decodes may fill the whole
 budget with prompt.
 When the pool cannot grow a running request, the lowest-priority, newest running request
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from vivace.engine.kv_cache import KVCacheManager
-from vivace.engine.pacer import Pacer, prompt_kilopositions
+from vivace.engine.pacer import Pacer, PromptPath, PromptPlan, prompt_kilopositions
 from vivace.engine.request import Request, RequestStatus
 
 
@@ -32,6 +33,7 @@ class ScheduledBatch:
     num_decode_tokens: int = 0  # of total_tokens, those of requests decoding (and verifying proposals)
     prompt_budget: int = 0  # the most prompt tokens this step could take
     prompt_kpos: float = 0.0  # its prompt tokens' positions summed, in thousands (their attention's work)
+    prompt_path: PromptPath = PromptPath.ROWS  # how its prompt tokens run beside decode rows
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,7 +84,8 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         budget = self._schedule_running(decoding, self.max_num_batched_tokens, batch)
-        batch.prompt_budget = self._prompt_budget(batch.total_tokens, budget, prefilling)
+        plan = self._plan_prompt(batch.total_tokens, budget, prefilling)
+        batch.prompt_budget, batch.prompt_path = plan.tokens, plan.path
         prompt_budget = self._schedule_running(prefilling, batch.prompt_budget, batch)
         if not batch.preempted:
             self._admit_waiting(batch, prompt_budget)
@@ -93,13 +96,13 @@ class Scheduler:
                 batch.num_decode_tokens += num_new
         return batch
 
-    def _prompt_budget(self, decode_tokens: int, budget: int, prefilling: list[Request]) -> int:
+    def _plan_prompt(self, decode_tokens: int, budget: int, prefilling: list[Request]) -> PromptPlan:
         if not decode_tokens:
-            return budget
+            return PromptPlan(budget, PromptPath.PREFILL)
         if self.pacer is None:
-            return min(budget, self.max_prefill_chunk or budget)
+            return PromptPlan(min(budget, self.max_prefill_chunk or budget), PromptPath.ROWS)
         start = prefilling[0].num_computed_tokens if prefilling else 0
-        return self.pacer.budget(decode_tokens, budget, self._oldest_prompt_wait(prefilling), start)
+        return self.pacer.plan(decode_tokens, budget, self._oldest_prompt_wait(prefilling), start)
 
     def _oldest_prompt_wait(self, prefilling: list[Request]) -> float:
         """Seconds the longest-waiting request without a first token has waited (0 if none)."""
@@ -107,10 +110,10 @@ class Scheduler:
         unserved += [r.arrival_time for _, r in self.waiting if r.timings.first_token is None]
         return time.perf_counter() - min(unserved) if unserved else 0.0
 
-    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
-        """Teaches the pacer (if any) what ``batch`` cost."""
+    def observe_step(self, batch: ScheduledBatch, seconds: float, path: PromptPath) -> None:
+        """Teaches the pacer (if any) what ``batch``, run on ``path``, cost."""
         if self.pacer is not None:
-            self.pacer.observe(batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_kpos, seconds)
+            self.pacer.observe(batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_kpos, seconds, path)
 
     def _schedule_running(self, requests: list[Request], budget: int, batch: ScheduledBatch) -> int:
         """Give each of ``requests`` its next tokens within ``budget``; returns what is left."""

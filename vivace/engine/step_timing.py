@@ -78,17 +78,18 @@ class StepTimings:
 
     def __init__(self, capacity: int = 4096) -> None:
         self.steps = TimingLog(("start", *STEP_PHASES, "total", "decode_tokens", "prompt_tokens",
-                                "prompt_budget"), (*STEP_PHASES, "total"), capacity)
+                                "prompt_budget", "path"), (*STEP_PHASES, "total"), capacity)
         self.handoffs = TimingLog(("start", "lag"), ("lag",), capacity)
         self.gc = TimingLog(("start", "pause", "generation"), ("pause",), capacity)
         self._gc_start = 0.0
 
     def record_step(self, marks: Sequence[float], decode_tokens: int, prompt_tokens: int,
-                    prompt_budget: int) -> None:
-        """One step, from ``marks``: the start and the end of each of :data:`STEP_PHASES`."""
+                    prompt_budget: int, path: str) -> None:
+        """One step, from ``marks``: the start and the end of each of :data:`STEP_PHASES`;
+        ``path``: how it ran (``rows`` of the decode step, or ``prefill``)."""
         phases = [b - a for a, b in zip(marks, marks[1:])]
         self.steps.record(marks[0], *phases, marks[-1] - marks[0], decode_tokens, prompt_tokens,
-                          prompt_budget)
+                          prompt_budget, path)
 
     def record_handoff(self, sent_at: float) -> None:
         """Called on the event loop when work handed over at ``sent_at`` runs."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from vivace.engine.kv_cache import KVCacheManager
+from vivace.engine.pacer import PromptPath
 from vivace.engine.scheduler import ScheduledBatch
 from vivace.gpu import kernels
 from vivace.gpu.forward import GpuBatch, check_supported, forward
@@ -105,12 +106,19 @@ class CudaRunner:
                        if self.device.type == "cuda" else 1)
         return gpu, decode
 
+    def path(self, batch: ScheduledBatch) -> PromptPath:
+        """ROWS when a decode graph replays the batch (decodes alone, within the largest bucket);
+        PREFILL, the general forward, otherwise: what the pacer's cost model learns per path."""
+        if self.graphs is not None and all(n == 1 for n in batch.num_new_tokens) \
+                and len(batch.requests) <= self.graphs.max_batch:
+            return PromptPath.ROWS
+        return PromptPath.PREFILL
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
         """Run the batch (writing its K/V); float32 logits ``[len(logit_indices), vocab]`` on the
         host at those flat token indices, or None when no logits are wanted this step."""
-        if self.graphs is not None and all(n == 1 for n in batch.num_new_tokens) \
-                and len(batch.requests) <= self.graphs.max_batch:
+        if self.path(batch) is PromptPath.ROWS:
             tables = [kv.block_ids(r.request_id) for r in batch.requests]
             logits = self.graphs.replay([r.token_ids[r.num_computed_tokens] for r in batch.requests],
                                         [r.num_computed_tokens for r in batch.requests], tables)

@@ -56,6 +56,8 @@ def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[st
     build_dir = cache / "vivace" / "kernels" / f"{source.stem}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    if not any(build_dir.glob("*.so")):
+        logger.info("vivace: building native %s (once per source and machine; tens of seconds)...", source.name)
     try:
         from torch.utils.cpp_extension import load
         with _building(build_dir):
