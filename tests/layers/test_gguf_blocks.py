@@ -68,8 +68,8 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 19])
 def test_native_k_quants_are_exact_integer_dot_products(ggml_type, m) -> None:
     """With its int8 activations given, the kernel's result is the file's weights times them,
-    to float32 rounding (per group sums of up to 32 * 63 * 127 * 127 in int32, converted once):
-    no error from the weight's scales or codes."""
+    to float32 rounding (integer dot products per sub-block, the file's scales multiplied in
+    float32): no error from the weight's scales or codes."""
     rows, cols = 48, 1024
     blocks = random_blocks(ggml_type, rows, cols, seed=7)
     layer = QuantizedLinear.from_gguf(blocks, ggml_type)
