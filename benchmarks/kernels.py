@@ -82,7 +82,7 @@ def gguf_candidates(k: int, n: int, m: int) -> dict[str, Candidate]:
              "Q4_K two-level": from_gguf_blocks(random_k_blocks(T.Q4_K, n, k), T.Q4_K),
              "Q5_K two-level": from_gguf_blocks(random_k_blocks(T.Q5_K, n, k), T.Q5_K)}
     if k % 256:  # K-quants need whole 256-column super-blocks (Gemma's K = 640 projections have none)
-        forms = {name: form for name, form in forms.items() if "_K" not in name}
+        forms = {name: form for name, form in forms.items() if form.sub_group == 0}
     found: dict[str, Candidate] = {"fp32 F.linear": (F.linear, (torch.from_numpy(w),), torch.float32)}
     for name, form in forms.items():
         found[f"vivace {name}"] = (lambda x, layer: layer(x), (QuantizedLinear(form),), torch.float32)
