@@ -1,12 +1,17 @@
 """Perplexity of a model's quantized forms against its float weights on a fixed text.
 
     python benchmarks/perplexity.py [--model gemma-3-270m] [--quantizations none gguf] [--text FILE]
+                                    [--llama-ctx N]
 
 Each quantization loads the same file ("none": the GGUF's values dequantized to float32; "gguf":
 its own formats through the native kernels, int8 activations included), scores the whole text in
 one prefill and prints its perplexity, the change from the first quantization listed, and how
 often the two agree on the top-1 next token. The default text is the English passage the
 quantization tests use (tests/data/quant_text.txt).
+
+``--llama-ctx N`` scores the text as llama.cpp's ``llama-perplexity -c N -b N`` does, so that the
+two figures compare: the tokens in chunks of N (the rest dropped), each chunk's first token
+replaced by BOS and run in a prefill of its own, only the second half of each chunk scored.
 """
 
 from __future__ import annotations
@@ -19,25 +24,44 @@ import torch
 import torch.nn.functional as F
 
 from vivace.layers.attention import AttentionMetadata
-from vivace.models import load_model
+from vivace.models import LoadedModel, load_model
 from vivace.models.llama import kv_cache_shape
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quant_text.txt"
 BLOCK_SIZE = 16
 
 
-@torch.inference_mode()
 def text_logits(model_name: str, quantization: str, text: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, float32 logits at every position) of one prefill over ``text``."""
     loaded = load_model(model_name, torch.float32, quantization)
     ids = torch.tensor(loaded.tokenizer(text)["input_ids"])
+    return ids, prefill_logits(loaded, ids)
+
+
+def llama_perplexity(model_name: str, quantization: str, text: str, n_ctx: int) -> tuple[float, int]:
+    """(perplexity, tokens scored) of ``text`` as ``llama-perplexity -c n_ctx`` scores it (module docstring)."""
+    loaded = load_model(model_name, torch.float32, quantization)
+    ids = torch.tensor(loaded.tokenizer(text)["input_ids"])
+    first, nll, count = n_ctx // 2, 0.0, 0
+    for start in range(0, len(ids) - n_ctx + 1, n_ctx):
+        chunk = ids[start:start + n_ctx].clone()
+        chunk[0] = loaded.tokenizer.bos_token_id
+        logits = prefill_logits(loaded, chunk)
+        nll += F.cross_entropy(logits[first:-1].double(), chunk[first + 1:], reduction="sum").item()
+        count += n_ctx - 1 - first
+    return math.exp(nll / count), count
+
+
+@torch.inference_mode()
+def prefill_logits(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    """float32 logits at every position of one prefill over the token ids ``ids``."""
     blocks = -(-len(ids) // BLOCK_SIZE)
     caches = [torch.zeros(kv_cache_shape(loaded.config, blocks, BLOCK_SIZE))
               for _ in range(loaded.config.num_hidden_layers)]
     meta = AttentionMetadata(slot_mapping=torch.arange(len(ids)), query_lens=[len(ids)], seq_lens=[len(ids)],
                              block_tables=torch.arange(blocks).unsqueeze(0), block_size=BLOCK_SIZE)
     hidden = loaded.model(ids, torch.arange(len(ids)), caches, meta)
-    return ids, loaded.model.compute_logits(hidden)
+    return loaded.model.compute_logits(hidden)
 
 
 def main() -> None:
@@ -46,9 +70,16 @@ def main() -> None:
     parser.add_argument("--quantizations", nargs="+", default=["none", "gguf"])
     parser.add_argument("--text", type=Path, default=TEXT)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-ctx", type=int, help="score as llama-perplexity -c N does (module docstring)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     text = args.text.read_text()
+    if args.llama_ctx:
+        print("| quantization | chunks of | tokens scored | perplexity |\n|---|---|---|---|")
+        for quantization in args.quantizations:
+            ppl, count = llama_perplexity(args.model, quantization, text, args.llama_ctx)
+            print(f"| {quantization} | {args.llama_ctx} | {count} | {ppl:.3f} |", flush=True)
+        return
     base: tuple[float, torch.Tensor] | None = None
     print("| quantization | tokens | perplexity | vs first | top-1 agreement |\n|---|---|---|---|---|")
     for quantization in args.quantizations:

@@ -1,6 +1,7 @@
 """GGUF blocks of every natively run type: decoded codes against ``gguf.quants.dequantize``, and
 ``QuantizedLinear`` over them against dequantize + matmul (native kernel where it runs, else the
-PyTorch fallback), at random shapes and batch sizes."""
+PyTorch fallback), at random shapes and batch sizes; the native kernel also against the same
+matmul with its own int8 activations, which it must reproduce to float32 rounding."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vivace.kernels import quant_linear_kernel
 from vivace.layers.gguf_blocks import NATIVE_TYPES, from_gguf_blocks
 from vivace.layers.linear import QuantizedLinear
 
@@ -17,11 +19,10 @@ from .gguf_random import random_blocks
 from .test_linear import BACKENDS, relative_error
 
 T = gguf.GGMLQuantizationType
-EXACT = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
-# Relative L2 error of the decoded weight: K-quant sub-block scales rounded to float16 (2^-11
-# at most each), Q6_K's second sub-block per group rounded to its partner's step / 4 (module doc).
-WEIGHT_TOLERANCE = {T.Q4_K: 5e-4, T.Q5_K: 5e-4, T.Q6_K: 1e-2}
+BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6}
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 SHAPES = [(16, 256), (48, 512), (33, 768), (160, 1024)]
+needs_native = pytest.mark.skipif(quant_linear_kernel() is None, reason="native kernels unavailable")
 
 
 @pytest.mark.parametrize("ggml_type", NATIVE_TYPES, ids=lambda t: t.name)
@@ -30,13 +31,10 @@ def test_decoded_weight_matches_gguf_dequantize(ggml_type, shape) -> None:
     blocks = random_blocks(ggml_type, *shape, seed=shape[0])
     expected = gguf.quants.dequantize(blocks, ggml_type)
     weight = from_gguf_blocks(blocks, ggml_type)
-    expected_bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else 5 if ggml_type in (T.Q5_0, T.Q5_1, T.Q5_K) else 8
-    assert weight.group_size == 32 and weight.bits == expected_bits
-    actual = weight.dequantize().numpy()
-    if ggml_type in EXACT:
-        np.testing.assert_array_equal(actual, expected)
-    else:
-        assert np.linalg.norm(actual - expected) / np.linalg.norm(expected) < WEIGHT_TOLERANCE[ggml_type]
+    assert weight.bits == BITS[ggml_type]
+    assert (weight.group_size, weight.sub_group) == ((256, 16 if ggml_type == T.Q6_K else 32) if ggml_type in K_QUANTS
+                                                     else (32, 0))
+    np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -49,11 +47,36 @@ def test_linear_matches_gguf_dequantize_and_matmul(backend, ggml_type, m) -> Non
     layer.backend = backend
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
     expected = F.linear(x, torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type)))
-    # The weight's own tolerance, plus (native) the int8 rounding of activations per group of
-    # 32: ~0.5% relative on random data, as for the other formats.
-    tolerance = WEIGHT_TOLERANCE.get(ggml_type, 1e-5) + (2e-2 if backend == "native" else 0)
+    # The weight is exact (above); native adds the int8 rounding of activations per group of
+    # 32 (step amax / 127): ~0.5% relative on random data, as for the other formats.
+    tolerance = 2e-2 if backend == "native" else 1e-5
     assert relative_error(layer(x), expected) < tolerance
 
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """The activations the native kernel multiplies by: int8 codes per group of 32 columns with
+    step ``amax / 127``, computed as the kernel does (float32, times the reciprocal, rounded half
+    to even), back in float64."""
+    groups = x.view(x.shape[0], -1, 32)
+    step = groups.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(step > 0, 1 / step, 0.0)
+    return (torch.round(groups * inverse).clamp(-128, 127) * step).double().view_as(x)
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 19])
+def test_native_k_quants_are_exact_integer_dot_products(ggml_type, m) -> None:
+    """With its int8 activations given, the kernel's result is the file's weights times them,
+    to float32 rounding (integer dot products per sub-block, the file's scales multiplied in
+    float32): no error from the weight's scales or codes."""
+    rows, cols = 48, 1024
+    blocks = random_blocks(ggml_type, rows, cols, seed=7)
+    layer = QuantizedLinear.from_gguf(blocks, ggml_type)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    weight = torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type)).double()
+    expected = int8_activations(x) @ weight.T
+    assert relative_error(layer(x), expected) < 1e-6
 
 def test_types_without_a_native_form_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="Q3_K has no direct quantized form; supported: Q8_0, .*Q6_K"):

@@ -73,22 +73,23 @@ def test_quantization_error_is_small() -> None:
 
 
 @pytest.mark.parametrize("ggml_type", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
-                                       gguf.GGMLQuantizationType.Q5_0], ids=lambda t: t.name)
+                                       gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q4_K,
+                                       gguf.GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
 def test_rows_and_leading_dims(ggml_type) -> None:
-    blocks = random_blocks(ggml_type, 40, 64)
+    blocks = random_blocks(ggml_type, 40, 256)
     layer = QuantizedLinear.from_gguf(blocks, ggml_type)
     rows = torch.tensor([0, 17, 39, 17])
     torch.testing.assert_close(layer.quantized_rows(rows).dequantize(), layer.dequantize()[rows])
     torch.testing.assert_close(layer.dequantize(), torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type)))
-    assert layer(torch.randn(2, 3, 64)).shape == (2, 3, 40)
+    assert layer(torch.randn(2, 3, 256)).shape == (2, 3, 40)
 
 
 def test_tiling_round_trips() -> None:
-    for bits in (4, 5, 8):
+    for bits in (4, 5, 6, 8):
         codes = torch.randint(0, 1 << bits, (32, 64), dtype=torch.uint8)
         assert torch.equal(qf.untile_codes(qf.tile_codes(codes, bits), bits), codes)
-    values = torch.randn(32, 2).to(torch.float16)
-    assert torch.equal(qf.untile_groups(qf.tile_groups(values)), values)
+    for values in (torch.randn(32, 2).to(torch.float16), torch.randint(-128, 128, (32, 16), dtype=torch.int8)):
+        assert torch.equal(qf.untile_groups(qf.tile_groups(values)), values)
 
 
 def test_module_to_dtype_keeps_the_weight() -> None:

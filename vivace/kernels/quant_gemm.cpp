@@ -1,16 +1,27 @@
-// Weight-only int8/int5/int4 GEMM for small and large M on AVX-512 VNNI.
+// Weight-only int8/int6/int5/int4 GEMM for small and large M on AVX-512 VNNI.
 //
 // Weights are tiled so that one 64-byte vector holds 16 output rows x 4 consecutive k
 // (int8) or 16 rows x 8 k as nibbles (int4: low nibbles k 0..3, high nibbles k 4..7).
 // int5 (GGUF Q5_0/Q5_1/Q5_K codes) is int4's four nibble vectors per 32-k group followed by
 // one vector of fifth bits: bit 2j (2j + 1) of its byte b is the fifth bit of byte b's low
 // (high) nibble in nibble vector j, so a group is 320 bytes, 5 bits a weight.
+// int6 (GGUF Q6_K) is int4's four nibble vectors followed by two vectors of top bits: vector v
+// covers nibble vectors 2v and 2v + 1 (k 16v..16v+15, one Q6_K sub-block); bits 2f, 2f + 1 of
+// its byte b (f = 2j' + h) are the top bits of byte b's low (h = 0) or high (h = 1) nibble in
+// nibble vector 2v + j'. A group is 384 bytes, 6 bits a weight.
 // Codes are unsigned; each (row, weight group) has an fp16 scale d and either an fp16
 // min m (w = d*q + m) or a fixed zero point z (w = d*(q - z)).
 // Activations are quantized on the fly to int8 per group of 32 (scale dx, code sum s),
 // so every 32-k group is an exact integer dot product done by vpdpbusd, then
 //   y += d * dx * dot + m * dx * s        (min)      or
 //   y += d * (dx * dot - z * dx * s)      (zero point).
+// GGUF K-quants have two levels: d (and m = -dmin) per 256-k super-block, and per sub-block
+// int8 scales sc (and mins mi): Q4_K/Q5_K (32-k sub-blocks, with mins)
+//   y += (d * sc) * dx * dot + (m * mi) * dx * s,
+// the products of the file's numbers being exact in fp32; Q6_K (16-k sub-blocks, z = 32) takes
+// one dot per sub-block, dot0 and dot1, and the code sums s0, s1 of the activation's halves:
+//   y += dx * ((d * sc0) * (dot0 - z * s0) + (d * sc1) * (dot1 - z * s1)),
+// each factor exact in fp32 (the dot differences are integers below 2^17).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -30,7 +41,12 @@ struct QuantizedActivations {
   std::vector<int8_t> codes;   // [M, K]
   std::vector<float> scales;   // [M, K/32]: dx
   std::vector<float> offsets;  // [M, K/32]: dx * sum(codes), times -z when a zero point is used
+  std::vector<int32_t> sums;   // [M, K/16]: sum(codes) per 16
 };
+
+// How a weight's scales apply (file header): one level with a zero point or a min, or the
+// K-quants' two levels (sub-blocks of 32 with mins, or of 16 with a zero point).
+enum Scheme { kZeroPoint, kMin, kSubMin, kSub16ZeroPoint };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -39,7 +55,7 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 
 template <typename T>
-void quantize_row(const T* x, int64_t k, float offset_factor, int8_t* q, float* dx, float* off) {
+void quantize_row(const T* x, int64_t k, float offset_factor, int8_t* q, float* dx, float* off, int32_t* sums) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
     __m512 a = load16(x + g * kGroup), b = load16(x + g * kGroup + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -50,7 +66,9 @@ void quantize_row(const T* x, int64_t k, float offset_factor, int8_t* q, float* 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup), _mm512_cvtsepi32_epi8(qa));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
     dx[g] = d;
-    off[g] = offset_factor * d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    sums[2 * g] = _mm512_reduce_add_epi32(qa);
+    sums[2 * g + 1] = _mm512_reduce_add_epi32(qb);
+    off[g] = offset_factor * d * static_cast<float>(sums[2 * g] + sums[2 * g + 1]);
   }
 }
 
@@ -60,22 +78,26 @@ const QuantizedActivations& quantize_activations(const at::Tensor& x, float offs
   out.codes.resize(m * k);
   out.scales.resize(m * groups);
   out.offsets.resize(m * groups);
+  out.sums.resize(m * groups * 2);
   int8_t* q = out.codes.data();
   float* dx = out.scales.data();
   float* off = out.offsets.data();
+  int32_t* sums = out.sums.data();
   AT_DISPATCH_SWITCH(x.scalar_type(), "quantize_activations",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       const float* xp = x.data_ptr<float>();
       at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
-          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * groups, off + r * groups);
+          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * groups, off + r * groups,
+                       sums + r * groups * 2);
       });
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
       at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
-          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * groups, off + r * groups);
+          quantize_row(xp + r * k, k, offset_factor, q + r * k, dx + r * groups, off + r * groups,
+                       sums + r * groups * 2);
       });
     }));
   return out;
@@ -83,8 +105,9 @@ const QuantizedActivations& quantize_activations(const at::Tensor& x, float offs
 
 struct Problem {
   const uint8_t* codes; const at::Half* scales; const at::Half* mins; const float* bias;
-  const int8_t* xq; const float* dx; const float* off; float* y;
-  int64_t m, n, k, weight_group;
+  const int8_t* sub_scales; const int8_t* sub_mins;  // [N/16, K/sub_group, 16] (two-level schemes)
+  const int8_t* xq; const float* dx; const float* off; const int32_t* sums; float* y;
+  int64_t m, n, k, weight_group, zero_point;
 };
 
 inline __m512 load_half16(const at::Half* p) {
@@ -95,9 +118,24 @@ inline __m512i bcast4(const int8_t* p) {
   int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v);
 }
 
+inline __m512i load_int8x16(const int8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// int6: bits 2F, 2F + 1 of each byte of a top-bits vector moved to bits 4, 5 (16-bit shifts:
+// the bits a shift carries in from the neighbouring byte land outside 4..5 and are masked off).
+template <int F>
+inline __m512i top_bits(__m512i plane) {
+  const __m512i mask = _mm512_set1_epi8(0x30);
+  if constexpr (F == 3) return _mm512_and_si512(_mm512_srli_epi16(plane, 2), mask);
+  else if constexpr (F == 2) return _mm512_and_si512(plane, mask);
+  else return _mm512_and_si512(_mm512_slli_epi16(plane, 4 - 2 * F), mask);
+}
+
 // NT tiles of 16 rows against MB activation rows starting at row m0.
-template <int BITS, bool HAS_MIN, int MB, int NT>
+template <int BITS, Scheme S, int MB, int NT>
 void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
+  constexpr bool HAS_MIN = S == kMin || S == kSubMin;
   const int64_t groups = p.k / kGroup, wgroups = p.k / p.weight_group;
   const int64_t per_wgroup = p.weight_group / kGroup;
   const int64_t tile_bytes = p.k * kTile * BITS / 8;
@@ -105,10 +143,29 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
   __m512 accf[MB][NT];
   for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) accf[i][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i acc[MB][NT];
-    for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_si512();
+    __m512i acc[MB][NT], acc_hi[MB][NT];  // acc_hi: int6's second 16-k sub-block
+    for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) acc[i][t] = acc_hi[i][t] = _mm512_setzero_si512();
     const int8_t* xg = p.xq + m0 * p.k + g * kGroup;
-    if constexpr (BITS == 5) {
+    if constexpr (BITS == 6) {
+      const uint8_t* group = p.codes + tile0 * tile_bytes + g * 384;
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* tg = group + t * tile_bytes;
+        const __m512i plane0 = _mm512_loadu_si512(tg + 256), plane1 = _mm512_loadu_si512(tg + 320);
+        auto nibbles = [&](int j, __m512i top_lo, __m512i top_hi, __m512i (&into)[MB][NT]) {
+          __m512i w = _mm512_loadu_si512(tg + j * 64);
+          __m512i lo = _mm512_or_si512(_mm512_and_si512(w, nibble), top_lo);
+          __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), nibble), top_hi);
+          for (int i = 0; i < MB; ++i) {
+            into[i][t] = _mm512_dpbusd_epi32(into[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            into[i][t] = _mm512_dpbusd_epi32(into[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+          }
+        };
+        nibbles(0, top_bits<0>(plane0), top_bits<1>(plane0), acc);
+        nibbles(1, top_bits<2>(plane0), top_bits<3>(plane0), acc);
+        nibbles(2, top_bits<0>(plane1), top_bits<1>(plane1), acc_hi);
+        nibbles(3, top_bits<2>(plane1), top_bits<3>(plane1), acc_hi);
+      }
+    } else if constexpr (BITS == 5) {
       const uint8_t* group = p.codes + tile0 * tile_bytes + g * 320;
       for (int t = 0; t < NT; ++t) {
         const uint8_t* tg = group + t * tile_bytes;
@@ -148,6 +205,27 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
       const int64_t sidx = ((tile0 + t) * wgroups + wg) * kTile;
       __m512 d = load_half16(p.scales + sidx);
       __m512 mn = HAS_MIN ? load_half16(p.mins + sidx) : d;
+      if constexpr (S == kSub16ZeroPoint) {
+        // d * sc is exact in fp32 (11 + 8 bits), and so is each sub-block's dot - z * s (< 2^17):
+        // two float multiplies per row cost fewer vector-port cycles than two vpmulld.
+        const int8_t* sc = p.sub_scales + ((tile0 + t) * groups * 2 + 2 * g) * kTile;
+        const __m512 dsc0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_int8x16(sc)));
+        const __m512 dsc1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_int8x16(sc + kTile)));
+        for (int i = 0; i < MB; ++i) {
+          const int64_t xi = (m0 + i) * groups + g;
+          const int32_t* s = p.sums + 2 * xi;
+          __m512i lo = _mm512_sub_epi32(acc[i][t], _mm512_set1_epi32(static_cast<int32_t>(p.zero_point) * s[0]));
+          __m512i hi = _mm512_sub_epi32(acc_hi[i][t], _mm512_set1_epi32(static_cast<int32_t>(p.zero_point) * s[1]));
+          __m512 dot = _mm512_fmadd_ps(dsc0, _mm512_cvtepi32_ps(lo), _mm512_mul_ps(dsc1, _mm512_cvtepi32_ps(hi)));
+          accf[i][t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(p.dx[xi]), accf[i][t]);
+        }
+        continue;
+      }
+      if constexpr (S == kSubMin) {
+        const int64_t sub = ((tile0 + t) * groups + g) * kTile;
+        d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_int8x16(p.sub_scales + sub)));
+        mn = _mm512_mul_ps(mn, _mm512_cvtepi32_ps(load_int8x16(p.sub_mins + sub)));
+      }
       for (int i = 0; i < MB; ++i) {
         const int64_t xi = (m0 + i) * groups + g;
         __m512 dot = _mm512_cvtepi32_ps(acc[i][t]);
@@ -168,15 +246,15 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
   }
 }
 
-template <int BITS, bool HAS_MIN, int MB>
+template <int BITS, Scheme S, int MB>
 void rows_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0) {
   // One tile at a time: its weights are one sequential stream. Interleaving 2 or 4 tiles'
   // streams measured slower for every M (lm_head M=1 1048 -> 865 us, M=4 1796 -> 1017 us,
   // benchmarks/kernels.py --threads 1 --clock cpu).
-  for (int64_t t = tile0; t < tile1; ++t) tile_block<BITS, HAS_MIN, MB, 1>(p, t, m0);
+  for (int64_t t = tile0; t < tile1; ++t) tile_block<BITS, S, MB, 1>(p, t, m0);
 }
 
-template <int BITS, bool HAS_MIN>
+template <int BITS, Scheme S>
 void run(const Problem& p) {
   const int64_t tiles = p.n / kTile;
   // Split output tiles across threads in blocks of 4 tiles; within a block every
@@ -190,17 +268,17 @@ void run(const Problem& p) {
     for (int64_t b = b0; b < b1; ++b) {  // blocks outer: a block's weights stay in L1 across rows
       const int64_t t0 = b * 4, t1 = std::min(tiles, t0 + 4);
       int64_t m0 = 0;
-      for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, HAS_MIN, 8>(p, t0, t1, m0);
+      for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, S, 8>(p, t0, t1, m0);
       // The other rows in one pass over the weights (a verify step's k + 1 = 5 rows took as
       // long as 8 when split into 4 + 1).
       switch (p.m - m0) {
-        case 7: rows_block<BITS, HAS_MIN, 7>(p, t0, t1, m0); break;
-        case 6: rows_block<BITS, HAS_MIN, 6>(p, t0, t1, m0); break;
-        case 5: rows_block<BITS, HAS_MIN, 5>(p, t0, t1, m0); break;
-        case 4: rows_block<BITS, HAS_MIN, 4>(p, t0, t1, m0); break;
-        case 3: rows_block<BITS, HAS_MIN, 3>(p, t0, t1, m0); break;
-        case 2: rows_block<BITS, HAS_MIN, 2>(p, t0, t1, m0); break;
-        case 1: rows_block<BITS, HAS_MIN, 1>(p, t0, t1, m0); break;
+        case 7: rows_block<BITS, S, 7>(p, t0, t1, m0); break;
+        case 6: rows_block<BITS, S, 6>(p, t0, t1, m0); break;
+        case 5: rows_block<BITS, S, 5>(p, t0, t1, m0); break;
+        case 4: rows_block<BITS, S, 4>(p, t0, t1, m0); break;
+        case 3: rows_block<BITS, S, 3>(p, t0, t1, m0); break;
+        case 2: rows_block<BITS, S, 2>(p, t0, t1, m0); break;
+        case 1: rows_block<BITS, S, 1>(p, t0, t1, m0); break;
       }
     }
   });
@@ -208,10 +286,12 @@ void run(const Problem& p) {
 
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
-                        int64_t bits, int64_t out_features, int64_t weight_group, int64_t zero_point) {
+                        int64_t bits, int64_t out_features, int64_t weight_group, int64_t zero_point,
+                        const c10::optional<at::Tensor>& sub_scales, const c10::optional<at::Tensor>& sub_mins,
+                        int64_t sub_group) {
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
   const int64_t k = input.size(-1), n = scales.size(0) * kTile;
   const at::Tensor x = input.reshape({-1, k}).contiguous();
   const int64_t m = x.size(0);
@@ -221,17 +301,37 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   const bool has_min = mins.has_value();
   TORCH_CHECK(scales.scalar_type() == at::kShort && (!has_min || mins->scalar_type() == at::kShort),
               "scales and mins must be float16 bit patterns stored as int16");
+  const bool two_level = sub_scales.has_value();
+  TORCH_CHECK(!two_level || bits != 8, "two-level (K-quant) scales go with 4-, 5- or 6-bit codes");
+  const Scheme scheme = !two_level ? (has_min ? kMin : kZeroPoint) : (has_min ? kSubMin : kSub16ZeroPoint);
+  TORCH_CHECK((bits == 6) == (scheme == kSub16ZeroPoint),
+              "6-bit codes go with 16-k sub-block scales and a zero point (Q6_K), and only they");
+  if (two_level) {
+    TORCH_CHECK(sub_group == (has_min ? 32 : 16) && weight_group % sub_group == 0 &&
+                sub_scales->scalar_type() == at::kChar && sub_scales->numel() == n * (k / sub_group),
+                "sub-block scales: int8 [N/16, K/sub_group, 16], "
+                "sub_group 32 with mins (Q4_K, Q5_K), 16 with a zero point (Q6_K)");
+    TORCH_CHECK(has_min == sub_mins.has_value() && (!has_min || (sub_mins->scalar_type() == at::kChar &&
+                sub_mins->numel() == sub_scales->numel())), "sub-block mins: like the sub-block scales, with mins");
+  }
   const QuantizedActivations& xa = quantize_activations(x, has_min ? 1.0f : -static_cast<float>(zero_point));
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   const at::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   Problem p{codes.data_ptr<uint8_t>(), reinterpret_cast<const at::Half*>(scales.data_ptr<int16_t>()),
             has_min ? reinterpret_cast<const at::Half*>(mins->data_ptr<int16_t>()) : nullptr,
             bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-            xa.codes.data(), xa.scales.data(), xa.offsets.data(),
-            y.data_ptr<float>(), m, n, k, weight_group};
-  if (bits == 8) { if (has_min) run<8, true>(p); else run<8, false>(p); }
-  else if (bits == 5) { if (has_min) run<5, true>(p); else run<5, false>(p); }
-  else { if (has_min) run<4, true>(p); else run<4, false>(p); }
+            two_level ? sub_scales->data_ptr<int8_t>() : nullptr,
+            two_level && has_min ? sub_mins->data_ptr<int8_t>() : nullptr,
+            xa.codes.data(), xa.scales.data(), xa.offsets.data(), xa.sums.data(),
+            y.data_ptr<float>(), m, n, k, weight_group, zero_point};
+  switch (scheme) {
+    case kSub16ZeroPoint: run<6, kSub16ZeroPoint>(p); break;
+    case kSubMin: if (bits == 5) run<5, kSubMin>(p); else run<4, kSubMin>(p); break;
+    case kMin: if (bits == 8) run<8, kMin>(p); else if (bits == 5) run<5, kMin>(p); else run<4, kMin>(p); break;
+    case kZeroPoint:
+      if (bits == 8) run<8, kZeroPoint>(p); else if (bits == 5) run<5, kZeroPoint>(p); else run<4, kZeroPoint>(p);
+      break;
+  }
   if (out_features != n) y = y.narrow(1, 0, out_features).contiguous();
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = out_features;
@@ -243,7 +343,8 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
 // y[..., out_features] (dtype of x) = x[..., K] @ dequant(W)^T + bias, W tiled as in the file header.
 TORCH_LIBRARY(vivace_kernels, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
-        "int out_features, int group_size, int zero_point) -> Tensor");
+        "int out_features, int group_size, int zero_point, Tensor? sub_scales=None, Tensor? sub_mins=None, "
+        "int sub_group=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vivace_kernels, CPU, m) { m.impl("quant_linear", &quant_linear); }

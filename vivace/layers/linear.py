@@ -41,11 +41,16 @@ class QuantizedLinear(nn.Module):
                              f"{ACTIVATION_GROUP}, with the group size dividing in_features")
         self.in_features, self.out_features = k, n
         self.bits, self.group_size, self.zero_point = weight.bits, weight.group_size, weight.zero_point
+        self.sub_group = weight.sub_group
         weight = _pad_rows(weight)
         self.register_buffer("codes", qf.tile_codes(weight.codes, weight.bits))
         # float16 scales and mins are kept as int16 bit patterns so that ``module.to(dtype)`` keeps them.
-        self.register_buffer("scales", qf.tile_groups(weight.scales).view(torch.int16))
-        self.register_buffer("mins", None if weight.mins is None else qf.tile_groups(weight.mins).view(torch.int16))
+        self.register_buffer("scales", qf.tile_groups(weight.scales.to(torch.float16)).view(torch.int16))
+        mins = None if weight.mins is None else qf.tile_groups(weight.mins.to(torch.float16)).view(torch.int16)
+        self.register_buffer("mins", mins)
+        # K-quants' sub-block scales and mins: int8, which ``module.to(dtype)`` leaves alone.
+        self.register_buffer("sub_scales", None if weight.sub_scales is None else qf.tile_groups(weight.sub_scales))
+        self.register_buffer("sub_mins", None if weight.sub_mins is None else qf.tile_groups(weight.sub_mins))
         padded_bias = None
         if bias is not None:
             padded_bias = torch.zeros(weight.codes.shape[0], dtype=torch.float32)
@@ -89,7 +94,9 @@ class QuantizedLinear(nn.Module):
         tile, lane = rows // qf.TILE_ROWS, rows % qf.TILE_ROWS
         mins = None if self.mins is None else self.mins[tile, :, lane].view(torch.float16)
         scales = self.scales[tile, :, lane].view(torch.float16)
-        return qf.QuantizedWeight(codes, scales, mins, self.zero_point, self.bits, self.group_size)
+        sub_scales, sub_mins = (None if t is None else t[tile, :, lane] for t in (self.sub_scales, self.sub_mins))
+        return qf.QuantizedWeight(codes, scales, mins, self.zero_point, self.bits, self.group_size,
+                                  sub_scales, sub_mins, self.sub_group)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[out_features, in_features]`` this layer multiplies by."""
@@ -97,18 +104,20 @@ class QuantizedLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of codes, scales and mins one forward pass reads."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins, self.sub_scales,
+                                                          self.sub_mins) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None and x.dtype in _KERNEL_DTYPES:
-            return self._kernel(x, self.codes, self.scales, self.mins, self.bias, self.bits,
-                                self.out_features, self.group_size, self.zero_point)
+            return self._kernel(x, self.codes, self.scales, self.mins, self.bias, self.bits, self.out_features,
+                                self.group_size, self.zero_point, self.sub_scales, self.sub_mins, self.sub_group)
         bias = None if self.bias is None else self.bias[: self.out_features].to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:
+        sub = f", sub_group={self.sub_group}" if self.sub_group else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, bias={self.bias is not None}, backend={self.backend}")
+                f"group_size={self.group_size}{sub}, bias={self.bias is not None}, backend={self.backend}")
 
 
 def _pad_rows(weight: qf.QuantizedWeight) -> qf.QuantizedWeight:
@@ -117,6 +126,9 @@ def _pad_rows(weight: qf.QuantizedWeight) -> qf.QuantizedWeight:
     pad = -n % qf.TILE_ROWS
     if pad == 0:
         return weight
-    mins = None if weight.mins is None else F.pad(weight.mins, (0, 0, 0, pad))
-    return qf.QuantizedWeight(F.pad(weight.codes, (0, 0, 0, pad)), F.pad(weight.scales, (0, 0, 0, pad)),
-                              mins, weight.zero_point, weight.bits, weight.group_size)
+    def padded(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else F.pad(t, (0, 0, 0, pad))
+
+    return qf.QuantizedWeight(padded(weight.codes), padded(weight.scales), padded(weight.mins), weight.zero_point,
+                              weight.bits, weight.group_size, padded(weight.sub_scales), padded(weight.sub_mins),
+                              weight.sub_group)

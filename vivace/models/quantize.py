@@ -7,8 +7,9 @@ for a quantized GGUF): every projection in the file's own format, as llama.cpp r
 ``vivace.layers.gguf_blocks`` (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K); a float tensor stays
 float, and a type without a native form (Q2_K, Q3_K, IQ*) runs dequantized to float, with a
 warning that says so. In every mode the logits projection (``lm_head``, or a quantized copy of
-the tied embedding) is 8-bit, as llama.cpp keeps it, because it is the layer most sensitive to
-quantization: the file's own tensor when it is stored in a form with 8-bit codes, else int8.
+the tied embedding) keeps at least 6-bit codes, as llama.cpp does, because it is the layer most
+sensitive to quantization: the file's own tensor when it is stored as Q8_0 or Q6_K (as llama.cpp's
+Q4_K_M files keep it), else int8.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def quantize_model(model: LlamaForCausalLM, mode: str, gguf_path: Path | None = 
                         setattr(parent, name, _quantized(child.weight, child.bias, mode, direct))
     logits_weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     direct = stored.get("lm_head.weight", stored.get("model.embed_tokens.weight"))
-    model.lm_head = _quantized(logits_weight, None, "int8", direct if direct is None or direct.bits == 8 else None)
+    model.lm_head = _quantized(logits_weight, None, "int8", direct if direct is None or direct.bits >= 6 else None)
     return model
 
 
@@ -84,21 +85,27 @@ def _fused_weight(stored: dict[str, QuantizedWeight], prefix: str, name: str) ->
     parts = [stored.get(f"{prefix}.{part}.weight") for part in _FUSED_PARTS.get(name, (name,))]
     if any(part is None for part in parts):
         return None
-    first = parts[0]
-    if any((p.bits, p.group_size, p.zero_point, p.mins is None)
-           != (first.bits, first.group_size, first.zero_point, first.mins is None) for p in parts):
-        if any(p.group_size != first.group_size for p in parts):
-            return None
+    if len({_form(p) for p in parts}) > 1:
         parts = [part.widened() for part in parts]
-        first = parts[0]
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-    return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins,
-                           first.zero_point, first.bits, first.group_size)
+        if len({_form(p) for p in parts}) > 1:
+            return None
+    first = parts[0]
+
+    def cat(field: str) -> torch.Tensor | None:
+        return None if getattr(first, field) is None else torch.cat([getattr(p, field) for p in parts])
+
+    return QuantizedWeight(cat("codes"), cat("scales"), cat("mins"), first.zero_point, first.bits, first.group_size,
+                           cat("sub_scales"), cat("sub_mins"), first.sub_group)
+
+
+def _form(weight: QuantizedWeight) -> tuple[object, ...]:
+    """What weights must share to be stacked row on row."""
+    return weight.bits, weight.group_size, weight.zero_point, weight.mins is None, weight.sub_group
 
 
 def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, QuantizedWeight]:
     """HF name -> quantized weight for every GGUF tensor stored in a format ``mode`` takes directly
-    (the logits projection: any 8-bit form, or Q8_0 outside "gguf" mode)."""
+    (the logits projection: a form of 6 or 8 bits, or Q8_0 outside "gguf" mode)."""
     file = GGUFFile(path)
     arch = file.metadata["general.architecture"]
     config = model.config
@@ -130,6 +137,7 @@ def _unpermute_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeight:
     def rows(t: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(_unpermute(t.numpy(), num_heads)))
 
-    mins = None if weight.mins is None else rows(weight.mins)
-    return QuantizedWeight(rows(weight.codes), rows(weight.scales), mins,
-                           weight.zero_point, weight.bits, weight.group_size)
+    mins, sub_scales, sub_mins = (None if t is None else rows(t) for t in (weight.mins, weight.sub_scales,
+                                                                           weight.sub_mins))
+    return QuantizedWeight(rows(weight.codes), rows(weight.scales), mins, weight.zero_point, weight.bits,
+                           weight.group_size, sub_scales, sub_mins, weight.sub_group)
