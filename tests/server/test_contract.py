@@ -59,6 +59,19 @@ def test_token_ids_outside_the_vocabulary_are_400(server: RunningServer, prompt:
     assert "valid string" not in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("stop_token_ids", [[-288], [2, 1292940]])
+def test_stop_token_ids_outside_the_vocabulary_are_400(server: RunningServer, stop_token_ids: list[int]):
+    # Found by fuzzing: with min_tokens, out-of-range stop ids indexed past the logits (a 500).
+    with server.http() as http:
+        response = http.post(CHAT, json={**GOOD_CHAT, "stop_token_ids": stop_token_ids, "min_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert "stop_token_ids" in response.json()["error"]["message"] + (response.json()["error"]["param"] or "")
+    with server.http() as http:
+        schema = http.get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]
+    ids = schema["properties"]["stop_token_ids"]["anyOf"][0]["items"]
+    assert ids["minimum"] == 0 and ids["maximum"] < 1292940
+
+
 @pytest.mark.parametrize("change", [{"stream": "yes"}, {"max_tokens": "2"}, {"max_tokens": 2.5},
                                     {"temperature": "0.5"}, {"logprobs": 1}, {"n": True}])
 def test_values_of_the_wrong_json_type_are_400(server: RunningServer, change: dict):

@@ -24,6 +24,8 @@ class RequestLimits:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
         wanted = num_prompt + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ValueError(

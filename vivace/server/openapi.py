@@ -76,6 +76,7 @@ def _served_limits(schemas: dict[str, Any], state: ServerState) -> None:
         for field in ("max_tokens", "max_completion_tokens"):
             if field in properties:
                 _limit(properties[field], "maximum", engine.max_model_len - 1)
+        _limit(properties["stop_token_ids"], "maximum", len(engine.tokenizer) - 1)
     _limit(schemas["CompletionRequest"]["properties"]["prompt"], "maximum", len(engine.tokenizer) - 1)
 
 

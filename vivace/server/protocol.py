@@ -148,7 +148,7 @@ class SamplingRequest(_Strict):
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
     min_tokens: Integer(ge=0) = 0
-    stop_token_ids: list[Integer()] | None = None
+    stop_token_ids: list[Integer(ge=0)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Integer() | None = None  # lower is sooner; the key's tier sets its default and floor
