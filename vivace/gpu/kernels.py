@@ -30,6 +30,40 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 @triton.jit
+def _paged_kv_tile(CACHE, TABLE, n, n_mask, d, d_mask, kvh, stride_kv, stride_cb, stride_cs, stride_ch,
+                   BLOCK_SIZE: tl.constexpr):
+    """Keys and values ``[len(n), len(d)]`` of positions ``n`` of the sequence whose block table
+    starts at ``TABLE``, KV head ``kvh`` (zeros where masked)."""
+    page = tl.load(TABLE + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    offs = page * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(CACHE + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(CACHE + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, visible, m, l, acc, scale_log2, DOT_F32: tl.constexpr):
+    """Flash attention's update of the running max ``m``, sum ``l`` and output ``acc`` of the
+    queries ``q`` by one tile of keys/values, where ``visible`` says which query sees which key."""
+    if DOT_F32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_sub[:, None])
+    alpha = tl.exp2(m - m_sub)
+    l = l * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_attention_kernel(
     Q, CACHE, BLOCK_TABLES, SEQ_LENS, OUT, M_OUT, L_OUT,
     scale_log2, window,
@@ -62,27 +96,9 @@ def _decode_attention_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
-        page = tl.load(BLOCK_TABLES + b * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offs = page * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(CACHE + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(CACHE + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_sub[:, None])
-        alpha = tl.exp2(m - m_sub)
-        l = l * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        k, v = _paged_kv_tile(CACHE, BLOCK_TABLES + b * stride_bt, n, n_mask, d, d_mask, kvh,
+                              stride_kv, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        m, l, acc = _online_softmax_step(q, k, v, n_mask[None, :], m, l, acc, scale_log2, DOT_F32)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -193,28 +209,10 @@ def _prefill_attention_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
-        page = tl.load(BLOCK_TABLES + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offs = page * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(CACHE + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(CACHE + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        k, v = _paged_kv_tile(CACHE, BLOCK_TABLES + seq * stride_bt, n, n_mask, d, d_mask, kvh,
+                              stride_kv, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         visible = n_mask[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_sub[:, None])
-        alpha = tl.exp2(m - m_sub)
-        l = l * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l, acc = _online_softmax_step(q, k, v, visible, m, l, acc, scale_log2, DOT_F32)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
              mask=row_mask[:, None] & d_mask[None, :])
