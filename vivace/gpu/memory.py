@@ -30,7 +30,7 @@ def gpu_kv_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int)
     free, total = torch.cuda.mem_get_info()
     used = total - free
     budget = int(total * config.gpu_memory_utilization) - used - activation_bytes(loaded, config) - GRAPH_RESERVE
-    per_block = kv_bytes_per_token(loaded.config, config.torch_dtype) * config.block_size
+    per_block = kv_bytes_per_token(loaded.config, config.kv_torch_dtype) * config.block_size
     blocks = max(budget, 0) // per_block
     need = -(-max_model_len // config.block_size)
     if blocks < need:

@@ -3,7 +3,9 @@
 // Registers vivace::paged_decode_attention with the dispatcher, so eager calls and compiled
 // graphs (inductor's C++ wrapper included) reach it without Python. The cache is one tensor
 // [2, num_blocks, block_size, kv_heads, head_dim] (keys, then values); a token's slot is
-// block * block_size + offset. Scores and the softmax are float32 whatever the dtype. With a
+// block * block_size + offset. The cache may be narrower than q (float32 queries over a float16
+// or bfloat16 cache: half the bytes a step reads); scores and the softmax are float32 whatever
+// the dtypes. With a
 // window w > 0 a query attends only the last w tokens of its sequence (sliding-window layers).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -40,93 +43,145 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
 }
 
-// Attend the `group` query heads sharing kv head `kvh` of one sequence over its tokens
-// [start, seq_len); ND = head_dim / 16. q and out point at the group's first head
-// ([group, head_dim]). Blocks are walked in table order, so no token needs a division; scores
-// are kept at their token's index (those below `start` are never written or read).
-template <typename T, int ND>
-void attend_group(const T* q, T* out, const T* keys, const T* values, const int64_t* table, int64_t start,
-                  int64_t seq_len, int64_t kvh, float scale, const Layout& s, std::vector<float>& buf) {
-  const int64_t stride = s.token_stride(), bs = s.block_size, num_blocks = (seq_len + bs - 1) / bs;
-  const int64_t first_block = start / bs;
-  buf.resize(seq_len + 16);
-  float* scores = buf.data();
-  for (int64_t g = 0; g < s.group; ++g) {
-    const T* qg = q + g * ND * 16;
-    __m512 query[ND];
-    for (int i = 0; i < ND; ++i) query[i] = _mm512_mul_ps(load16(qg + 16 * i), _mm512_set1_ps(scale));
-    // Scores, 16 tokens at a time where a block allows.
-    __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = first_block; j < num_blocks; ++j) {
-      const T* base = keys + table[j] * bs * stride + kvh * ND * 16;
-      const int64_t n = std::min(bs, seq_len - j * bs);
-      float* sc = scores + j * bs;
-      int64_t t = std::max<int64_t>(0, start - j * bs);
-      for (; t + 16 <= n; t += 16) {
-        __m512 part[16];
-        for (int u = 0; u < 16; ++u) {
-          const T* k = base + (t + u) * stride;
-          __m512 dot = _mm512_mul_ps(query[0], load16(k));
-          for (int i = 1; i < ND; ++i) dot = _mm512_fmadd_ps(query[i], load16(k + 16 * i), dot);
-          part[u] = dot;
-        }
-        const __m512 sums = hsum16(part);
-        peak = _mm512_max_ps(peak, sums);
-        _mm512_storeu_ps(sc + t, sums);
-      }
-      for (; t < n; ++t) {
-        const T* k = base + t * stride;
-        __m512 dot = _mm512_mul_ps(query[0], load16(k));
-        for (int i = 1; i < ND; ++i) dot = _mm512_fmadd_ps(query[i], load16(k + 16 * i), dot);
-        sc[t] = _mm512_reduce_add_ps(dot);
-        peak = _mm512_max_ps(peak, _mm512_set1_ps(sc[t]));
-      }
-    }
-    // Softmax numerators; the sum divides the output once at the end.
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
-    __m512 total = _mm512_setzero_ps();
-    int64_t t = start;
-    for (; t + 16 <= seq_len; t += 16) {
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + t), top));
-      total = _mm512_add_ps(total, e);
-      _mm512_storeu_ps(scores + t, e);
-    }
-    if (t < seq_len) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (seq_len - t)) - 1);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top));
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
-      _mm512_mask_storeu_ps(scores + t, m, e);
-    }
-    // Values weighted by the numerators.
-    __m512 acc[ND];
-    for (int i = 0; i < ND; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t j = first_block; j < num_blocks; ++j) {
-      const T* base = values + table[j] * bs * stride + kvh * ND * 16;
-      const int64_t n = std::min(bs, seq_len - j * bs);
-      const float* sc = scores + j * bs;
-      for (int64_t u = std::max<int64_t>(0, start - j * bs); u < n; ++u) {
-        const __m512 p = _mm512_set1_ps(sc[u]);
-        const T* v = base + u * stride;
-        for (int i = 0; i < ND; ++i) acc[i] = _mm512_fmadd_ps(p, load16(v + 16 * i), acc[i]);
-      }
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    for (int i = 0; i < ND; ++i) store16(out + g * ND * 16 + 16 * i, _mm512_mul_ps(acc[i], inv));
+// Query heads attended together per kv head: at most 4 (head_dim <= 64), 2 (<= 240) or 1 (256),
+// so a group's queries and accumulators stay in registers.
+template <int ND>
+constexpr int heads_per_pass() { return ND <= 4 ? 4 : (ND < 16 ? 2 : 1); }
+
+// dot[g] = the lane-wise products of query head g with key row k, summed over its ND vectors
+// (16 partial sums), for the first gb heads; the key row is loaded once.
+template <typename C, int ND, int GB>
+inline void head_dots(const __m512 (&query)[GB][ND], const C* k, int gb, __m512 (&dot)[GB]) {
+  __m512 key[ND];
+  for (int i = 0; i < ND; ++i) key[i] = load16(k + 16 * i);
+  for (int g = 0; g < GB; ++g) {
+    if (g >= gb) break;
+    dot[g] = _mm512_mul_ps(query[g][0], key[0]);
+    for (int i = 1; i < ND; ++i) dot[g] = _mm512_fmadd_ps(query[g][i], key[i], dot[g]);
   }
 }
 
-template <typename T>
+// Attend query heads [h0, h0 + gb) of one sequence (gb <= heads_per_pass, all sharing kv head
+// `kvh`) over its tokens [start, seq_len); ND = head_dim / 16. Each key and value row is read
+// once for all gb heads. q and out point at the sequence's first head ([heads, head_dim]).
+// Blocks are walked in table order, so no token needs a division; scores are kept at their
+// token's index (those below `start` are never written or read).
+template <typename T, typename C, int ND>
+void attend_heads(const T* q, T* out, const C* keys, const C* values, const int64_t* table, int64_t start,
+                  int64_t seq_len, int64_t kvh, int64_t h0, int gb, float scale, const Layout& s,
+                  std::vector<float>& buf) {
+  constexpr int GB = heads_per_pass<ND>();
+  constexpr int64_t D = 16 * ND;
+  const int64_t stride = s.token_stride(), bs = s.block_size, num_blocks = (seq_len + bs - 1) / bs;
+  const int64_t first_block = start / bs, width = seq_len + 16;
+  buf.resize(GB * width);
+  float* scores[GB];
+  for (int g = 0; g < GB; ++g) scores[g] = buf.data() + g * width;
+  __m512 query[GB][ND];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < ND; ++i)
+      query[g][i] = g < gb ? _mm512_mul_ps(load16(q + (h0 + g) * D + 16 * i), _mm512_set1_ps(scale))
+                           : _mm512_setzero_ps();
+  // Scores, 16 tokens at a time where a block allows: each key row loaded once, dotted with every head.
+  __m512 peak[GB];
+  for (int g = 0; g < GB; ++g) peak[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = first_block; j < num_blocks; ++j) {
+    const C* base = keys + table[j] * bs * stride + kvh * D;
+    const int64_t n = std::min(bs, seq_len - j * bs), at = j * bs;
+    int64_t t = std::max<int64_t>(0, start - at);
+    for (; t + 16 <= n; t += 16) {
+      __m512 part[GB][16];
+      for (int u = 0; u < 16; ++u) {
+        __m512 dot[GB] = {};
+        head_dots<C, ND, GB>(query, base + (t + u) * stride, gb, dot);
+        for (int g = 0; g < GB; ++g) part[g][u] = dot[g];
+      }
+      for (int g = 0; g < GB; ++g) {
+        if (g >= gb) break;
+        const __m512 sums = hsum16(part[g]);
+        peak[g] = _mm512_max_ps(peak[g], sums);
+        _mm512_storeu_ps(scores[g] + at + t, sums);
+      }
+    }
+    for (; t < n; ++t) {
+      __m512 dot[GB] = {};
+      head_dots<C, ND, GB>(query, base + t * stride, gb, dot);
+      for (int g = 0; g < GB; ++g) {
+        if (g >= gb) break;
+        const float x = _mm512_reduce_add_ps(dot[g]);
+        scores[g][at + t] = x;
+        peak[g] = _mm512_max_ps(peak[g], _mm512_set1_ps(x));
+      }
+    }
+  }
+  // Softmax numerators per head; each sum divides its output once at the end.
+  float inv[GB];
+  for (int g = 0; g < GB; ++g) {
+    if (g >= gb) break;
+    float* sc = scores[g];
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak[g]));
+    __m512 total = _mm512_setzero_ps();
+    int64_t t = start;
+    for (; t + 16 <= seq_len; t += 16) {
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), top));
+      total = _mm512_add_ps(total, e);
+      _mm512_storeu_ps(sc + t, e);
+    }
+    if (t < seq_len) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (seq_len - t)) - 1);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), top));
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+      _mm512_mask_storeu_ps(sc + t, m, e);
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  // Values weighted by the numerators: each value row loaded once for every head.
+  __m512 acc[GB][ND];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t j = first_block; j < num_blocks; ++j) {
+    const C* base = values + table[j] * bs * stride + kvh * D;
+    const int64_t n = std::min(bs, seq_len - j * bs), at = j * bs;
+    for (int64_t u = std::max<int64_t>(0, start - at); u < n; ++u) {
+      const C* v = base + u * stride;
+      __m512 value[ND];
+      for (int i = 0; i < ND; ++i) value[i] = load16(v + 16 * i);
+      for (int g = 0; g < GB; ++g) {
+        if (g >= gb) break;
+        const __m512 p = _mm512_set1_ps(scores[g][at + u]);
+        for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_fmadd_ps(p, value[i], acc[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    if (g >= gb) break;
+    const __m512 w = _mm512_set1_ps(inv[g]);
+    for (int i = 0; i < ND; ++i) store16(out + (h0 + g) * D + 16 * i, _mm512_mul_ps(acc[g][i], w));
+  }
+}
+
+// Rows [n, stride] of T into cache rows of C (a plain copy when they match).
+template <typename T, typename C>
+void store_rows(C* dst, const T* src, int64_t len) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(dst, src, len * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < len; i += 16) store16(dst + i, load16(src + i));
+  }
+}
+
+template <typename T, typename C>
 void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                       const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq_lens,
                       double scale, int64_t window, at::Tensor& out, const Layout& s) {
-  const int64_t num_seqs = q.size(0), row_bytes = s.token_stride() * sizeof(T);
-  T* keys = cache.data_ptr<T>();
-  T* values = keys + s.num_slots * s.token_stride();
+  const int64_t num_seqs = q.size(0), row = s.token_stride();
+  C* keys = cache.data_ptr<C>();
+  C* values = keys + s.num_slots * row;
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < num_seqs; ++b) {
     TORCH_CHECK(slot[b] >= 0 && slot[b] < s.num_slots, "slot ", slot[b], " is outside the cache");
-    std::memcpy(keys + slot[b] * s.token_stride(), k.data_ptr<T>() + b * k.stride(0), row_bytes);
-    std::memcpy(values + slot[b] * s.token_stride(), v.data_ptr<T>() + b * v.stride(0), row_bytes);
+    store_rows(keys + slot[b] * row, k.data_ptr<T>() + b * k.stride(0), row);
+    store_rows(values + slot[b] * row, v.data_ptr<T>() + b * v.stride(0), row);
   }
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t width = tables.size(1), num_blocks = s.num_slots / s.block_size;
@@ -136,30 +191,29 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     for (int64_t j = 0; j < (lens[b] + s.block_size - 1) / s.block_size; ++j)
       TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "block ", table[j], " is outside the cache");
   }
-  using Attend = void (*)(const T*, T*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float,
-                         const Layout&, std::vector<float>&);
+  using Attend = void (*)(const T*, T*, const C*, const C*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int,
+                         float, const Layout&, std::vector<float>&);
   Attend attend = nullptr;
+  int per_pass = 0;
   switch (s.head_dim / 16) {
-    case 1: attend = attend_group<T, 1>; break;
-    case 2: attend = attend_group<T, 2>; break;
-    case 3: attend = attend_group<T, 3>; break;
-    case 4: attend = attend_group<T, 4>; break;
-    case 5: attend = attend_group<T, 5>; break;
-    case 6: attend = attend_group<T, 6>; break;
-    case 7: attend = attend_group<T, 7>; break;
-    case 8: attend = attend_group<T, 8>; break;
-    case 16: attend = attend_group<T, 16>; break;
+#define VIVACE_CASE(ND) case ND: attend = attend_heads<T, C, ND>; per_pass = heads_per_pass<ND>(); break;
+    VIVACE_CASE(1) VIVACE_CASE(2) VIVACE_CASE(3) VIVACE_CASE(4) VIVACE_CASE(5) VIVACE_CASE(6) VIVACE_CASE(7)
+    VIVACE_CASE(8) VIVACE_CASE(16)
+#undef VIVACE_CASE
     default: TORCH_CHECK(false, "paged_decode_attention: head_dim ", s.head_dim, " is not a multiple of 16 up to 128, or 256");
   }
-  at::parallel_for(0, num_seqs * s.kv_heads, num_seqs == 1 ? s.kv_heads : 1, [&](int64_t begin, int64_t end) {
+  // Tasks: (sequence, kv head, pass over up to per_pass of its query heads).
+  const int64_t passes = (s.group + per_pass - 1) / per_pass, per_seq = s.kv_heads * passes;
+  at::parallel_for(0, num_seqs * per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / s.kv_heads, kvh = task % s.kv_heads, head = kvh * s.group;
+      const int64_t b = task / per_seq, kvh = task % per_seq / passes, pass = task % passes;
+      const int64_t h0 = kvh * s.group + pass * per_pass;
+      const int gb = static_cast<int>(std::min<int64_t>(per_pass, s.group - pass * per_pass));
       const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-      attend(q.data_ptr<T>() + b * q.stride(0) + head * s.head_dim,
-             out.data_ptr<T>() + (b * s.kv_heads * s.group + head) * s.head_dim, keys, values,
-             tables.data_ptr<int64_t>() + b * tables.stride(0), start, lens[b], kvh, static_cast<float>(scale), s,
-             buf);
+      attend(q.data_ptr<T>() + b * q.stride(0), out.data_ptr<T>() + b * s.kv_heads * s.group * s.head_dim, keys,
+             values, tables.data_ptr<int64_t>() + b * tables.stride(0), start, lens[b], kvh, h0, gb,
+             static_cast<float>(scale), s, buf);
     }
   });
 }
@@ -173,8 +227,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
                                   int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2, "kv_cache must be contiguous [2, N, bs, h, d]");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && k.scalar_type() == kv_cache.scalar_type() &&
-              v.scalar_type() == kv_cache.scalar_type(), "q, k, v and kv_cache must share a dtype");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k and v must share a dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kLong &&
               seq_lens.scalar_type() == at::kLong, "slot_mapping, block_tables and seq_lens must be int64");
   const Layout s{kv_cache.size(1) * kv_cache.size(2), kv_cache.size(2), kv_cache.size(3), kv_cache.size(4),
@@ -187,12 +240,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
   const at::Tensor slots = slot_mapping.contiguous(), lens = seq_lens.contiguous();
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  switch (q.scalar_type()) {
-    case at::kFloat: write_and_attend<float>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s); break;
-    case at::kBFloat16: write_and_attend<at::BFloat16>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s); break;
-    case at::kHalf: write_and_attend<at::Half>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
-  }
+  const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
+  if (qt == at::kFloat && ct == at::kFloat) write_and_attend<float, float>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
+  else if (qt == at::kFloat && ct == at::kHalf) write_and_attend<float, at::Half>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
+  else if (qt == at::kFloat && ct == at::kBFloat16) write_and_attend<float, at::BFloat16>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
+  else if (qt == at::kBFloat16 && ct == at::kBFloat16) write_and_attend<at::BFloat16, at::BFloat16>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
+  else if (qt == at::kHalf && ct == at::kHalf) write_and_attend<at::Half, at::Half>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
+  else TORCH_CHECK(false, "paged_decode_attention: unsupported dtypes ", qt, " (q) and ", ct, " (kv_cache)");
   return out;
 }
 

@@ -14,7 +14,8 @@
 // (running max and sum, base 2: Q is prescaled by scale * log2 e), then O = O * alpha + P V.
 // Chunks right of the diagonal are never touched; the diagonal chunk is computed only as far as
 // the tile's last row sees and masked per row. Tasks are balanced over threads by their cost.
-// Scores, softmax and accumulators are float32 whatever the dtype.
+// Scores, softmax and accumulators are float32 whatever the dtypes; the cache may be narrower
+// than q (float32 queries over a float16 or bfloat16 cache).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -297,7 +298,7 @@ void pack_kv(const T* cache, int64_t num_slots, const int64_t* table, const Prob
   });
 }
 
-template <typename T, int ND>
+template <typename T, typename C, int ND>
 void run(const at::Tensor& q, const at::Tensor& cache, const int64_t* table, const Problem& s, at::Tensor& out) {
   constexpr int D = 16 * ND;
   const int64_t num_slots = cache.size(1) * cache.size(2), packed = s.kv_heads * s.num_chunks * BK * D;
@@ -305,7 +306,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const int64_t* table, con
   // Float32 values are read in place for a short chunk (each row serves few queries, a copy would
   // cost more than it saves); copied into contiguous rows for a long one (measured ~10% faster at
   // 512 tokens: sequential rather than block-scattered rows) and for 16-bit caches (converted once).
-  const bool direct = std::is_same_v<T, float> && s.q_len < 64;
+  const bool direct = std::is_same_v<C, float> && s.q_len < 64;
   thread_local std::vector<float> kt_buf, v_buf;
   thread_local std::vector<const float*> vptr_buf;
   if (static_cast<int64_t>(kt_buf.size()) < packed) kt_buf.resize(packed);
@@ -313,7 +314,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const int64_t* table, con
   if (static_cast<int64_t>(vptr_buf.size()) < packed / D) vptr_buf.resize(packed / D);
   float* ktp = kt_buf.data();
   const float** vp = vptr_buf.data();
-  pack_kv<T>(cache.data_ptr<T>(), num_slots, table, s, D, ktp, vp, v_buf.data(), direct);
+  pack_kv<C>(cache.data_ptr<C>(), num_slots, table, s, D, ktp, vp, v_buf.data(), direct);
 
   // Tasks: (kv head, block of positions); cost ~ rows x chunks seen. Longest first onto the
   // least loaded thread, so the two halves of a causal triangle come out even.
@@ -347,18 +348,18 @@ void run(const at::Tensor& q, const at::Tensor& cache, const int64_t* table, con
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch(const at::Tensor& q, const at::Tensor& cache, const int64_t* table, const Problem& s, int64_t D,
               at::Tensor& out) {
   switch (D / 16) {
-    case 1: run<T, 1>(q, cache, table, s, out); break;
-    case 2: run<T, 2>(q, cache, table, s, out); break;
-    case 3: run<T, 3>(q, cache, table, s, out); break;
-    case 4: run<T, 4>(q, cache, table, s, out); break;
-    case 5: run<T, 5>(q, cache, table, s, out); break;
-    case 6: run<T, 6>(q, cache, table, s, out); break;
-    case 7: run<T, 7>(q, cache, table, s, out); break;
-    case 8: run<T, 8>(q, cache, table, s, out); break;
+    case 1: run<T, C, 1>(q, cache, table, s, out); break;
+    case 2: run<T, C, 2>(q, cache, table, s, out); break;
+    case 3: run<T, C, 3>(q, cache, table, s, out); break;
+    case 4: run<T, C, 4>(q, cache, table, s, out); break;
+    case 5: run<T, C, 5>(q, cache, table, s, out); break;
+    case 6: run<T, C, 6>(q, cache, table, s, out); break;
+    case 7: run<T, C, 7>(q, cache, table, s, out); break;
+    case 8: run<T, C, 8>(q, cache, table, s, out); break;
     default: TORCH_CHECK(false, "paged_prefill_attention: head_dim ", D, " is not a multiple of 16 up to 128");
   }
 }
@@ -367,7 +368,6 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
                                    int64_t seq_len, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_table.dim() == 1, "bad ranks");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2, "kv_cache must be contiguous [2, N, bs, h, d]");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
   TORCH_CHECK(block_table.scalar_type() == at::kLong, "block_table must be int64");
   const int64_t q_len = q.size(0), heads = q.size(1), D = q.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
@@ -384,12 +384,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   at::Tensor out = at::empty({q_len, heads, D}, q.options());
   const Problem s{q_len, seq_len, heads, kv_heads, heads / kv_heads, block_size, (seq_len + BK - 1) / BK,
                   static_cast<float>(scale)};
-  switch (q.scalar_type()) {
-    case at::kFloat: dispatch<float>(qd, kv_cache, tp, s, D, out); break;
-    case at::kBFloat16: dispatch<at::BFloat16>(qd, kv_cache, tp, s, D, out); break;
-    case at::kHalf: dispatch<at::Half>(qd, kv_cache, tp, s, D, out); break;
-    default: TORCH_CHECK(false, "paged_prefill_attention: unsupported dtype ", q.scalar_type());
-  }
+  const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
+  if (qt == at::kFloat && ct == at::kFloat) dispatch<float, float>(qd, kv_cache, tp, s, D, out);
+  else if (qt == at::kFloat && ct == at::kHalf) dispatch<float, at::Half>(qd, kv_cache, tp, s, D, out);
+  else if (qt == at::kFloat && ct == at::kBFloat16) dispatch<float, at::BFloat16>(qd, kv_cache, tp, s, D, out);
+  else if (qt == at::kBFloat16 && ct == at::kBFloat16) dispatch<at::BFloat16, at::BFloat16>(qd, kv_cache, tp, s, D, out);
+  else if (qt == at::kHalf && ct == at::kHalf) dispatch<at::Half, at::Half>(qd, kv_cache, tp, s, D, out);
+  else TORCH_CHECK(false, "paged_prefill_attention: unsupported dtypes ", qt, " (q) and ", ct, " (kv_cache)");
   return out;
 }
 
