@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -38,7 +39,8 @@ from vivace.bench.client import chunk_content
 
 WORDS = ("harbor light stone river ember cloud maple orbit quiet lantern meadow copper violet "
          "thunder willow glacier falcon prism velvet canyon").split()
-SETTINGS = {"pacer": [], "chunk16": ["--max-prefill-chunk", "16"], "chunk64": ["--max-prefill-chunk", "64"]}
+SETTINGS = {"pacer": [], "chunk16": ["--max-prefill-chunk", "16"], "chunk64": ["--max-prefill-chunk", "64"],
+            "kvf32": ["--kv-cache-dtype", "float32"]}
 
 
 @dataclass
@@ -166,6 +168,10 @@ async def run_setting(setting: str, args: argparse.Namespace, rep: int) -> list[
                     scenario.preemptions = await preemptions(client, url) - preempted
                     timings = (await client.get(url + "/debug/timings", params={"since": start - 1})).json()
                     attribute(scenario, timings, args.big_gap)
+                    if args.dump:
+                        args.dump.mkdir(parents=True, exist_ok=True)
+                        path = args.dump / f"{setting}-rep{rep}-{streams}x{prompt_len}.json"
+                        path.write_text(json.dumps({"start": start, "gaps": scenario.gaps, "timings": timings}))
                     results.append(scenario)
                     itls = scenario.itls()
                     print(f"  {setting} {streams} streams, {prompt_len}-token prompts: ITL median "
@@ -237,6 +243,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--serve-args", default="", help="extra flags for `vivace serve` in every setting, one string")
     parser.add_argument("--big-gap", type=float, default=2.0, help="gaps above this many medians get a cause")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--dump", type=Path, help="write each scenario's stream gaps and server timings here (JSON)")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a byte before a request fails")
     args = parser.parse_args()
     unknown = set(args.settings) - set(SETTINGS)
