@@ -62,6 +62,27 @@ def test_float32_queries_over_a_half_precision_cache(cache_dtype, heads, kv_head
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("run", [1, 3, 4, 16, 33])
+def test_rows_of_one_sequence_match_row_by_row_attention(cache_dtype, run):
+    """A prompt chunk riding the decode step: ``run`` rows at consecutive positions of one sequence
+    (same block table), between other sequences; runs of 4 or more rows take the prefill kernel."""
+    q, k, v, cache, slots, tables, seq_lens = random_batch(torch.float32, 3 + run, heads=9, kv_heads=3, head_dim=64,
+                                                           block_size=16, num_blocks=(3 + run) * 12, seed=run,
+                                                           width=12)
+    cache = cache.to(cache_dtype)
+    end = 140 + run  # the chunk's rows: positions end - run .. end - 1 of one sequence, rows 1 .. run
+    tables[1:1 + run] = tables[1]
+    seq_lens[1:1 + run] = torch.arange(end - run + 1, end + 1)
+    rows = torch.arange(len(q))
+    slots = tables[rows, (seq_lens - 1) // 16] * 16 + (seq_lens - 1) % 16
+    ref_cache = cache.clone()
+    out = OP(q, k, v, cache, slots, tables, seq_lens, 0.125)
+    expected = reference_decode_attention(q, k, v, ref_cache, slots, tables, seq_lens, 0.125)
+    assert torch.equal(cache, ref_cache)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_op_accepts_rows_sliced_from_a_fused_projection():
     q, k, v, cache, slots, tables, seq_lens = random_batch(torch.float32, 3)
     fused = torch.cat([q, k, v], dim=1)  # [seqs, heads + 2 kv_heads, d], as the model splits it

@@ -9,12 +9,15 @@
 // window w > 0 a query attends only the last w tokens of its sequence (sliding-window layers).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -170,6 +173,49 @@ void store_rows(C* dst, const T* src, int64_t len) {
   }
 }
 
+// Rows [b, end) are consecutive positions of one sequence when each is one token longer than
+// the row before it and sees the same blocks: a prompt chunk riding the decode step as rows, or
+// a verify step's proposals. Rows of other sequences never pass (a sequence's partly filled
+// last block is its own, so two sequences never share every block a row sees).
+int64_t run_end(const at::Tensor& tables, const int64_t* lens, int64_t b, int64_t num_seqs, int64_t block_size) {
+  const int64_t* first = tables.data_ptr<int64_t>() + b * tables.stride(0);
+  int64_t e = b + 1;
+  for (; e < num_seqs && lens[e] == lens[e - 1] + 1; ++e) {
+    const int64_t* table = tables.data_ptr<int64_t>() + e * tables.stride(0);
+    if (!std::equal(table, table + (lens[e] + block_size - 1) / block_size, first)) break;
+  }
+  return e;
+}
+
+// Rows in a run from which the prefill kernel attends them: it reads each K/V row once for all
+// of them, where row-by-row attention reads it once per row, but first packs the sequence's K/V
+// into float32 tiles (measured, 8 streams beside a run at 1,000 tokens, float16 cache: 2 rows
+// cost about what they cost one by one, 4 rows 0.75 x, 16 rows 0.2 x).
+constexpr int64_t MIN_RUN = 4;
+
+// Attends rows [b, e), a run, with vivace's native prefill kernel (found through the dispatcher
+// under the name only its library registers) into out; false when that library is not loaded
+// or the shape is not one it takes.
+using PrefillFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
+
+std::optional<c10::TypedOperatorHandle<PrefillFn>> native_prefill() {
+  static std::mutex mutex;
+  static std::optional<c10::TypedOperatorHandle<PrefillFn>> op;  // kept once found; looked up again until then
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!op)
+    if (const auto handle = c10::Dispatcher::singleton().findOp({"vivace::paged_prefill_attention_native", ""}))
+      op = handle->typed<PrefillFn>();
+  return op;
+}
+
+bool attend_run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const int64_t* lens,
+                int64_t b, int64_t e, double scale, at::Tensor& out) {
+  const auto prefill = q.size(2) <= 128 ? native_prefill() : std::nullopt;
+  if (!prefill) return false;
+  out.narrow(0, b, e - b).copy_(prefill->call(q.narrow(0, b, e - b), cache, tables.select(0, b), lens[e - 1], scale));
+  return true;
+}
+
 template <typename T, typename C>
 void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                       const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq_lens,
@@ -202,12 +248,22 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 #undef VIVACE_CASE
     default: TORCH_CHECK(false, "paged_decode_attention: head_dim ", s.head_dim, " is not a multiple of 16 up to 128, or 256");
   }
-  // Tasks: (sequence, kv head, pass over up to per_pass of its query heads).
+  // Runs of rows that are consecutive positions of one sequence go to the prefill kernel whole.
+  std::vector<int64_t> single;  // the rows attended here
+  for (int64_t b = 0; b < num_seqs;) {
+    const int64_t e = window == 0 ? run_end(tables, lens, b, num_seqs, s.block_size) : b + 1;
+    if (e - b >= MIN_RUN && attend_run(q, cache, tables, lens, b, e, scale, out)) {
+      b = e;
+      continue;
+    }
+    for (; b < e; ++b) single.push_back(b);
+  }
+  // Tasks: (row, kv head, pass over up to per_pass of its query heads).
   const int64_t passes = (s.group + per_pass - 1) / per_pass, per_seq = s.kv_heads * passes;
-  at::parallel_for(0, num_seqs * per_seq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(single.size()) * per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / per_seq, kvh = task % per_seq / passes, pass = task % passes;
+      const int64_t b = single[task / per_seq], kvh = task % per_seq / passes, pass = task % passes;
       const int64_t h0 = kvh * s.group + pass * per_pass;
       const int gb = static_cast<int>(std::min<int64_t>(per_pass, s.group - pass * per_pass));
       const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;

@@ -398,6 +398,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
 
 TORCH_LIBRARY_FRAGMENT(vivace, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, int seq_len, float scale) -> Tensor");
+  // The same kernel under a name only this library registers: native ops that find it (the
+  // decode op, for rows that are one sequence's consecutive positions) know it is this code.
+  m.def("paged_prefill_attention_native(Tensor q, Tensor kv_cache, Tensor block_table, int seq_len, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vivace, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
+TORCH_LIBRARY_IMPL(vivace, CPU, m) {
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("paged_prefill_attention_native", &paged_prefill_attention);
+}
