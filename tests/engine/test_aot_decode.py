@@ -81,6 +81,20 @@ def test_package_runs_on_the_weights_it_is_loaded_with(package_dir, make_tiny_ll
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
+def test_vivace_runner_runs_the_package_as_torchs_loader_does(runner, package_dir, monkeypatch):
+    """The package runs through ``aoti_runner.cpp`` (which releases the GIL for the run) where it
+    built, and gives what torch's own loader gives."""
+    decoder = AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH, package_dir)
+    assert isinstance(decoder._loader, int) == aot_decode._native_runner()
+    native, eager = decode_both(runner, decoder)
+    monkeypatch.setattr(aot_decode, "_native_runner", lambda: False)
+    torch_loader = AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH, package_dir)
+    assert not isinstance(torch_loader._loader, int)
+    theirs, theirs_eager = decode_both(runner, torch_loader)  # fresh random caches: its own eager reference
+    torch.testing.assert_close(native, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(theirs, theirs_eager, rtol=1e-4, atol=1e-4)
+
+
 def test_a_corrupt_package_is_rebuilt(runner, package_dir, tmp_path, monkeypatch, caplog):
     good = next(package_dir.iterdir())
     broken = tmp_path / good.name

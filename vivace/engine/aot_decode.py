@@ -14,11 +14,13 @@ weights are not plain strided tensors (oneDNN-prepacked float linears) is not su
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -27,13 +29,19 @@ from torch import nn
 import vivace
 from vivace.layers import decode_attention
 from vivace.layers.attention import DecodeMetadata
-from vivace.layers.native import cpu_flags
+from vivace.layers.native import cpu_flags, load_library
 
 ARTIFACT_VERSION = 1
 # What shapes the graph: the model code, layers and kernels, and this file.
 _GRAPH_SOURCES = ("models", "layers", "kernels", "engine/aot_decode.py")
 
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _native_runner() -> bool:
+    """Whether vivace's package runner (``aoti_runner.cpp``: runs release the GIL) is loaded."""
+    return load_library(Path(__file__).with_name("aoti_runner.cpp"))
 
 
 def default_cache_dir() -> Path:
@@ -135,10 +143,17 @@ class AOTDecoder:
         self._loader = self._load(model)
         logger.info("vivace: decode graph compiled to %s in %.1f s", self.path, time.perf_counter() - start)
 
-    def _load(self, model: nn.Module) -> torch._C._aoti.AOTIModelPackageLoader:
+    def _load(self, model: nn.Module) -> torch._C._aoti.AOTIModelPackageLoader | int:
+        """The package opened with its constants bound to ``model``'s tensors: a handle of
+        vivace's runner (``aoti_runner.cpp``, which runs without the GIL), or torch's loader where
+        that library did not build."""
+        constants = _constants(model)
+        if _native_runner():
+            handle = torch.ops.vivace.aoti_open(str(self.path), list(constants), list(constants.values()))
+            weakref.finalize(self, torch.ops.vivace.aoti_close, handle)
+            return handle
         # The C++ loader directly: ``torch._inductor.aoti_load_package`` first imports inductor (~1 s).
         loader = torch._C._aoti.AOTIModelPackageLoader(str(self.path), "model", False, 1, -1)
-        constants = _constants(model)
         missing = set(loader.get_constant_fqns()) - set(constants)
         if missing:
             raise RuntimeError(f"the package expects tensors the model lacks: {sorted(missing)[:4]}")
@@ -154,8 +169,10 @@ class AOTDecoder:
         only (a prompt chunk's rows need none); writes each row's new K/V into the caches."""
         if logit_rows is None:
             logit_rows = torch.arange(len(input_ids))
-        return self._loader.boxed_run([input_ids, positions, *self.kv_caches, slot_mapping, block_tables, seq_lens,
-                                       logit_rows])[0]
+        inputs = [input_ids, positions, *self.kv_caches, slot_mapping, block_tables, seq_lens, logit_rows]
+        if isinstance(self._loader, int):
+            return torch.ops.vivace.aoti_run(self._loader, inputs)[0]
+        return self._loader.boxed_run(inputs)[0]
 
 
 def build(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int, path: Path) -> None:
