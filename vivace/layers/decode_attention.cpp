@@ -5,7 +5,8 @@
 // [2, num_blocks, block_size, kv_heads, head_dim] (keys, then values); a token's slot is
 // block * block_size + offset. Scores and the softmax are float32 whatever the dtype. With a
 // window w > 0 a query attends only the last w tokens of its sequence (sliding-window layers).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>

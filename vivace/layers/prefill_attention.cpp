@@ -15,7 +15,8 @@
 // Chunks right of the diagonal are never touched; the diagonal chunk is computed only as far as
 // the tile's last row sees and masked per row. Tasks are balanced over threads by their cost.
 // Scores, softmax and accumulators are float32 whatever the dtype.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
