@@ -220,6 +220,9 @@ def _serve(args: argparse.Namespace) -> int:
         handler.addFilter(RequestIdLogFilter())
     if any(getattr(args, flag.dest) is not None for flag in SCALE_FLAGS):
         return _serve_scaled_out(args, server_settings(args))
+    from vivace.layers import native
+
+    native.prebuild()  # every native library at once, before the imports below wait for the first
     from vivace.server.serve import run_server
 
     return run_server(engine_config(args), server_settings(args))

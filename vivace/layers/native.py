@@ -3,6 +3,11 @@
 Each library (a C++ file, plus the headers beside it) is compiled once with ``torch.utils.cpp_extension`` into
 ``~/.cache/vivace/kernels/<name>-<hash of source, flags and torch version>`` and loaded from
 there by later processes. Callers fall back to PyTorch code when ``load_library`` says False.
+
+A process builds (or loads) each library once: the first ``load_library`` of it runs the build
+and later ones, from any thread, wait for and return its result. ``prebuild`` starts every
+library of ``LIBRARIES`` at once, each in its own thread (the compilers are subprocesses, so the
+builds run in parallel), so a fresh start waits for the slowest build, not for their sum.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +32,30 @@ AVX512_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "
 AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c", "fma")
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Library:
+    """One native library: its C++ source, compiler flags and the CPU features it needs."""
+
+    source: Path
+    cflags: tuple[str, ...] = ()
+    cpu_flags: tuple[str, ...] = ()
+
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+LIBRARIES = {
+    "decode_attention": Library(_PACKAGE / "layers" / "decode_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
+    "prefill_attention": Library(_PACKAGE / "layers" / "prefill_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
+    "fused": Library(_PACKAGE / "layers" / "fused.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
+    "packed_linear": Library(_PACKAGE / "layers" / "packed_linear.cpp", ("-O2",)),
+    "quant_gemm": Library(_PACKAGE / "kernels" / "quant_gemm.cpp", (*AVX512_CFLAGS, "-mavx512vnni"),
+                          (*AVX512_CPU_FLAGS, "avx512_vnni")),
+}
+
+# This process's build (or load) of each build directory: done once, shared by every caller.
+_builds: dict[Path, Future[bool]] = {}
+_builds_lock = threading.Lock()
 
 
 @functools.cache
@@ -42,10 +74,26 @@ def cpu_has(flags: tuple[str, ...]) -> bool:
     return cpu_flags().issuperset(flags)
 
 
+def load(name: str) -> bool:
+    """``load_library`` of ``LIBRARIES[name]``."""
+    return load_library(*astuple(LIBRARIES[name]))
+
+
+def prebuild(names: tuple[str, ...] | None = None) -> list[threading.Thread]:
+    """Start building and loading the libraries ``names`` (default: all of ``LIBRARIES``), each in
+    a thread of its own; returns the threads. Later ``load`` calls wait for their build."""
+    threads = [threading.Thread(target=load, args=(name,), name=f"vivace-build-{name}", daemon=True)
+               for name in names or tuple(LIBRARIES)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[str, ...] = ()) -> bool:
     """Build ``source`` (or reuse its cached build) and load it into this process, which runs its
     op registrations. False, and nothing loaded, when ``VIVACE_KERNELS=torch``, the CPU lacks one
-    of ``cpu_flags``, or the build or load fails (logged)."""
+    of ``cpu_flags``, or the build or load fails (logged). Once per process and build: a second
+    call, from any thread, waits for the first one's result."""
     if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" or not cpu_has(cpu_flags):
         return False
     # The headers beside the source are part of what is built.
@@ -54,6 +102,21 @@ def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[st
     digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     build_dir = cache / "vivace" / "kernels" / f"{source.stem}-{digest}"
+    with _builds_lock:
+        build = _builds.get(build_dir)
+        first = build is None
+        if first:
+            build = _builds[build_dir] = Future()
+    if first:
+        try:
+            build.set_result(_build_and_load(source, cflags, build_dir, digest))
+        except BaseException as exc:  # the waiting callers raise it too
+            build.set_exception(exc)
+            raise
+    return build.result()
+
+
+def _build_and_load(source: Path, cflags: tuple[str, ...], build_dir: Path, digest: str) -> bool:
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if not any(build_dir.glob("*.so")):
