@@ -273,4 +273,12 @@ def _build_in_child(config_file: Path, max_batch: int, path: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_build_in_child(Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])))
+    try:
+        status = _build_in_child(Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    except BaseException:
+        logger.exception("vivace: the background decode-graph compile failed")
+        status = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # now: inductor's compile workers and exit hooks can hold a normal exit for long

@@ -5,13 +5,14 @@ Each library (a C++ file, plus the headers beside it) is compiled once with ``to
 there by later processes. Callers fall back to PyTorch code when ``load_library`` says False.
 
 A process builds (or loads) each library once: the first ``load_library`` of it runs the build
-and later ones, from any thread, wait for and return its result. ``prebuild`` starts every
-library of ``LIBRARIES`` at once, each in its own thread (the compilers are subprocesses, so the
-builds run in parallel), so a fresh start waits for the slowest build, not for their sum.
+and later ones, from any thread, wait for and return its result. ``prebuild`` builds every
+library of ``LIBRARIES`` on one thread per CPU (the compilers are subprocesses, so the builds run
+in parallel), so a fresh start waits for about the sum of the builds over the cores, not the sum.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import functools
@@ -20,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import astuple, dataclass
 from pathlib import Path
@@ -79,11 +81,27 @@ def load(name: str) -> bool:
     return load_library(*astuple(LIBRARIES[name]))
 
 
-def prebuild(names: tuple[str, ...] | None = None) -> list[threading.Thread]:
-    """Start building and loading the libraries ``names`` (default: all of ``LIBRARIES``), each in
-    a thread of its own; returns the threads. Later ``load`` calls wait for their build."""
-    threads = [threading.Thread(target=load, args=(name,), name=f"vivace-build-{name}", daemon=True)
-               for name in names or tuple(LIBRARIES)]
+def prebuild(names: tuple[str, ...] | None = None, workers: int | None = None) -> list[threading.Thread]:
+    """Start building and loading the libraries ``names`` (default: all of ``LIBRARIES``) on
+    ``workers`` threads (default: one per CPU this process may use), the largest source first, so
+    that the longest build is not slowed by all the others at once; returns the threads. Every
+    library is claimed before this returns: a ``load`` of one waits for its build here."""
+    libraries = sorted((LIBRARIES[name] for name in names or LIBRARIES), key=lambda lib: lib.source.stat().st_size,
+                       reverse=True)
+    queue = collections.deque(run for claimed in (_claim(*astuple(lib)) for lib in libraries)
+                              if claimed is not None and (run := claimed[1]) is not None)
+
+    def work() -> None:
+        while queue:
+            try:
+                run = queue.popleft()
+            except IndexError:  # another worker took the last one
+                return
+            with contextlib.suppress(Exception):  # logged, and raised to whoever waits for it
+                run()
+
+    count = min(workers or len(os.sched_getaffinity(0)), len(queue))
+    threads = [threading.Thread(target=work, name=f"vivace-build-{i}", daemon=True) for i in range(count)]
     for thread in threads:
         thread.start()
     return threads
@@ -94,8 +112,21 @@ def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[st
     op registrations. False, and nothing loaded, when ``VIVACE_KERNELS=torch``, the CPU lacks one
     of ``cpu_flags``, or the build or load fails (logged). Once per process and build: a second
     call, from any thread, waits for the first one's result."""
-    if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" or not cpu_has(cpu_flags):
+    claimed = _claim(source, cflags, cpu_flags)
+    if claimed is None:
         return False
+    build, run = claimed
+    if run is not None:
+        run()
+    return build.result()
+
+
+def _claim(source: Path, cflags: tuple[str, ...], cpu_flags: tuple[str, ...]
+           ) -> tuple[Future[bool], Callable[[], None] | None] | None:
+    """None when the library is not to be used here; else the future of this process's build of
+    it and, for the first caller only, the function that runs that build."""
+    if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" or not cpu_has(cpu_flags):
+        return None
     # The headers beside the source are part of what is built.
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = source.read_bytes() + headers + " ".join(cflags).encode() + torch.__version__.encode()
@@ -103,17 +134,18 @@ def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[st
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     build_dir = cache / "vivace" / "kernels" / f"{source.stem}-{digest}"
     with _builds_lock:
-        build = _builds.get(build_dir)
-        first = build is None
-        if first:
-            build = _builds[build_dir] = Future()
-    if first:
+        if build_dir in _builds:
+            return _builds[build_dir], None
+        build = _builds[build_dir] = Future()
+
+    def run() -> None:
         try:
             build.set_result(_build_and_load(source, cflags, build_dir, digest))
         except BaseException as exc:  # the waiting callers raise it too
             build.set_exception(exc)
             raise
-    return build.result()
+
+    return build, run
 
 
 def _build_and_load(source: Path, cflags: tuple[str, ...], build_dir: Path, digest: str) -> bool:
