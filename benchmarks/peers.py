@@ -190,7 +190,7 @@ def make_server(name: str, cache: Path, model: PeerModel, port: int, vivace_args
     gguf, served_name = model.gguf(), model.served_name
     if name == "vivace":
         command = [sys.executable, "-m", "vivace.cli", "serve", str(gguf), *common,
-                   "--served-model-name", served_name, "--num-threads", "2", *vivace_args]
+                   "--served-model-name", served_name, "--num-threads", "2", "--compile-wait", *vivace_args]
         return Server(name, command, git_revision())
     if name == "llama.cpp":
         binary = prepare_llama_cpp(cache)

@@ -41,7 +41,7 @@ BASE = f"http://127.0.0.1:{PORT}"
 def serving(flags: list[str], args: argparse.Namespace) -> Iterator[subprocess.Popen]:
     """``vivace serve`` with ``flags`` until the block ends (SIGTERM, then waited for)."""
     command = [sys.executable, "-m", "vivace.cli", "serve", args.model, "--port", str(PORT),
-               "--log-level", "warning", *shlex.split(args.serve_args), *flags]
+               "--log-level", "warning", "--compile-wait", *shlex.split(args.serve_args), *flags]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)  # a group with the Ray processes it starts

@@ -148,7 +148,7 @@ def attribute(scenario: Scenario, timings: dict, big: float) -> None:
 async def run_setting(setting: str, args: argparse.Namespace, rep: int) -> list[Scenario]:
     port = free_port()
     command = [sys.executable, "-m", "vivace.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--num-threads", str(args.num_threads), "--log-level", "warning", *SETTINGS[setting],
+               "--num-threads", str(args.num_threads), "--log-level", "warning", "--compile-wait", *SETTINGS[setting],
                *args.serve_args.split()]
     server = Running(Server(setting, command, "", start_timeout_s=args.ready_timeout),
                      REPO / "bench-results" / f"stalls-{setting}.log")

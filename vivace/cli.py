@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import statistics
@@ -92,6 +93,9 @@ ENGINE_FLAGS = (
 SERVER_FLAGS = (
     Flag("--host", "127.0.0.1", "address to listen on"),
     Flag("--port", 8000, "port to listen on", int),
+    Flag("--compile-wait", False, "report ready only once the decode graph is compiled (a minute or more on a "
+         "cold cache); by default the server decodes eagerly while it compiles in a background process",
+         kind="switch"),
     Flag("--api-key", [], "accepted bearer key (repeatable); none: no authentication", kind="list"),
     Flag("--api-key-file", None, "file of accepted keys: one a line, or JSON mapping keys to "
          "tiers (priority, concurrency, rate limits, queue delay; see the README)"),
@@ -222,9 +226,13 @@ def _serve(args: argparse.Namespace) -> int:
         handler.addFilter(RequestIdLogFilter())
     if any(getattr(args, flag.dest) is not None for flag in SCALE_FLAGS):
         return _serve_scaled_out(args, server_settings(args))
+    from vivace.layers import native
+
+    native.prebuild()  # every native library at once, before the imports below wait for the first
     from vivace.server.serve import run_server
 
-    return run_server(engine_config(args), server_settings(args))
+    config = dataclasses.replace(engine_config(args), background_compile=not args.compile_wait)
+    return run_server(config, server_settings(args))
 
 
 def _yaml_value(flag: Flag) -> Callable[[Any], Any]:

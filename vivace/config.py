@@ -64,6 +64,10 @@ class EngineConfig:
     # Decode steps through graphs compiled at start-up (cached on disk); off by default so that
     # short-lived engines (tests, scripts) skip compiling.
     compile: bool = False
+    # With compile: a decode graph not cached yet is compiled by a low-priority child process
+    # while the engine decodes eagerly, and taken up between two steps when ready (vivace serve's
+    # default, so that a fresh server is ready in seconds); off: the engine waits for the compile.
+    background_compile: bool = False
     # Weight-only "int8" or "int4" linear layers (logits layer int8), "none", or "auto": a
     # quantized GGUF in its own formats (vivace.models.quantize, "gguf" mode), as llama.cpp
     # would; float otherwise.

@@ -1,13 +1,19 @@
 """The native libraries' build lock: a builder killed mid-build must not leave later loads
-waiting forever on torch's lock file."""
+waiting forever on torch's lock file. A process builds each library once, however many threads
+ask for it, and ``prebuild`` starts every library the modules load."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
+import threading
 from pathlib import Path
 
+import pytest
+
+from vivace.layers import native
 from vivace.layers.native import _building
 
 
@@ -41,3 +47,47 @@ def test_the_build_lock_is_exclusive(tmp_path: Path) -> None:
             except BlockingIOError:
                 taken = False
     assert not taken
+
+
+def test_concurrent_loads_of_one_library_build_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Threads asking for the same library share one build and its result (here a failed one,
+    which fails fast and must still fall back for every caller)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(native.FORCE_FALLBACK_ENV, raising=False)
+    source = tmp_path / "broken.cpp"
+    source.write_text("#error this library does not build\n")
+    results: list[bool] = []
+    start = threading.Barrier(4)
+
+    def load() -> None:
+        start.wait()
+        results.append(native.load_library(source))
+
+    with caplog.at_level(logging.INFO, logger=native.__name__):
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert results == [False] * 4
+    assert sum("building native broken.cpp" in r.message for r in caplog.records) == 1
+    assert sum("broken.cpp failed to build" in r.message for r in caplog.records) == 1
+
+
+def test_prebuild_covers_what_the_modules_load() -> None:
+    """Every library is in ``LIBRARIES``, and a prebuilt one is the one the modules use."""
+    from vivace import kernels
+    from vivace.engine import aot_decode
+    from vivace.layers import decode_attention, fused, prefill_attention
+
+    assert {lib.source.name for lib in native.LIBRARIES.values()} == {
+        "decode_attention.cpp", "prefill_attention.cpp", "fused.cpp", "packed_linear.cpp", "quant_gemm.cpp",
+        "aoti_runner.cpp"}
+    for thread in native.prebuild():
+        thread.join(timeout=600)
+    assert native.load("decode_attention") == (decode_attention.BACKEND == "native")
+    assert native.load("prefill_attention") == (prefill_attention.BACKEND == "native")
+    assert native.load("fused") == fused.NATIVE
+    assert native.load("quant_gemm") == (kernels.quant_linear_kernel() is not None)
+    assert native.load("aoti_runner") == aot_decode._native_runner()

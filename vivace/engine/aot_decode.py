@@ -10,6 +10,11 @@ model's tensors at load time (``user_managed``), so the artifact depends only on
 graph (module structure, tensor metadata, KV layout, vivace's graph code, torch version, CPU),
 and all of that is in its file name. A package that fails to load is rebuilt; a model whose
 weights are not plain strided tensors (oneDNN-prepacked float linears) is not supported here.
+
+A server need not wait for the compile: ``BackgroundBuild`` runs it in a child process at the
+lowest CPU priority (``python -m vivace.engine.aot_decode``, which loads the same model from the
+engine's config and writes the package), so it holds neither the server's GIL nor much of its
+CPU; the runner decodes eagerly until the package is there and loads it between two steps.
 """
 
 from __future__ import annotations
@@ -19,17 +24,24 @@ import hashlib
 import json
 import logging
 import os
+import pickle
+import subprocess
+import sys
 import time
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 import vivace
-from vivace.layers import decode_attention
+from vivace.layers import decode_attention, native
 from vivace.layers.attention import DecodeMetadata
-from vivace.layers.native import cpu_flags, load_library
+from vivace.layers.native import cpu_flags
+
+if TYPE_CHECKING:
+    from vivace.config import EngineConfig
 
 ARTIFACT_VERSION = 1
 # What shapes the graph: the model code, layers and kernels, and this file.
@@ -41,7 +53,7 @@ logger = logging.getLogger(__name__)
 @functools.cache
 def _native_runner() -> bool:
     """Whether vivace's package runner (``aoti_runner.cpp``: runs release the GIL) is loaded."""
-    return load_library(Path(__file__).with_name("aoti_runner.cpp"))
+    return native.load("aoti_runner")
 
 
 def default_cache_dir() -> Path:
@@ -113,6 +125,12 @@ def artifact_key(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int
     return hashlib.sha256(json.dumps(description, default=str).encode()).hexdigest()[:24]
 
 
+def package_path(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
+                 cache_dir: Path | None = None) -> Path:
+    """Where the package of this model's decode graph is (or will be) cached."""
+    return (cache_dir or default_cache_dir()) / f"decode-{artifact_key(model, kv_caches, max_batch)}.pt2"
+
+
 def _package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
@@ -124,18 +142,21 @@ def _package_version() -> str:
 class AOTDecoder:
     """Runs the packaged decode graph of ``model`` over ``kv_caches`` for 1 to ``max_batch``
     sequences, loaded from ``cache_dir`` or compiled into it first (a cold start: tens of seconds).
-    Raises whatever export or compilation raises when the graph cannot be built."""
+    Raises whatever export or compilation raises when the graph cannot be built, and, with
+    ``compile_missing`` False, what loading raises instead of compiling."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, compile_missing: bool = True) -> None:
         self.kv_caches = kv_caches
-        self.path = (cache_dir or default_cache_dir()) / f"decode-{artifact_key(model, kv_caches, max_batch)}.pt2"
+        self.path = package_path(model, kv_caches, max_batch, cache_dir)
         start = time.perf_counter()
         try:
             self._loader = self._load(model)
             logger.info("vivace: decode graph loaded from %s in %.2f s", self.path, time.perf_counter() - start)
             return
         except Exception as exc:  # missing, corrupt or incompatible: build it afresh
+            if not compile_missing:
+                raise
             if self.path.exists():
                 logger.warning("vivace: decode graph %s did not load (%s); compiling it again", self.path, exc)
         logger.info("vivace: compiling the decode graph (once per model, flags and machine; a minute or more)...")
@@ -200,3 +221,81 @@ def build(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int, path:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+class BackgroundBuild:
+    """The package at ``path`` compiled by a child process at the lowest CPU priority, for the
+    model ``config`` loads and ``max_batch`` rows (what the caller's runner has: the child checks
+    that its artifact key gives ``path``). ``poll`` says whether it has finished and succeeded."""
+
+    def __init__(self, config: EngineConfig, max_batch: int, path: Path) -> None:
+        self.path = path
+        self.max_batch = max_batch
+        self.start = time.perf_counter()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._config_file = path.with_name(f"{path.stem}.{os.getpid()}.config.pickle")
+        self._config_file.write_bytes(pickle.dumps(config))
+        # The child's stdin is a pipe only this process writes: it reads end-of-file when this
+        # process ends, however it ends, and then stops (see _exit_with_parent).
+        self._process = subprocess.Popen([sys.executable, "-m", __name__, str(self._config_file), str(max_batch),
+                                          str(path)], stdin=subprocess.PIPE)
+
+    def poll(self) -> bool | None:
+        """None while the child runs; then whether the package is there (logged once)."""
+        code = self._process.poll()
+        if code is None:
+            return None
+        self._config_file.unlink(missing_ok=True)
+        if code == 0 and self.path.exists():
+            logger.info("vivace: decode graph compiled in the background in %.1f s", time.perf_counter() - self.start)
+            return True
+        logger.warning("vivace: the background decode-graph compile failed (exit status %s); decoding stays eager",
+                       code)
+        return False
+
+
+def _exit_with_parent() -> None:
+    """Ends this child when its parent does: its stdin, the parent's pipe, then reads end-of-file."""
+    while os.read(0, 4096):  # unbuffered: no lock for interpreter shutdown to trip over
+        pass
+    os._exit(3)
+
+
+def _build_in_child(config_file: Path, max_batch: int, path: Path) -> int:
+    """``BackgroundBuild``'s child: load the engine's model, check the artifact key, compile."""
+    import threading
+
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    os.nice(19)  # behind every step of the server that started it
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s [decode-graph compile]: %(message)s")
+    from vivace.engine import backend
+    from vivace.engine.runner import allocate_kv_cache
+    from vivace.models.llama import kv_cache_shape
+
+    config = pickle.loads(config_file.read_bytes())
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    loaded = backend.load(config)
+    # The pool size is symbolic: two blocks and the scratch one give the same graph.
+    shape = kv_cache_shape(loaded.config, 3, config.block_size)
+    kv_caches = [allocate_kv_cache(shape, config.kv_torch_dtype) for _ in range(loaded.config.num_hidden_layers)]
+    if package_path(loaded.model, kv_caches, max_batch, path.parent) != path:
+        logger.error("vivace: the model loaded here is not the server's (artifact key differs); not compiling")
+        return 1
+    start = time.perf_counter()
+    logger.info("vivace: compiling the decode graph at low priority while the server decodes eagerly...")
+    build(loaded.model, kv_caches, max_batch, path)
+    logger.info("vivace: decode graph compiled to %s in %.1f s", path, time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        status = _build_in_child(Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    except BaseException:
+        logger.exception("vivace: the background decode-graph compile failed")
+        status = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # now: inductor's compile workers and exit hooks can hold a normal exit for long

@@ -50,8 +50,11 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int)
                                  max_model_len)
 
 
-def make_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_model_len: int):
-    """The runner of ``config.device``; logs the KV pool it holds."""
+def make_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_model_len: int,
+                loaded_from_config: bool = False):
+    """The runner of ``config.device``; logs the KV pool it holds. A CPU runner compiles its decode
+    graph in the background when ``config.background_compile`` asks and ``loaded`` is what
+    ``config`` loads (``loaded_from_config``), which the compiling child process loads again."""
     device = resolve_device(config.device)
     logger.info("KV cache: %d blocks, %d tokens, %s (%s)", num_blocks, num_blocks * config.block_size,
                 str(config.kv_torch_dtype).removeprefix("torch."), device)
@@ -61,5 +64,6 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_
         graphs = 0 if config.enforce_eager else min(config.cuda_graph_max_batch, config.max_num_seqs)
         return CudaRunner(loaded, num_blocks, config.block_size, config.kv_torch_dtype, max_model_len,
                           device="cuda", cuda_graph_max_batch=graphs)
+    background = config if config.background_compile and loaded_from_config else None
     return ModelRunner(loaded, num_blocks, config.block_size, config.kv_torch_dtype, max_model_len,
-                       config.max_num_seqs if config.compile else 0)
+                       config.max_num_seqs if config.compile else 0, background)

@@ -36,18 +36,22 @@ class CompiledDecoder:
     default ``~/.cache/vivace/aoti``) or "dynamo" (``torch.compile``, whose artifacts go to
     inductor's caches under ``TORCHINDUCTOR_CACHE_DIR``, ``~/.cache/vivace/inductor`` unless the
     environment names another). A package that cannot be built falls back to "dynamo" (logged).
+    With ``compile_missing`` False the package must already be there: what loading it raises is
+    raised (a package compiled in the background, ``aot_decode.BackgroundBuild``).
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
-                 aot_cache_dir: Path | None = None) -> None:
+                 aot_cache_dir: Path | None = None, compile_missing: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.max_batch = max_batch
         self._aot: aot_decode.AOTDecoder | None = None
         if aot_decode.supported(model):
             try:
-                self._aot = aot_decode.AOTDecoder(model, kv_caches, max_batch, aot_cache_dir)
+                self._aot = aot_decode.AOTDecoder(model, kv_caches, max_batch, aot_cache_dir, compile_missing)
             except Exception as exc:  # export or AOT compilation failed: torch.compile still may not
+                if not compile_missing:
+                    raise
                 logger.warning("vivace: AOTInductor decode graph unavailable (%s); using torch.compile", exc)
         if self._aot is None:
             os.environ.setdefault(CACHE_DIR_ENV, str(DEFAULT_CACHE_DIR))

@@ -67,7 +67,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         num_blocks = backend.num_kv_blocks(config, self.loaded, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = backend.make_runner(config, self.loaded, num_blocks, self.max_model_len)
+        self.runner = backend.make_runner(config, self.loaded, num_blocks, self.max_model_len,
+                                          loaded_from_config=loaded is None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk, pacer_for(config, self.runner.compiled_rows))
         self.timings = StepTimings()
@@ -163,6 +164,10 @@ class LLMEngine:
         detokenization or stop strings) ends that request alone, with an output whose ``error``
         is set; every other request gets its tokens as if it were not there. A failed forward
         ends the requests of this step that way; the engine goes on with the next step."""
+        if getattr(self.runner, "pending_compile", None) is not None and self.runner.swap_in_compiled():
+            # Compiled steps cost differently, and prompt chunks may now ride them: relearn.
+            self.scheduler.pacer = None if self.scheduler.pacer is None else pacer_for(self.config,
+                                                                                       self.runner.compiled_rows)
         marks = [time.perf_counter()]
         batch = self.scheduler.schedule()
         if not batch:

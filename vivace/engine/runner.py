@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from vivace.engine import aot_decode
 from vivace.engine.compiled import CompiledDecoder
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.pacer import PromptPath
@@ -17,6 +20,10 @@ from vivace.layers.attention import AttentionMetadata, DecodeMetadata
 from vivace.models import LoadedModel
 from vivace.models.llama import kv_cache_shape
 
+if TYPE_CHECKING:
+    from vivace.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 # Without a budget, the pool holds this many max-model-len sequences, capped at a share of the
 # machine's memory: enough for the default concurrency of long streams without preemption. The
@@ -66,10 +73,15 @@ class ModelRunner:
     prompt chunk run the eager prefill path (decode rows through the decode attention op, each
     chunk through the paged prefill attention). The cache has one
     block more than the pool hands out: the scratch block, which block-table padding points at.
+
+    With ``background_compile`` (the engine's config, which loaded this model), a decode graph
+    that is not cached yet is compiled by a low-priority child process while this runner decodes
+    eagerly; ``swap_in_compiled``, called between steps, takes it up once it is there.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 max_model_len: int | None = None, compile_max_batch: int = 0) -> None:
+                 max_model_len: int | None = None, compile_max_batch: int = 0,
+                 background_compile: EngineConfig | None = None) -> None:
         self.model = loaded.model
         self.block_size = block_size
         self.scratch_block = num_blocks
@@ -77,9 +89,36 @@ class ModelRunner:
         self.kv_caches = [allocate_kv_cache(shape, kv_dtype) for _ in range(loaded.config.num_hidden_layers)]
         self.max_blocks_per_seq = -(-(max_model_len or loaded.config.max_position_embeddings) // block_size)
         self.decoder: CompiledDecoder | None = None
+        self.pending_compile: aot_decode.BackgroundBuild | None = None
+        if compile_max_batch and background_compile is not None and aot_decode.supported(self.model):
+            path = aot_decode.package_path(self.model, self.kv_caches, compile_max_batch)
+            if not path.exists():
+                self.pending_compile = aot_decode.BackgroundBuild(background_compile, compile_max_batch, path)
+                logger.info("vivace: decoding eagerly while the decode graph compiles in a background process "
+                            "(low priority, a minute or more); it takes over between two steps when ready")
+                return
         if compile_max_batch:
             self.decoder = CompiledDecoder(self.model, self.kv_caches, compile_max_batch)
             self.warm_up()
+
+    def swap_in_compiled(self) -> bool:
+        """Between steps: once the background compile has finished, decode through its package
+        from now on (loaded in milliseconds). True when this call swapped it in."""
+        if self.pending_compile is None or (done := self.pending_compile.poll()) is None:
+            return False
+        build, self.pending_compile = self.pending_compile, None
+        if not done:
+            return False
+        try:
+            decoder = CompiledDecoder(self.model, self.kv_caches, build.max_batch, build.path.parent,
+                                      compile_missing=False)
+        except Exception as exc:  # the package does not load: stay eager, never compile here
+            logger.warning("vivace: the background-compiled decode graph did not load (%s); decoding stays eager", exc)
+            return False
+        self.decoder = decoder
+        self.warm_up()
+        logger.info("vivace: decode steps now run the compiled graph")
+        return True
 
     @property
     def compiled_rows(self) -> int:

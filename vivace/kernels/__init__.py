@@ -11,20 +11,17 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from vivace.layers.native import AVX512_CFLAGS, AVX512_CPU_FLAGS, FORCE_FALLBACK_ENV, load_library
+from vivace.layers import native
+from vivace.layers.native import FORCE_FALLBACK_ENV
 
-_SOURCE = Path(__file__).with_name("quant_gemm.cpp")
-_CFLAGS = (*AVX512_CFLAGS, "-mavx512vnni")
-_CPU_FLAGS = (*AVX512_CPU_FLAGS, "avx512_vnni")
 
 
 @functools.cache
 def _load() -> Callable[..., torch.Tensor] | None:
-    if not load_library(_SOURCE, _CFLAGS, _CPU_FLAGS):
+    if not native.load("quant_gemm"):
         return None
     torch.library.register_fake("vivace_kernels::quant_linear")(_quant_linear_shape)
     return torch.ops.vivace_kernels.quant_linear.default  # the overload: cheaper to call than the packet

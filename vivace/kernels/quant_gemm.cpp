@@ -22,7 +22,8 @@
 // one dot per sub-block, dot0 and dot1, and the code sums s0, s1 of the activation's halves:
 //   y += dx * ((d * sc0) * (dot0 - z * s0) + (d * sc1) * (dot1 - z * s1)),
 // each factor exact in fp32 (the dot differences are integers below 2^17).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>

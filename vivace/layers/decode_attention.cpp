@@ -7,7 +7,8 @@
 // or bfloat16 cache: half the bytes a step reads); scores and the softmax are float32 whatever
 // the dtypes. With a
 // window w > 0 a query attends only the last w tokens of its sequence (sliding-window layers).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

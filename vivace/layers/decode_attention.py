@@ -10,12 +10,11 @@ native AVX-512 kernel (``decode_attention.cpp``, built as ``vivace.layers.native
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from vivace.layers.native import AVX512_CFLAGS, AVX512_CPU_FLAGS, load_library
+from vivace.layers import native
 
 
 def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -43,8 +42,7 @@ def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def _register() -> str:
     """Define the op; return which implementation serves it."""
-    native = load_library(Path(__file__).with_suffix(".cpp"), AVX512_CFLAGS, AVX512_CPU_FLAGS)
-    backend = "native" if native else "torch"
+    backend = "native" if native.load("decode_attention") else "torch"
     if backend == "torch":
         torch.library.custom_op("vivace::paged_decode_attention", reference_decode_attention,
                                 mutates_args=("kv_cache",))

@@ -11,7 +11,8 @@
 //
 // Rows may be strided (a slice of a fused projection); the last dimension must be dense.
 // float32 and bfloat16; arithmetic in float32 registers.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>

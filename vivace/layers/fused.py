@@ -8,15 +8,14 @@ not build, or for dtypes the kernels don't take.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from vivace.layers import rotary
-from vivace.layers.native import AVX512_CFLAGS, AVX512_CPU_FLAGS, load_library
+from vivace.layers import native
 
-NATIVE = load_library(Path(__file__).with_suffix(".cpp"), AVX512_CFLAGS, AVX512_CPU_FLAGS)
+NATIVE = native.load("fused")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 

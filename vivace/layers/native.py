@@ -3,17 +3,27 @@
 Each library (a C++ file, plus the headers beside it) is compiled once with ``torch.utils.cpp_extension`` into
 ``~/.cache/vivace/kernels/<name>-<hash of source, flags and torch version>`` and loaded from
 there by later processes. Callers fall back to PyTorch code when ``load_library`` says False.
+
+A process builds (or loads) each library once: the first ``load_library`` of it runs the build
+and later ones, from any thread, wait for and return its result. ``prebuild`` builds every
+library of ``LIBRARIES`` on one thread per CPU (the compilers are subprocesses, so the builds run
+in parallel), so a fresh start waits for about the sum of the builds over the cores, not the sum.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import functools
 import hashlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +34,32 @@ AVX512_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "
 AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c", "fma")
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Library:
+    """One native library: its C++ source, compiler flags and the CPU features it needs."""
+
+    source: Path
+    cflags: tuple[str, ...] = ()
+    cpu_flags: tuple[str, ...] = ()
+
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+LIBRARIES = {
+    "decode_attention": Library(_PACKAGE / "layers" / "decode_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
+    "prefill_attention": Library(_PACKAGE / "layers" / "prefill_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
+    "fused": Library(_PACKAGE / "layers" / "fused.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
+    "packed_linear": Library(_PACKAGE / "layers" / "packed_linear.cpp", ("-O2",)),
+    "quant_gemm": Library(_PACKAGE / "kernels" / "quant_gemm.cpp", (*AVX512_CFLAGS, "-mavx512vnni"),
+                          (*AVX512_CPU_FLAGS, "avx512_vnni")),
+    # Runs the AOTInductor decode package with the GIL released (vivace.engine.aot_decode).
+    "aoti_runner": Library(_PACKAGE / "engine" / "aoti_runner.cpp", ("-O2",)),
+}
+
+# This process's build (or load) of each build directory: done once, shared by every caller.
+_builds: dict[Path, Future[bool]] = {}
+_builds_lock = threading.Lock()
 
 
 @functools.cache
@@ -42,18 +78,79 @@ def cpu_has(flags: tuple[str, ...]) -> bool:
     return cpu_flags().issuperset(flags)
 
 
+def load(name: str) -> bool:
+    """``load_library`` of ``LIBRARIES[name]``."""
+    return load_library(*astuple(LIBRARIES[name]))
+
+
+def prebuild(names: tuple[str, ...] | None = None, workers: int | None = None) -> list[threading.Thread]:
+    """Start building and loading the libraries ``names`` (default: all of ``LIBRARIES``) on
+    ``workers`` threads (default: one per CPU this process may use), the largest source first, so
+    that the longest build is not slowed by all the others at once; returns the threads. Every
+    library is claimed before this returns: a ``load`` of one waits for its build here."""
+    libraries = sorted((LIBRARIES[name] for name in names or LIBRARIES), key=lambda lib: lib.source.stat().st_size,
+                       reverse=True)
+    queue = collections.deque(run for claimed in (_claim(*astuple(lib)) for lib in libraries)
+                              if claimed is not None and (run := claimed[1]) is not None)
+
+    def work() -> None:
+        while queue:
+            try:
+                run = queue.popleft()
+            except IndexError:  # another worker took the last one
+                return
+            with contextlib.suppress(Exception):  # logged, and raised to whoever waits for it
+                run()
+
+    count = min(workers or len(os.sched_getaffinity(0)), len(queue))
+    threads = [threading.Thread(target=work, name=f"vivace-build-{i}", daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[str, ...] = ()) -> bool:
     """Build ``source`` (or reuse its cached build) and load it into this process, which runs its
     op registrations. False, and nothing loaded, when ``VIVACE_KERNELS=torch``, the CPU lacks one
-    of ``cpu_flags``, or the build or load fails (logged)."""
-    if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" or not cpu_has(cpu_flags):
+    of ``cpu_flags``, or the build or load fails (logged). Once per process and build: a second
+    call, from any thread, waits for the first one's result."""
+    claimed = _claim(source, cflags, cpu_flags)
+    if claimed is None:
         return False
+    build, run = claimed
+    if run is not None:
+        run()
+    return build.result()
+
+
+def _claim(source: Path, cflags: tuple[str, ...], cpu_flags: tuple[str, ...]
+           ) -> tuple[Future[bool], Callable[[], None] | None] | None:
+    """None when the library is not to be used here; else the future of this process's build of
+    it and, for the first caller only, the function that runs that build."""
+    if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" or not cpu_has(cpu_flags):
+        return None
     # The headers beside the source are part of what is built.
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = source.read_bytes() + headers + " ".join(cflags).encode() + torch.__version__.encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     build_dir = cache / "vivace" / "kernels" / f"{source.stem}-{digest}"
+    with _builds_lock:
+        if build_dir in _builds:
+            return _builds[build_dir], None
+        build = _builds[build_dir] = Future()
+
+    def run() -> None:
+        try:
+            build.set_result(_build_and_load(source, cflags, build_dir, digest))
+        except BaseException as exc:  # the waiting callers raise it too
+            build.set_exception(exc)
+            raise
+
+    return build, run
+
+
+def _build_and_load(source: Path, cflags: tuple[str, ...], build_dir: Path, digest: str) -> bool:
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if not any(build_dir.glob("*.so")):

@@ -4,7 +4,7 @@
 // weight is a graph constant (freezing, which packs a copy per compiled graph), while this op
 // takes the packed weight as an ordinary input, so eager steps and every compiled graph share
 // one packed copy.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

@@ -9,12 +9,12 @@ so that eager steps and every compiled graph share the one packed copy.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from vivace.layers.native import cpu_has, load_library
+from vivace.layers import native
+from vivace.layers.native import cpu_has
 
 # oneDNN packs bfloat16 weights only on CPUs with these (or AVX-NE-CONVERT); elsewhere it raises.
 _BF16_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512dq")
@@ -60,7 +60,7 @@ def prepack_linears(model: nn.Module) -> int:
 
 
 def _register() -> bool:
-    if not torch.backends.mkldnn.is_available() or not load_library(Path(__file__).with_suffix(".cpp"), ("-O2",)):
+    if not torch.backends.mkldnn.is_available() or not native.load("packed_linear"):
         return False
 
     @torch.library.register_fake("vivace::packed_linear")

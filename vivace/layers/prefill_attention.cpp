@@ -16,7 +16,8 @@
 // the tile's last row sees and masked per row. Tasks are balanced over threads by their cost.
 // Scores, softmax and accumulators are float32 whatever the dtypes; the cache may be narrower
 // than q (float32 queries over a float16 or bfloat16 cache).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>

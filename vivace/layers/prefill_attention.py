@@ -13,12 +13,11 @@ flash-style loop reading K/V straight from the cache through the block table), o
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from vivace.layers.native import AVX512_CFLAGS, AVX512_CPU_FLAGS, load_library
+from vivace.layers import native
 
 # AVX512DQ's VREDUCEPS is in the exp; the flags already cover it.
 MAX_HEAD_DIM = 128
@@ -58,8 +57,7 @@ def sdpa_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
 
 def _register() -> str:
     """Define the op; return which implementation serves it."""
-    native = load_library(Path(__file__).with_suffix(".cpp"), AVX512_CFLAGS, AVX512_CPU_FLAGS)
-    backend = "native" if native else "torch"
+    backend = "native" if native.load("prefill_attention") else "torch"
     if backend == "torch":
         torch.library.custom_op("vivace::paged_prefill_attention", reference_prefill_attention, mutates_args=())
 

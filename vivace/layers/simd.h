@@ -2,7 +2,8 @@
 // bfloat16 and float16 (arithmetic always in float32 registers), masked tails, and exp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <cstdint>
 
