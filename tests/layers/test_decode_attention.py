@@ -62,7 +62,7 @@ def test_float32_queries_over_a_half_precision_cache(cache_dtype, heads, kv_head
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("run", [1, 3, 4, 16, 33])
 def test_rows_of_one_sequence_match_row_by_row_attention(cache_dtype, run):
     """A prompt chunk riding the decode step: ``run`` rows at consecutive positions of one sequence

@@ -211,7 +211,10 @@ std::optional<c10::TypedOperatorHandle<PrefillFn>> native_prefill() {
 
 bool attend_run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const int64_t* lens,
                 int64_t b, int64_t e, double scale, at::Tensor& out) {
-  const auto prefill = q.size(2) <= 128 ? native_prefill() : std::nullopt;
+  // The dtype pairs the prefill kernel is built for: one dtype, or float32 over a float16 cache.
+  const auto qt = q.scalar_type(), ct = cache.scalar_type();
+  const bool pair = qt == ct || (qt == at::kFloat && ct == at::kHalf);
+  const auto prefill = pair && q.size(2) <= 128 ? native_prefill() : std::nullopt;
   if (!prefill) return false;
   out.narrow(0, b, e - b).copy_(prefill->call(q.narrow(0, b, e - b), cache, tables.select(0, b), lens[e - 1], scale));
   return true;

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +43,8 @@ class Library:
     source: Path
     cflags: tuple[str, ...] = ()
     cpu_flags: tuple[str, ...] = ()
+    # Not needed before the server is ready (prebuild starts it after the others).
+    late: bool = False
 
 
 _PACKAGE = Path(__file__).resolve().parent.parent
@@ -54,7 +56,8 @@ LIBRARIES = {
     "quant_gemm": Library(_PACKAGE / "kernels" / "quant_gemm.cpp", (*AVX512_CFLAGS, "-mavx512vnni"),
                           (*AVX512_CPU_FLAGS, "avx512_vnni")),
     # Runs the AOTInductor decode package with the GIL released (vivace.engine.aot_decode).
-    "aoti_runner": Library(_PACKAGE / "engine" / "aoti_runner.cpp", ("-O2",)),
+    # Needed once the background compile hands over its package: built after the others.
+    "aoti_runner": Library(_PACKAGE / "engine" / "aoti_runner.cpp", ("-O2",), late=True),
 }
 
 # This process's build (or load) of each build directory: done once, shared by every caller.
@@ -80,17 +83,19 @@ def cpu_has(flags: tuple[str, ...]) -> bool:
 
 def load(name: str) -> bool:
     """``load_library`` of ``LIBRARIES[name]``."""
-    return load_library(*astuple(LIBRARIES[name]))
+    lib = LIBRARIES[name]
+    return load_library(lib.source, lib.cflags, lib.cpu_flags)
 
 
 def prebuild(names: tuple[str, ...] | None = None, workers: int | None = None) -> list[threading.Thread]:
     """Start building and loading the libraries ``names`` (default: all of ``LIBRARIES``) on
-    ``workers`` threads (default: one per CPU this process may use), the largest source first, so
-    that the longest build is not slowed by all the others at once; returns the threads. Every
+    ``workers`` threads (default: one per CPU this process may use), the largest source first (the
+    ``late`` ones after all others), so that the longest build is not slowed by all the others at
+    once; returns the threads. Every
     library is claimed before this returns: a ``load`` of one waits for its build here."""
-    libraries = sorted((LIBRARIES[name] for name in names or LIBRARIES), key=lambda lib: lib.source.stat().st_size,
-                       reverse=True)
-    queue = collections.deque(run for claimed in (_claim(*astuple(lib)) for lib in libraries)
+    libraries = sorted((LIBRARIES[name] for name in names or LIBRARIES),
+                       key=lambda lib: (lib.late, -lib.source.stat().st_size))
+    queue = collections.deque(run for claimed in (_claim(lib.source, lib.cflags, lib.cpu_flags) for lib in libraries)
                               if claimed is not None and (run := claimed[1]) is not None)
 
     def work() -> None:

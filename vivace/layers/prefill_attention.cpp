@@ -15,7 +15,8 @@
 // Chunks right of the diagonal are never touched; the diagonal chunk is computed only as far as
 // the tile's last row sees and masked per row. Tasks are balanced over threads by their cost.
 // Scores, softmax and accumulators are float32 whatever the dtypes; the cache may be narrower
-// than q (float32 queries over a float16 or bfloat16 cache).
+// than q (float32 queries over a float16 cache; a bfloat16 cache under float32 queries is left
+// to the SDPA path, one dtype pair fewer to compile at start-up).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -388,7 +389,6 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
   if (qt == at::kFloat && ct == at::kFloat) dispatch<float, float>(qd, kv_cache, tp, s, D, out);
   else if (qt == at::kFloat && ct == at::kHalf) dispatch<float, at::Half>(qd, kv_cache, tp, s, D, out);
-  else if (qt == at::kFloat && ct == at::kBFloat16) dispatch<float, at::BFloat16>(qd, kv_cache, tp, s, D, out);
   else if (qt == at::kBFloat16 && ct == at::kBFloat16) dispatch<at::BFloat16, at::BFloat16>(qd, kv_cache, tp, s, D, out);
   else if (qt == at::kHalf && ct == at::kHalf) dispatch<at::Half, at::Half>(qd, kv_cache, tp, s, D, out);
   else TORCH_CHECK(false, "paged_prefill_attention: unsupported dtypes ", qt, " (q) and ", ct, " (kv_cache)");
