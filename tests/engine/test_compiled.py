@@ -152,10 +152,10 @@ def test_the_pacer_sends_deep_chunks_to_the_prefill_path_and_keeps_greedy_tokens
     compiled = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, quantization="int8", compile=True,
                    max_num_seqs=24)
     engine = compiled.engine
-    # 4 ms + 0.25 ms a decode; a row 0.1 ms + 10 ms per thousand positions; the prefill path 3 ms + 0.3 ms a
-    # token. Beside one decode (4.25 ms of room): ~20 rows at a prompt's start; past position ~32 neither
-    # path fits 16 tokens and the floor's 16 cost less on the prefill path.
-    engine.scheduler.pacer.model = fixed_model((0.004, 0.00025, 0.0001, 0.01, 0.003, 0.0003, 0.0))
+    # 4 ms + 0.25 ms a decode; a row 0.1 ms + 100 ms per thousand positions; the prefill path 3 ms + 0.3 ms a
+    # token. Beside one decode (4.25 ms of room): ~8 rows at a prompt's start against 4 tokens on the
+    # prefill path; past position ~20 fewer than 4 rows fit, and the prefill path's 4 win.
+    engine.scheduler.pacer.model = fixed_model((0.004, 0.00025, 0.0001, 0.1, 0.003, 0.0003, 0.0))
     outputs: dict[str, list[int]] = {}
     engine.add_request("first", batch[0], params)
     for step in range(200):

@@ -143,8 +143,8 @@ def test_a_deep_chunk_takes_the_prefill_path_when_it_fits_more_tokens() -> None:
 
 def test_a_target_tighter_than_the_decode_step_still_moves_prompts_on_the_cheaper_path() -> None:
     assert plan_prompt(trained(), PacerTargets(itl=0.001), 8, 512, 0.0, 64) == PromptPlan(MIN_PROMPT_TOKENS, ROWS)
-    deep = trained((0.004, 0.00025, 0.0003, 0.0007, 0.02, 0.0002, 0.00001))  # 16 rows at 4000: 49 ms; prefill 24 ms
-    assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 64, 4000) == PromptPlan(MIN_PROMPT_TOKENS, PREFILL)
+    deep = trained((0.004, 0.00025, 0.0003, 0.0007, 0.02, 0.0002, 0.00001))  # 4 rows at 40,000: 120 ms; prefill 28 ms
+    assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 64, 40000) == PromptPlan(MIN_PROMPT_TOKENS, PREFILL)
 
 
 def test_an_overdue_prompt_gets_twice_the_room() -> None:

@@ -40,8 +40,10 @@ logger = logging.getLogger(__name__)
 COLD_PROMPT_TOKENS = 16
 # The least a waiting prompt gets while decodes run, on whichever path it costs less: without it,
 # deep into a long prompt the room under the default target fits a few tokens on either path,
-# and a 4,096-token prompt beside 8 streams waited 16 x its idle TTFT (docs/benchmarks.md).
-MIN_PROMPT_TOKENS = 16
+# and a 4,096-token prompt beside 8 streams waited 16 x its idle TTFT (docs/benchmarks.md). 4,
+# not 16, since chunk rows are attended once (16 rows cost ~20 ms over a 15 ms decode step, so
+# the floor itself broke the target with few streams; measured in docs/benchmarks.md, issue 14).
+MIN_PROMPT_TOKENS = 4
 # Without --itl-target-ms the target is this many times the predicted decode-only step.
 DEFAULT_ITL_FACTOR = 2.0
 # A prompt past its TTFT target gets this many times the ITL target's room.
