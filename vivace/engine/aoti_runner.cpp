@@ -57,18 +57,25 @@ int64_t aoti_open(const std::string& path, const std::vector<std::string>& names
   return static_cast<int64_t>(registry.size()) - 1;
 }
 
+// The GIL released for this object's lifetime when the calling thread holds it, and retaken
+// when it ends, whether the body returns or throws.
+class GilReleased {
+ public:
+  GilReleased() : saved_(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~GilReleased() {
+    if (saved_) PyEval_RestoreThread(saved_);
+  }
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+
+ private:
+  void* saved_;
+};
+
 std::vector<at::Tensor> aoti_run(int64_t handle, std::vector<at::Tensor> inputs) {
   const auto loader = lookup(handle);
-  void* saved = PyGILState_Check() ? PyEval_SaveThread() : nullptr;
-  std::vector<at::Tensor> outputs;
-  try {
-    outputs = loader->boxed_run(std::move(inputs));
-  } catch (...) {
-    if (saved) PyEval_RestoreThread(saved);
-    throw;
-  }
-  if (saved) PyEval_RestoreThread(saved);
-  return outputs;
+  const GilReleased released;
+  return loader->boxed_run(std::move(inputs));
 }
 
 void aoti_close(int64_t handle) {

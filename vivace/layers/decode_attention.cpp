@@ -194,11 +194,10 @@ int64_t run_end(const at::Tensor& tables, const int64_t* lens, int64_t b, int64_
 // cost about what they cost one by one, 4 rows 0.75 x, 16 rows 0.2 x).
 constexpr int64_t MIN_RUN = 4;
 
-// Attends rows [b, e), a run, with vivace's native prefill kernel (found through the dispatcher
-// under the name only its library registers) into out; false when that library is not loaded
-// or the shape is not one it takes.
 using PrefillFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
 
+// vivace's native prefill kernel, found through the dispatcher under the name only its library
+// registers; none while that library is not loaded.
 std::optional<c10::TypedOperatorHandle<PrefillFn>> native_prefill() {
   static std::mutex mutex;
   static std::optional<c10::TypedOperatorHandle<PrefillFn>> op;  // kept once found; looked up again until then
@@ -209,6 +208,8 @@ std::optional<c10::TypedOperatorHandle<PrefillFn>> native_prefill() {
   return op;
 }
 
+// Attends rows [b, e), a run, with the native prefill kernel into out; false when that library
+// is not loaded or the dtypes or shape are not ones it takes.
 bool attend_run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const int64_t* lens,
                 int64_t b, int64_t e, double scale, at::Tensor& out) {
   // The dtype pairs the prefill kernel is built for: one dtype, or float32 over a float16 cache.

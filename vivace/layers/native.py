@@ -91,8 +91,8 @@ def prebuild(names: tuple[str, ...] | None = None, workers: int | None = None) -
     """Start building and loading the libraries ``names`` (default: all of ``LIBRARIES``) on
     ``workers`` threads (default: one per CPU this process may use), the largest source first (the
     ``late`` ones after all others), so that the longest build is not slowed by all the others at
-    once; returns the threads. Every
-    library is claimed before this returns: a ``load`` of one waits for its build here."""
+    once; returns the threads. Every library is claimed before this returns: a ``load`` of one
+    waits for its build here."""
     libraries = sorted((LIBRARIES[name] for name in names or LIBRARIES),
                        key=lambda lib: (lib.late, -lib.source.stat().st_size))
     queue = collections.deque(run for claimed in (_claim(lib.source, lib.cflags, lib.cpu_flags) for lib in libraries)
