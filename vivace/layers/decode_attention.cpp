@@ -92,6 +92,12 @@ void attend_heads(const T* q, T* out, const C* keys, const C* values, const int6
   for (int64_t j = first_block; j < num_blocks; ++j) {
     const C* base = keys + table[j] * bs * stride + kvh * D;
     const int64_t n = std::min(bs, seq_len - j * bs), at = j * bs;
+    // The next block's rows of this head (after the last key block, the first value block's).
+    if (j + 1 < num_blocks)
+      prefetch_rows(keys + table[j + 1] * bs * stride + kvh * D, std::min(bs, seq_len - (j + 1) * bs), stride, D);
+    else
+      prefetch_rows(values + table[first_block] * bs * stride + kvh * D, std::min(bs, seq_len - first_block * bs),
+                    stride, D);
     int64_t t = std::max<int64_t>(0, start - at);
     for (; t + 16 <= n; t += 16) {
       __m512 part[GB][16];
@@ -146,6 +152,8 @@ void attend_heads(const T* q, T* out, const C* keys, const C* values, const int6
   for (int64_t j = first_block; j < num_blocks; ++j) {
     const C* base = values + table[j] * bs * stride + kvh * D;
     const int64_t n = std::min(bs, seq_len - j * bs), at = j * bs;
+    if (j + 1 < num_blocks)
+      prefetch_rows(values + table[j + 1] * bs * stride + kvh * D, std::min(bs, seq_len - (j + 1) * bs), stride, D);
     for (int64_t u = std::max<int64_t>(0, start - at); u < n; ++u) {
       const C* v = base + u * stride;
       __m512 value[ND];

@@ -268,6 +268,13 @@ void pack_kv(const T* cache, int64_t num_slots, const int64_t* table, const Prob
       float* kt = kt_all + task * D * BK;
       const float** vptr = v_all + task * BK;
       for (int64_t t16 = 0; t16 < BK; t16 += 16) {
+        // The next 16 keys' and values' rows of this head, asked for while these are packed
+        // (a block ends every block_size keys, and the hardware prefetcher with it).
+        for (int64_t k = c * BK + t16 + 16; k < std::min(c * BK + t16 + 32, s.seq_len); ++k) {
+          const int64_t slot = table[k / s.block_size] * s.block_size + k % s.block_size;
+          prefetch_rows(keys + (slot * s.kv_heads + h) * D, 1, 0, D);
+          prefetch_rows(values + (slot * s.kv_heads + h) * D, 1, 0, D);
+        }
         const T* ks[16];
         int64_t present = 0;  // keys of these 16 that exist
         for (int64_t u = 0; u < 16; ++u) {

