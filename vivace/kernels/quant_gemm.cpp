@@ -258,16 +258,18 @@ void rows_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0) {
 template <int BITS, Scheme S>
 void run(const Problem& p) {
   const int64_t tiles = p.n / kTile;
-  // Split output tiles across threads in blocks of 4 tiles; within a block every
-  // activation row reuses the block's weights from cache. A thread gets at least
-  // kMinWorkPerThread (weight bytes times 8-row passes) so that the smallest GEMVs stay on one
-  // thread: waking a second one costs more than it saves. 128 KiB: served batch-1 median ITL
-  // 5.0-5.6 ms against 5.7-6.3 at 512 KiB (three alternating runs each) and 5.6-5.7 at 48 KiB.
-  const int64_t block_work = 4 * kTile * p.k * BITS / 8 * ((p.m + 7) / 8);
-  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / block_work);
-  at::parallel_for(0, (tiles + 3) / 4, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {  // blocks outer: a block's weights stay in L1 across rows
-      const int64_t t0 = b * 4, t1 = std::min(tiles, t0 + 4);
+  // Output tiles split across threads one tile at a time, so that the threads' shares differ by
+  // at most a tile (in blocks of 4 tiles, a 576-wide layer's 9 blocks split 5 : 4, and the thread
+  // with 5 set the pace); within a thread's share, blocks of 4 tiles, every activation row reusing
+  // a block's weights from cache. A thread gets at least kMinWorkPerThread (weight bytes times
+  // 8-row passes) so that the smallest GEMVs stay on one thread: waking a second one costs more
+  // than it saves. 128 KiB: served batch-1 median ITL 5.0-5.6 ms against 5.7-6.3 at 512 KiB
+  // (three alternating runs each) and 5.6-5.7 at 48 KiB.
+  const int64_t tile_work = kTile * p.k * BITS / 8 * ((p.m + 7) / 8);
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / tile_work);
+  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
+    for (int64_t t0 = first; t0 < last; t0 += 4) {  // blocks outer: a block's weights stay in L1 across rows
+      const int64_t t1 = std::min(last, t0 + 4);
       int64_t m0 = 0;
       for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, S, 8>(p, t0, t1, m0);
       // The other rows in one pass over the weights (a verify step's k + 1 = 5 rows took as
