@@ -66,7 +66,8 @@ def test_float32_queries_over_a_half_precision_cache(cache_dtype, heads, kv_head
 @pytest.mark.parametrize("run", [1, 3, 4, 16, 33])
 def test_rows_of_one_sequence_match_row_by_row_attention(cache_dtype, run):
     """A prompt chunk riding the decode step: ``run`` rows at consecutive positions of one sequence
-    (same block table), between other sequences; runs of 4 or more rows take the prefill kernel."""
+    (same block table), between other sequences; runs of 16 or more rows take the prefill kernel,
+    shorter ones the decode kernel, several rows per pass."""
     q, k, v, cache, slots, tables, seq_lens = random_batch(torch.float32, 3 + run, heads=9, kv_heads=3, head_dim=64,
                                                            block_size=16, num_blocks=(3 + run) * 12, seed=run,
                                                            width=12)

@@ -65,17 +65,20 @@ inline void head_dots(const __m512 (&query)[GB][ND], const C* k, int gb, __m512 
   }
 }
 
-// Attend query heads [h0, h0 + gb) of one sequence (gb <= heads_per_pass, all sharing kv head
-// `kvh`) over its tokens [start, seq_len); ND = head_dim / 16. Each key and value row is read
-// once for all gb heads. q and out point at the sequence's first head ([heads, head_dim]).
-// Blocks are walked in table order, so no token needs a division; scores are kept at their
-// token's index (those below `start` are never written or read).
+// Attend gb query vectors (gb <= heads_per_pass), all of one sequence and kv head `kvh`, query g
+// (qs[g], [head_dim]) over that sequence's tokens [start, lens[g]) into outs[g]; ND = head_dim / 16.
+// The queries are heads of one row, or of consecutive rows (a prompt chunk riding the decode
+// step), whose lengths then differ: every query's scores are computed up to the longest, and a
+// query's softmax covers its own tokens only (the rest weigh zero). Each key and value row is
+// read once for all gb queries. Blocks are walked in table order, so no token needs a division;
+// scores are kept at their token's index (those below `start` are never written or read).
 template <typename T, typename C, int ND>
-void attend_heads(const T* q, T* out, const C* keys, const C* values, const int64_t* table, int64_t start,
-                  int64_t seq_len, int64_t kvh, int64_t h0, int gb, float scale, const Layout& s,
-                  std::vector<float>& buf) {
+void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int gb, const C* keys, const C* values,
+                    const int64_t* table, int64_t start, int64_t kvh, float scale, const Layout& s,
+                    std::vector<float>& buf) {
   constexpr int GB = heads_per_pass<ND>();
   constexpr int64_t D = 16 * ND;
+  const int64_t seq_len = *std::max_element(lens, lens + gb);
   const int64_t stride = s.token_stride(), bs = s.block_size, num_blocks = (seq_len + bs - 1) / bs;
   const int64_t first_block = start / bs, width = seq_len + 16;
   buf.resize(GB * width);
@@ -84,8 +87,7 @@ void attend_heads(const T* q, T* out, const C* keys, const C* values, const int6
   __m512 query[GB][ND];
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < ND; ++i)
-      query[g][i] = g < gb ? _mm512_mul_ps(load16(q + (h0 + g) * D + 16 * i), _mm512_set1_ps(scale))
-                           : _mm512_setzero_ps();
+      query[g][i] = g < gb ? _mm512_mul_ps(load16(qs[g] + 16 * i), _mm512_set1_ps(scale)) : _mm512_setzero_ps();
   // Scores, 16 tokens at a time where a block allows: each key row loaded once, dotted with every head.
   __m512 peak[GB];
   for (int g = 0; g < GB; ++g) peak[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -129,16 +131,25 @@ void attend_heads(const T* q, T* out, const C* keys, const C* values, const int6
   for (int g = 0; g < GB; ++g) {
     if (g >= gb) break;
     float* sc = scores[g];
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak[g]));
+    const int64_t len = lens[g];
+    float peak_g = _mm512_reduce_max_ps(peak[g]);
+    if (len < seq_len) {  // the peak may be a token past this query's own: find its own
+      __m512 own = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = start; t < len; t += 16)
+        own = _mm512_mask_max_ps(own, tail_mask(len - t), own, _mm512_maskz_loadu_ps(tail_mask(len - t), sc + t));
+      peak_g = _mm512_reduce_max_ps(own);
+      std::fill(sc + len, sc + seq_len, 0.0f);
+    }
+    const __m512 top = _mm512_set1_ps(peak_g);
     __m512 total = _mm512_setzero_ps();
     int64_t t = start;
-    for (; t + 16 <= seq_len; t += 16) {
+    for (; t + 16 <= len; t += 16) {
       const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), top));
       total = _mm512_add_ps(total, e);
       _mm512_storeu_ps(sc + t, e);
     }
-    if (t < seq_len) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (seq_len - t)) - 1);
+    if (t < len) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
       const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), top));
       total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
       _mm512_mask_storeu_ps(sc + t, m, e);
@@ -168,7 +179,7 @@ void attend_heads(const T* q, T* out, const C* keys, const C* values, const int6
   for (int g = 0; g < GB; ++g) {
     if (g >= gb) break;
     const __m512 w = _mm512_set1_ps(inv[g]);
-    for (int i = 0; i < ND; ++i) store16(out + (h0 + g) * D + 16 * i, _mm512_mul_ps(acc[g][i], w));
+    for (int i = 0; i < ND; ++i) store16(outs[g] + 16 * i, _mm512_mul_ps(acc[g][i], w));
   }
 }
 
@@ -196,11 +207,12 @@ int64_t run_end(const at::Tensor& tables, const int64_t* lens, int64_t b, int64_
   return e;
 }
 
-// Rows in a run from which the prefill kernel attends them: it reads each K/V row once for all
-// of them, where row-by-row attention reads it once per row, but first packs the sequence's K/V
-// into float32 tiles (measured, 8 streams beside a run at 1,000 tokens, float16 cache: 2 rows
-// cost about what they cost one by one, 4 rows 0.75 x, 16 rows 0.2 x).
-constexpr int64_t MIN_RUN = 4;
+// Rows in a run from which the prefill kernel attends them. Shorter runs are attended here, every
+// K/V row read once per pass of heads_per_pass (row, head) pairs; the prefill kernel reads each
+// row once for the whole run but first packs the sequence's K/V into float32 tiles, a cost that
+// grows with the sequence, not the run (8 streams beside a run at 3,000 tokens: 4 rows added
+// ~35 ms to the step, 16 rows ~49 ms).
+constexpr int64_t MIN_PREFILL_RUN = 16;
 
 using PrefillFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
 
@@ -250,39 +262,53 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     for (int64_t j = 0; j < (lens[b] + s.block_size - 1) / s.block_size; ++j)
       TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "block ", table[j], " is outside the cache");
   }
-  using Attend = void (*)(const T*, T*, const C*, const C*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int,
-                         float, const Layout&, std::vector<float>&);
+  using Attend = void (*)(const T* const*, T* const*, const int64_t*, int, const C*, const C*, const int64_t*, int64_t,
+                         int64_t, float, const Layout&, std::vector<float>&);
   Attend attend = nullptr;
   int per_pass = 0;
   switch (s.head_dim / 16) {
-#define VIVACE_CASE(ND) case ND: attend = attend_heads<T, C, ND>; per_pass = heads_per_pass<ND>(); break;
+#define VIVACE_CASE(ND) case ND: attend = attend_queries<T, C, ND>; per_pass = heads_per_pass<ND>(); break;
     VIVACE_CASE(1) VIVACE_CASE(2) VIVACE_CASE(3) VIVACE_CASE(4) VIVACE_CASE(5) VIVACE_CASE(6) VIVACE_CASE(7)
     VIVACE_CASE(8) VIVACE_CASE(16)
 #undef VIVACE_CASE
     default: TORCH_CHECK(false, "paged_decode_attention: head_dim ", s.head_dim, " is not a multiple of 16 up to 128, or 256");
   }
-  // Runs of rows that are consecutive positions of one sequence go to the prefill kernel whole.
-  std::vector<int64_t> single;  // the rows attended here
+  // Tasks: a kv head of a group of rows (one row, or a run of one sequence's consecutive rows)
+  // and up to per_pass of the (row, query head) pairs that share it. Long runs go to the prefill
+  // kernel whole.
+  struct Task { int64_t row, kvh, first_pair, pairs; };
+  std::vector<Task> tasks;
   for (int64_t b = 0; b < num_seqs;) {
     const int64_t e = window == 0 ? run_end(tables, lens, b, num_seqs, s.block_size) : b + 1;
-    if (e - b >= MIN_RUN && attend_run(q, cache, tables, lens, b, e, scale, out)) {
+    if (e - b >= MIN_PREFILL_RUN && attend_run(q, cache, tables, lens, b, e, scale, out)) {
       b = e;
       continue;
     }
-    for (; b < e; ++b) single.push_back(b);
+    const int64_t pairs = (e - b) * s.group;
+    for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh)
+      for (int64_t first = 0; first < pairs; first += per_pass)
+        tasks.push_back({b, kvh, first, std::min<int64_t>(per_pass, pairs - first)});
+    b = e;
   }
-  // Tasks: (row, kv head, pass over up to per_pass of its query heads).
-  const int64_t passes = (s.group + per_pass - 1) / per_pass, per_seq = s.kv_heads * passes;
-  at::parallel_for(0, static_cast<int64_t>(single.size()) * per_seq, 1, [&](int64_t begin, int64_t end) {
+  const int64_t heads = s.kv_heads * s.group, row_stride = q.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = single[task / per_seq], kvh = task % per_seq / passes, pass = task % passes;
-      const int64_t h0 = kvh * s.group + pass * per_pass;
-      const int gb = static_cast<int>(std::min<int64_t>(per_pass, s.group - pass * per_pass));
-      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-      attend(q.data_ptr<T>() + b * q.stride(0), out.data_ptr<T>() + b * s.kv_heads * s.group * s.head_dim, keys,
-             values, tables.data_ptr<int64_t>() + b * tables.stride(0), start, lens[b], kvh, h0, gb,
-             static_cast<float>(scale), s, buf);
+    const T* qs[16];
+    T* outs[16];
+    int64_t query_lens[16];
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      for (int64_t g = 0; g < task.pairs; ++g) {
+        const int64_t pair = task.first_pair + g, row = task.row + pair / s.group;
+        const int64_t head = task.kvh * s.group + pair % s.group;
+        qs[g] = q.data_ptr<T>() + row * row_stride + head * s.head_dim;
+        outs[g] = out.data_ptr<T>() + (row * heads + head) * s.head_dim;
+        query_lens[g] = lens[row];
+      }
+      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[task.row] - window) : 0;
+      attend(qs, outs, query_lens, static_cast<int>(task.pairs), keys, values,
+             tables.data_ptr<int64_t>() + task.row * tables.stride(0), start, task.kvh, static_cast<float>(scale), s,
+             buf);
     }
   });
 }
