@@ -12,7 +12,7 @@ from vivace.config import EngineConfig
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.llm_engine import LLMEngine
 from vivace.engine.pacer import (
-    COLD_PROMPT_TOKENS, MIN_PROMPT_TOKENS, Pacer, PacerTargets, PromptPath, PromptPlan, StepCostModel, pacer_for, plan_prompt,
+    COLD_PROMPT_TOKENS, DEEP_MIN_PROMPT_TOKENS, DEEP_PROMPT_START, MIN_PROMPT_TOKENS, Pacer, PacerTargets, PromptPath, PromptPlan, StepCostModel, pacer_for, plan_prompt,
     prompt_kilopositions)
 from vivace.engine.request import Request, RequestStatus
 from vivace.engine.sampling_params import SamplingParams
@@ -144,7 +144,16 @@ def test_a_deep_chunk_takes_the_prefill_path_when_it_fits_more_tokens() -> None:
 def test_a_target_tighter_than_the_decode_step_still_moves_prompts_on_the_cheaper_path() -> None:
     assert plan_prompt(trained(), PacerTargets(itl=0.001), 8, 512, 0.0, 64) == PromptPlan(MIN_PROMPT_TOKENS, ROWS)
     deep = trained((0.004, 0.00025, 0.0003, 0.0007, 0.02, 0.0002, 0.00001))  # 4 rows at 40,000: 120 ms; prefill 28 ms
-    assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 64, 40000) == PromptPlan(MIN_PROMPT_TOKENS, PREFILL)
+    assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 64, 40000) == PromptPlan(DEEP_MIN_PROMPT_TOKENS,
+                                                                                          PREFILL)
+
+
+def test_deep_into_a_prompt_the_floor_is_a_run_the_prefill_kernel_takes() -> None:
+    model, tight = trained(), PacerTargets(itl=0.001)
+    shallow = plan_prompt(model, tight, 8, 512, 0.0, 64, DEEP_PROMPT_START - 1)
+    deep = plan_prompt(model, tight, 8, 512, 0.0, 64, DEEP_PROMPT_START)
+    assert (shallow.tokens, deep.tokens) == (MIN_PROMPT_TOKENS, DEEP_MIN_PROMPT_TOKENS)
+    assert plan_prompt(model, tight, 8, 10, 0.0, 64, DEEP_PROMPT_START).tokens == 10  # never past the step's budget
 
 
 def test_an_overdue_prompt_gets_twice_the_room() -> None:

@@ -17,8 +17,9 @@ steps weighted more, pulled toward a prior while data is thin); every step teach
 prompt-only ones (prefill path, ``d = 0``) too. :func:`plan_prompt` is the whole policy: the
 prompt gets the time between the decode-only step and the ITL target, on whichever path fits
 more tokens in it (rows: no more than the compiled step takes), and never fewer than
-``MIN_PROMPT_TOKENS`` (on the path where they cost less); a prompt overdue on its TTFT target
-gets twice the room; with nothing decoding, the whole step budget goes to prompts.
+:func:`min_prompt_tokens` (4, or 16 deep into a prompt; on the path where they cost less); a
+prompt overdue on its TTFT target gets twice the room; with nothing decoding, the whole step
+budget goes to prompts.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ COLD_PROMPT_TOKENS = 16
 # not 16, since chunk rows are attended once (16 rows cost ~20 ms over a 15 ms decode step, so
 # the floor itself broke the target with few streams; measured in docs/benchmarks.md, issue 14).
 MIN_PROMPT_TOKENS = 4
+# The floor from this many tokens into a prompt on: deep rows attended a few at a time cost twice
+# what 16 cost each, as runs of 16 rows or more take the prefill kernel, which reads the sequence's
+# K/V once for all of them (8 streams beside rows at 3,000 tokens: 4 rows +20.6 ms, 8 rows +39.1,
+# 16 rows +41.5; at 1,000 tokens 4 rows +7.6, 16 rows +23.7, docs/benchmarks.md issue 14). With a
+# floor of 4 throughout, a 4,096-token prompt beside 8 streams waited 4.7 x its idle TTFT.
+DEEP_PROMPT_START = 2048
+DEEP_MIN_PROMPT_TOKENS = 16
 # Without --itl-target-ms the target is this many times the predicted decode-only step.
 DEFAULT_ITL_FACTOR = 2.0
 # A prompt past its TTFT target gets this many times the ITL target's room.
@@ -55,6 +63,11 @@ class PromptPath(Enum):
 
     ROWS = "rows"  # as rows of the compiled decode step
     PREFILL = "prefill"  # the eager step: paged prefill attention for the chunk
+
+
+def min_prompt_tokens(prompt_start: int) -> int:
+    """The least a waiting prompt gets while decodes run, for a chunk starting at ``prompt_start``."""
+    return DEEP_MIN_PROMPT_TOKENS if prompt_start >= DEEP_PROMPT_START else MIN_PROMPT_TOKENS
 
 
 def prompt_kilopositions(start: int, tokens: int) -> float:
@@ -158,7 +171,7 @@ def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int,
     ``step_budget`` tokens left, and their path, when the longest-waiting unserved prompt has
     waited ``oldest_prompt_wait`` seconds, the compiled step takes up to ``compiled_rows`` rows
     (0: no compiled step, so no rows path) and the next prompt chunk starts at ``prompt_start``.
-    Tokens are always within ``[min(MIN_PROMPT_TOKENS, step_budget), step_budget]``: however
+    Tokens are always within ``[min(min_prompt_tokens(prompt_start), step_budget), step_budget]``: however
     tight the target, a waiting prompt moves."""
     rows_path = PromptPath.ROWS if compiled_rows else PromptPath.PREFILL
     if decode_tokens == 0:
@@ -172,8 +185,9 @@ def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int,
         room *= OVERDUE_FACTOR
     prefill = model.prompt_tokens_within(room, prompt_start, PromptPath.PREFILL)
     rows = min(model.prompt_tokens_within(room, prompt_start), compiled_rows - decode_tokens) if compiled_rows else 0
-    if max(rows, prefill) < MIN_PROMPT_TOKENS:  # the floor, on the path where it costs less
-        tokens = min(MIN_PROMPT_TOKENS, step_budget)
+    floor = min_prompt_tokens(prompt_start)
+    if max(rows, prefill) < floor:  # the floor, on the path where it costs less
+        tokens = min(floor, step_budget)
         kpos = prompt_kilopositions(prompt_start, tokens)
         cheaper_as_rows = (compiled_rows and decode_tokens + tokens <= compiled_rows and model.predict(
             decode_tokens, tokens, kpos) <= model.predict(decode_tokens, tokens, kpos, PromptPath.PREFILL))
