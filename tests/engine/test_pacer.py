@@ -167,6 +167,22 @@ def test_an_overdue_prompt_gets_twice_the_room() -> None:
     assert overdue.tokens == model.prompt_tokens_within(2 * room, 0, PREFILL) > on_time.tokens
 
 
+def test_a_prompts_chunks_grow_at_most_two_fold_a_step() -> None:
+    model, targets = trained(), PacerTargets(itl=0.0085)  # room for 50 rows beside 8 decodes
+    assert plan_prompt(model, targets, 8, 512, 0.0, 64).tokens == pytest.approx(50, abs=2)  # no cap asked for
+    pacer = Pacer(targets, 64, model)
+    chunks = []
+    for _ in range(6):
+        plan = pacer.plan(8, 512, 0.0, sum(chunks))
+        chunks.append(plan.tokens)
+        pacer.observe(8, plan.tokens, prompt_kilopositions(sum(chunks) - plan.tokens, plan.tokens),
+                      cost(8, plan.tokens), plan.path)
+    assert chunks[:4] == [MIN_PROMPT_TOKENS, 8, 16, 32]
+    assert chunks[4] == chunks[5] == pytest.approx(50, abs=2)  # then the room, as before
+    pacer.observe(8, 0, 0.0, cost(8, 0), ROWS)  # a decode-only step: the next prompt ramps up again
+    assert pacer.plan(8, 512, 0.0, 0).tokens == MIN_PROMPT_TOKENS
+
+
 def test_the_compiled_step_caps_the_rows_path() -> None:
     model = trained((*COSTS[:4], 1.0, *COSTS[5:]))  # a prefill path never worth its overhead
     plan = plan_prompt(model, PacerTargets(itl=0.02), 8, 512, 0.0, 64)
@@ -217,6 +233,7 @@ def running_request(kv: KVCacheManager, request_id: str, prompt_len: int, comput
 def test_the_scheduler_gives_a_prompt_what_the_pacer_budgets() -> None:
     kv = KVCacheManager(num_blocks=256, block_size=4, enable_prefix_caching=False)
     pacer = Pacer(PacerTargets(itl=0.0085), 64, trained())  # room: 8.5 - 6 ms = 50 rows
+    pacer.last_prompt_tokens = 32  # the step before carried 32: the growth cap (64) is past the room
     scheduler = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=512, pacer=pacer)
     streams = [running_request(kv, f"s{i}", 4, 4) for i in range(8)]
     for stream in streams:
