@@ -81,6 +81,9 @@ void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int
   const int64_t seq_len = *std::max_element(lens, lens + gb);
   const int64_t stride = s.token_stride(), bs = s.block_size, num_blocks = (seq_len + bs - 1) / bs;
   const int64_t first_block = start / bs, width = seq_len + 16;
+  // This kv head's rows of block j of the sequence in `cache` (keys or values), and how many there are.
+  const auto head_rows = [&](const C* cache, int64_t j) { return cache + table[j] * bs * stride + kvh * D; };
+  const auto rows_in = [&](int64_t j) { return std::min(bs, seq_len - j * bs); };
   buf.resize(GB * width);
   float* scores[GB];
   for (int g = 0; g < GB; ++g) scores[g] = buf.data() + g * width;
@@ -92,14 +95,13 @@ void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int
   __m512 peak[GB];
   for (int g = 0; g < GB; ++g) peak[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = first_block; j < num_blocks; ++j) {
-    const C* base = keys + table[j] * bs * stride + kvh * D;
-    const int64_t n = std::min(bs, seq_len - j * bs), at = j * bs;
+    const C* base = head_rows(keys, j);
+    const int64_t n = rows_in(j), at = j * bs;
     // The next block's rows of this head (after the last key block, the first value block's).
     if (j + 1 < num_blocks)
-      prefetch_rows(keys + table[j + 1] * bs * stride + kvh * D, std::min(bs, seq_len - (j + 1) * bs), stride, D);
+      prefetch_rows(head_rows(keys, j + 1), rows_in(j + 1), stride, D);
     else
-      prefetch_rows(values + table[first_block] * bs * stride + kvh * D, std::min(bs, seq_len - first_block * bs),
-                    stride, D);
+      prefetch_rows(head_rows(values, first_block), rows_in(first_block), stride, D);
     int64_t t = std::max<int64_t>(0, start - at);
     for (; t + 16 <= n; t += 16) {
       __m512 part[GB][16];
@@ -161,10 +163,9 @@ void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int64_t j = first_block; j < num_blocks; ++j) {
-    const C* base = values + table[j] * bs * stride + kvh * D;
-    const int64_t n = std::min(bs, seq_len - j * bs), at = j * bs;
-    if (j + 1 < num_blocks)
-      prefetch_rows(values + table[j + 1] * bs * stride + kvh * D, std::min(bs, seq_len - (j + 1) * bs), stride, D);
+    const C* base = head_rows(values, j);
+    const int64_t n = rows_in(j), at = j * bs;
+    if (j + 1 < num_blocks) prefetch_rows(head_rows(values, j + 1), rows_in(j + 1), stride, D);
     for (int64_t u = std::max<int64_t>(0, start - at); u < n; ++u) {
       const C* v = base + u * stride;
       __m512 value[ND];
@@ -293,9 +294,10 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t heads = s.kv_heads * s.group, row_stride = q.stride(0);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
-    const T* qs[16];
-    T* outs[16];
-    int64_t query_lens[16];
+    constexpr int kMaxPerPass = heads_per_pass<1>();  // the most of any head size
+    const T* qs[kMaxPerPass];
+    T* outs[kMaxPerPass];
+    int64_t query_lens[kMaxPerPass];
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
       for (int64_t g = 0; g < task.pairs; ++g) {

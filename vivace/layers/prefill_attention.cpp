@@ -265,15 +265,19 @@ void pack_kv(const T* cache, int64_t num_slots, const int64_t* table, const Prob
   at::parallel_for(0, s.kv_heads * s.num_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / s.num_chunks, c = task % s.num_chunks;
+      // Offset of key k's row of head h in the keys (and in the values).
+      const auto row_of = [&](int64_t k) {
+        return (table[k / s.block_size] * s.block_size + k % s.block_size) * s.kv_heads * D + h * D;
+      };
       float* kt = kt_all + task * D * BK;
       const float** vptr = v_all + task * BK;
       for (int64_t t16 = 0; t16 < BK; t16 += 16) {
         // The next 16 keys' and values' rows of this head, asked for while these are packed
         // (a block ends every block_size keys, and the hardware prefetcher with it).
         for (int64_t k = c * BK + t16 + 16; k < std::min(c * BK + t16 + 32, s.seq_len); ++k) {
-          const int64_t slot = table[k / s.block_size] * s.block_size + k % s.block_size;
-          prefetch_rows(keys + (slot * s.kv_heads + h) * D, 1, 0, D);
-          prefetch_rows(values + (slot * s.kv_heads + h) * D, 1, 0, D);
+          const int64_t row = row_of(k);
+          prefetch_rows(keys + row, 1, 0, D);
+          prefetch_rows(values + row, 1, 0, D);
         }
         const T* ks[16];
         int64_t present = 0;  // keys of these 16 that exist
@@ -283,9 +287,9 @@ void pack_kv(const T* cache, int64_t num_slots, const int64_t* table, const Prob
             vptr[t16 + u] = nullptr;
             continue;
           }
-          const int64_t slot = table[k / s.block_size] * s.block_size + k % s.block_size;
-          ks[u] = keys + (slot * s.kv_heads + h) * D;
-          const T* vs = values + (slot * s.kv_heads + h) * D;
+          const int64_t row = row_of(k);
+          ks[u] = keys + row;
+          const T* vs = values + row;
           if (direct) {
             vptr[t16 + u] = reinterpret_cast<const float*>(vs);
           } else {
