@@ -12,7 +12,7 @@ from vivace.config import EngineConfig
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.llm_engine import LLMEngine
 from vivace.engine.pacer import (
-    COLD_PROMPT_TOKENS, DEEP_MIN_PROMPT_TOKENS, DEEP_PROMPT_START, MIN_PROMPT_TOKENS, Pacer, PacerTargets, PromptPath, PromptPlan, StepCostModel, pacer_for, plan_prompt,
+    COLD_PROMPT_TOKENS, DEEP_MIN_PROMPT_TOKENS, DEEP_PROMPT_START, LONG_RUN_ROWS, MIN_PROMPT_TOKENS, Pacer, PacerTargets, PromptPath, PromptPlan, StepCostModel, pacer_for, plan_prompt,
     prompt_kilopositions)
 from vivace.engine.request import Request, RequestStatus
 from vivace.engine.sampling_params import SamplingParams
@@ -20,17 +20,20 @@ from vivace.engine.scheduler import Scheduler
 
 ROWS, PREFILL = PromptPath.ROWS, PromptPath.PREFILL
 # A step: 4 ms, plus 0.25 ms per decode token; a prompt row 0.05 ms (and nothing for its
-# position unless a test says so); the prefill path 20 ms more, plus 0.04 ms a token and
-# 0.001 ms per thousand positions.
-COSTS = (0.004, 0.00025, 0.00005, 0.0, 0.02, 0.00004, 0.000001)
+# position, in short runs or long, unless a test says so); the prefill path 20 ms more, plus
+# 0.04 ms a token and 0.001 ms per thousand positions.
+COSTS = (0.004, 0.00025, 0.00005, 0.0, 0.0, 0.02, 0.00004, 0.000001)
+# Rows at 0.3 ms, plus 0.7 ms per thousand positions when fewer than 16 (read row by row), 0.2 ms
+# in a run of 16 or more; the prefill path 20 ms, plus 0.2 ms a token and 0.01 ms per thousand.
+DEEP_COSTS = (0.004, 0.00025, 0.0003, 0.0007, 0.0002, 0.02, 0.0002, 0.00001)
 
 
 def cost(decode_tokens: int, prompt_tokens: int, costs: tuple[float, ...] = COSTS, start: int = 0,
          path: PromptPath = ROWS) -> float:
     kpos = prompt_kilopositions(start, prompt_tokens)
-    prompt = costs[2] * prompt_tokens + costs[3] * kpos
+    prompt = costs[2] * prompt_tokens + costs[4 if prompt_tokens >= LONG_RUN_ROWS else 3] * kpos
     if path is PREFILL:
-        prompt = costs[4] + costs[5] * prompt_tokens + costs[6] * kpos
+        prompt = costs[5] + costs[6] * prompt_tokens + costs[7] * kpos
     return costs[0] + costs[1] * decode_tokens + prompt
 
 
@@ -57,7 +60,8 @@ def fixed_model(costs: tuple[float, ...]) -> StepCostModel:
 def test_the_cost_model_finds_linear_step_costs_on_both_paths() -> None:
     model = trained()
     assert model.warm
-    assert model.coefficients[:4] == pytest.approx(COSTS[:4], rel=0.02, abs=2e-6)
+    assert model.coefficients[:3] == pytest.approx(COSTS[:3], rel=0.03)
+    assert model.coefficients[3:5] == pytest.approx(COSTS[3:5], abs=1e-5)  # per thousand positions
     # The prefill path's overhead and per-token cost trade off against each other (and the
     # prior pulls at both) over the steps seen; their predictions hold.
     for path in (ROWS, PREFILL):
@@ -110,7 +114,7 @@ def test_the_budget_fills_the_room_under_the_itl_target() -> None:
     assert cost(8, plan.tokens) <= decode_step + 0.005 + 1e-4
     assert model.prompt_tokens_within(0.005, 0) == pytest.approx(plan.tokens, abs=1)
     # Default target: twice the decode step, so the room is one decode step.
-    assert plan_prompt(model, PacerTargets(), 8, 512, 0.0, 512).tokens == pytest.approx(decode_step / COSTS[2], abs=2)
+    assert plan_prompt(model, PacerTargets(), 8, 512, 0.0, 512).tokens == pytest.approx(decode_step / COSTS[2], rel=0.03)
     # A slower prompt row buys fewer rows for the same room.
     dearer = trained((COSTS[0], COSTS[1], 2 * COSTS[2], *COSTS[3:]))
     assert plan_prompt(dearer, PacerTargets(itl=decode_step + 0.005), 8, 512, 0.0, 512).tokens == pytest.approx(
@@ -118,9 +122,9 @@ def test_the_budget_fills_the_room_under_the_itl_target() -> None:
 
 
 def test_chunks_deeper_into_their_prompt_get_fewer_rows() -> None:
-    costs = (*COSTS[:3], 0.0001, *COSTS[4:])  # 0.1 ms per thousand positions: a row reads the prompt so far
+    costs = (*COSTS[:3], 0.0001, 0.0001, *COSTS[5:])  # 0.1 ms per thousand positions: a row reads the prompt so far
     model = trained(costs)
-    assert model.coefficients[3] == pytest.approx(0.0001, rel=0.05)
+    assert model.coefficients[3:5] == pytest.approx([0.0001, 0.0001], rel=0.05)
     target = PacerTargets(itl=model.predict(8) + 0.005)
     plans = [plan_prompt(model, target, 8, 512, 0.0, 512, start) for start in (0, 1000, 2000)]
     assert [p.path for p in plans] == [ROWS] * 3
@@ -129,23 +133,56 @@ def test_chunks_deeper_into_their_prompt_get_fewer_rows() -> None:
         assert cost(8, plan.tokens, costs, start) <= target.itl + 1e-5 < cost(8, plan.tokens + 2, costs, start)
 
 
-def test_a_deep_chunk_takes_the_prefill_path_when_it_fits_more_tokens() -> None:
-    costs = (0.004, 0.00025, 0.0003, 0.0007, 0.02, 0.0002, 0.00001)  # a row: 0.3 ms + 0.7 ms per 1000 deep
+def test_a_chunk_rides_the_compiled_step_while_it_fits_and_takes_the_prefill_path_past_it() -> None:
+    costs = DEEP_COSTS
     model = trained(costs)
     target = PacerTargets(itl=0.035)  # 29 ms of room beside 8 decodes
+    room = 0.035 - model.predict(8)
     shallow = plan_prompt(model, target, 8, 512, 0.0, 64, prompt_start=0)
-    deep = plan_prompt(model, target, 8, 512, 0.0, 64, prompt_start=4000)
+    deep = plan_prompt(model, target, 8, 512, 0.0, 64, prompt_start=1500)
     assert shallow == PromptPlan(56, ROWS)  # all the compiled step's rows fit
-    assert deep.path is PREFILL
-    assert deep.tokens > model.prompt_tokens_within(0.035 - model.predict(8), 4000, ROWS)
-    assert cost(8, deep.tokens, costs, 4000, PREFILL) == pytest.approx(0.035, rel=0.05)  # the fit's error
+    # Deeper, the room holds fewer rows than the compiled step has free: as rows.
+    assert deep == PromptPlan(model.prompt_tokens_within(room, 1500, ROWS), ROWS)
+    assert LONG_RUN_ROWS <= deep.tokens < 56
+    # A compiled step with 8 free rows: the prefill path, which fits more in the same room.
+    narrow = plan_prompt(model, target, 8, 512, 0.0, 16, prompt_start=1500)
+    assert narrow == PromptPlan(model.prompt_tokens_within(room, 1500, PREFILL), PREFILL)
+    assert cost(8, narrow.tokens, costs, 1500, PREFILL) == pytest.approx(0.035, rel=0.05)  # the fit's error
+    # And where the prefill path fits no more than the free rows, the free rows.
+    assert plan_prompt(trained((*COSTS[:5], 1.0, *COSTS[6:])), PacerTargets(itl=0.02), 8, 512, 0.0, 16) == PromptPlan(
+        8, ROWS)
 
 
-def test_a_target_tighter_than_the_decode_step_still_moves_prompts_on_the_cheaper_path() -> None:
+def test_runs_of_16_rows_or_more_are_costed_apart_from_shorter_ones() -> None:
+    model = trained(DEEP_COSTS)
+    assert model.coefficients[3:5] == pytest.approx(DEEP_COSTS[3:5], rel=0.05)
+    # 3,000 tokens in, a row costs 2.4 ms in a short run, 0.9 ms in a long one: 29 ms of room
+    # holds a long run of 32 rows (a short one would be 12).
+    assert model.prompt_tokens_within(0.029, 3000) == pytest.approx(32, abs=1)
+    # 10 ms holds no long run (11 rows): a short one, of 4.
+    assert model.prompt_tokens_within(0.010, 3000) == 4
+    for tokens in (4, 15, 16, 32):  # the prediction takes a chunk's rows as one run
+        kpos = prompt_kilopositions(3000, tokens)
+        assert model.predict(8, tokens, kpos) == pytest.approx(cost(8, tokens, DEEP_COSTS, 3000), rel=0.02)
+    # A step of two chunks is told which of its positions were in long runs.
+    short, long = prompt_kilopositions(3000, 4), prompt_kilopositions(1000, 16)
+    before = model.predict(8, 20, short + long)
+    seconds = cost(8, 4, DEEP_COSTS, 3000) + cost(8, 16, DEEP_COSTS, 1000) - DEEP_COSTS[0] - 8 * DEEP_COSTS[1]
+    for _ in range(50):
+        model.observe(8, 20, short + long, seconds, ROWS, long_run_kpos=long)
+    assert model.coefficients[3:5] == pytest.approx(DEEP_COSTS[3:5], rel=0.05)  # unmoved: the split was right
+    assert before != pytest.approx(seconds, rel=0.05)  # as one run, the same step would be mispredicted
+
+
+def test_a_target_tighter_than_the_decode_step_still_moves_prompts_as_rows_while_they_fit() -> None:
     assert plan_prompt(trained(), PacerTargets(itl=0.001), 8, 512, 0.0, 64) == PromptPlan(MIN_PROMPT_TOKENS, ROWS)
-    deep = trained((0.004, 0.00025, 0.0003, 0.0007, 0.02, 0.0002, 0.00001))  # 4 rows at 40,000: 120 ms; prefill 28 ms
+    deep = trained(DEEP_COSTS)
     assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 64, 40000) == PromptPlan(DEEP_MIN_PROMPT_TOKENS,
+                                                                                          ROWS)
+    # No free rows for the floor: it runs on the prefill path.
+    assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 16, 40000) == PromptPlan(DEEP_MIN_PROMPT_TOKENS,
                                                                                           PREFILL)
+    assert plan_prompt(deep, PacerTargets(itl=0.001), 62, 512, 0.0, 64) == PromptPlan(MIN_PROMPT_TOKENS, PREFILL)
 
 
 def test_deep_into_a_prompt_the_floor_is_a_run_the_prefill_kernel_takes() -> None:
@@ -184,7 +221,7 @@ def test_a_prompts_chunks_grow_at_most_two_fold_a_step() -> None:
 
 
 def test_the_compiled_step_caps_the_rows_path() -> None:
-    model = trained((*COSTS[:4], 1.0, *COSTS[5:]))  # a prefill path never worth its overhead
+    model = trained((*COSTS[:5], 1.0, *COSTS[6:]))  # a prefill path never worth its overhead
     plan = plan_prompt(model, PacerTargets(itl=0.02), 8, 512, 0.0, 64)
     assert plan == PromptPlan(56, ROWS)
 
@@ -271,7 +308,7 @@ def stream_then_prompts(engine: LLMEngine) -> dict[str, list[int]]:
 
 def test_greedy_outputs_are_identical_with_the_pacer_and_a_fixed_chunk(tiny: LLMEngine) -> None:
     paced = LLMEngine(tiny.config, tiny.loaded)
-    paced.scheduler.pacer.model = fixed_model((0.004, 0.00025, 0.0, 0.0, 0.0, 0.0002, 0.0))  # chunks of ~20
+    paced.scheduler.pacer.model = fixed_model((0.004, 0.00025, 0.0, 0.0, 0.0, 0.0, 0.0002, 0.0))  # chunks of ~20
     fixed = LLMEngine(EngineConfig(model=tiny.config.model, num_kv_blocks=256, block_size=4,
                                    max_prefill_chunk=3), tiny.loaded)
     assert stream_then_prompts(paced) == stream_then_prompts(fixed)

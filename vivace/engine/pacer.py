@@ -10,16 +10,20 @@ attention op, the chunk through the paged prefill attention, which reads the pro
 per chunk), which costs a fixed overhead per step but little per deep token.
 
 A step carrying ``d`` decode tokens and ``p`` prompt tokens at positions summing to ``1000 * k``
-lasts about ``base + per_decode * d`` plus, as rows, ``per_row * p + per_row_kpos * k``, or, on
-the prefill path, ``prefill_base + per_prefill_token * p + per_prefill_kpos * k`` seconds.
+lasts about ``base + per_decode * d`` plus, as rows, ``per_row * p + per_row_kpos * k`` (a
+coefficient of ``k`` for runs of fewer than :data:`LONG_RUN_ROWS` rows of one sequence, which the
+decode kernel attends row by row, and another for longer runs, which take the prefill kernel),
+or, on the prefill path, ``prefill_base + per_prefill_token * p + per_prefill_kpos * k`` seconds.
 :class:`StepCostModel` fits those eight numbers to the measured steps (least squares, recent
 steps weighted more, pulled toward a prior while data is thin); every step teaches it, the
 prompt-only ones (prefill path, ``d = 0``) too. :func:`plan_prompt` is the whole policy: the
-prompt gets the time between the decode-only step and the ITL target, on whichever path fits
-more tokens in it (rows: no more than the compiled step takes), and never fewer than
-:func:`min_prompt_tokens` (4, or 16 deep into a prompt; on the path where they cost less) nor
-more than twice the step before's (a new prompt's chunks ramp up); a prompt overdue on its TTFT
-target gets twice the room; with nothing decoding, the whole step budget goes to prompts.
+prompt gets the time between the decode-only step and the ITL target, never fewer than
+:func:`min_prompt_tokens` (4, or 16 deep into a prompt) nor more than twice the step before's
+(a new prompt's chunks ramp up), as rows while the compiled step has rows free for them, and on
+the prefill path only where that fits more tokens than the free rows (a run of 16 rows or more
+of one sequence takes the same prefill kernel as rows, without the eager step around it); a
+prompt overdue on its TTFT target gets twice the room; with nothing decoding, the whole step
+budget goes to prompts.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 # The chunk a step takes, as rows, until the model has seen enough steps to be trusted.
 COLD_PROMPT_TOKENS = 16
-# The least a waiting prompt gets while decodes run, on whichever path it costs less: without it,
+# The least a waiting prompt gets while decodes run: without it,
 # deep into a long prompt the room under the default target fits a few tokens on either path,
 # and a 4,096-token prompt beside 8 streams waited 16 x its idle TTFT (docs/benchmarks.md). 4,
 # not 16, since chunk rows are attended once (16 rows cost ~20 ms over a 15 ms decode step, so
@@ -52,6 +56,11 @@ MIN_PROMPT_TOKENS = 4
 # floor of 4 throughout, a 4,096-token prompt beside 8 streams waited 4.7 x its idle TTFT.
 DEEP_PROMPT_START = 2048
 DEEP_MIN_PROMPT_TOKENS = 16
+# Runs of this many rows of one sequence or more, in the compiled step, are attended by the
+# prefill kernel, which reads the sequence's K/V once for all of them (decode_attention.cpp's
+# MIN_PREFILL_RUN); shorter runs row by row. Their depth costs differ, so the model fits each apart:
+# with one coefficient, the deep 16-row chunks of a long prompt pulled the fit of shallow rows.
+LONG_RUN_ROWS = 16
 # Without --itl-target-ms the target is this many times the predicted decode-only step.
 DEFAULT_ITL_FACTOR = 2.0
 # A prompt past its TTFT target gets this many times the ITL target's room.
@@ -81,18 +90,23 @@ def prompt_kilopositions(start: int, tokens: int) -> float:
 
 
 # Prior coefficients, seconds (per unit of each term): base, per decode token, per prompt row,
-# per thousand prompt-row positions, prefill-path overhead, per prefill token, per thousand
-# prefill positions. Optimistic about the prefill path, so that a deep chunk tries it soon and
-# the measured steps decide.
-PRIOR = (0.002, 0.0005, 0.0005, 0.0002, 0.004, 0.0005, 0.00002)
+# per thousand prompt-row positions in short runs, the same in long runs, prefill-path overhead, per prefill token, per thousand
+# prefill positions. Optimistic about the prefill path, so that a chunk past the compiled step's
+# free rows tries it soon and the measured steps decide.
+PRIOR = (0.002, 0.0005, 0.0005, 0.0002, 0.0001, 0.004, 0.0005, 0.00002)
 
 
-def step_features(decode_tokens: int, prompt_tokens: int, prompt_kpos: float, path: PromptPath) -> np.ndarray:
-    """The cost model's terms of a step (see :data:`PRIOR` for their order)."""
+def step_features(decode_tokens: int, prompt_tokens: int, prompt_kpos: float, path: PromptPath,
+                  long_run_kpos: float | None = None) -> np.ndarray:
+    """The cost model's terms of a step (see :data:`PRIOR` for their order). ``long_run_kpos``:
+    the part of ``prompt_kpos`` in runs of :data:`LONG_RUN_ROWS` rows or more (None: the step's
+    prompt tokens are one run)."""
     rows = path is PromptPath.ROWS
     prefill = 0.0 if rows else 1.0
-    return np.array([1.0, decode_tokens, prompt_tokens * rows, prompt_kpos * rows,
-                     prefill, prompt_tokens * prefill, prompt_kpos * prefill])
+    if long_run_kpos is None:
+        long_run_kpos = prompt_kpos if prompt_tokens >= LONG_RUN_ROWS else 0.0
+    return np.array([1.0, decode_tokens, prompt_tokens * rows, (prompt_kpos - long_run_kpos) * rows,
+                     long_run_kpos * rows, prefill, prompt_tokens * prefill, prompt_kpos * prefill])
 
 
 class StepCostModel:
@@ -121,9 +135,10 @@ class StepCostModel:
         return self.num_decode_only >= 8 and self.num_with_prompt >= 8
 
     def observe(self, decode_tokens: int, prompt_tokens: int, prompt_kpos: float, seconds: float,
-                path: PromptPath = PromptPath.ROWS) -> None:
-        """Adds one measured step (``prompt_kpos``: its prompt tokens' positions summed, in thousands)."""
-        x = step_features(decode_tokens, prompt_tokens, prompt_kpos, path)
+                path: PromptPath = PromptPath.ROWS, long_run_kpos: float | None = None) -> None:
+        """Adds one measured step (``prompt_kpos``: its prompt tokens' positions summed, in
+        thousands; ``long_run_kpos``: as in :func:`step_features`)."""
+        x = step_features(decode_tokens, prompt_tokens, prompt_kpos, path, long_run_kpos)
         if self.warm:
             seconds = min(seconds, 3.0 * max(float(self.coefficients @ x), 0.0))
         self.gram = self.decay * self.gram + np.outer(x, x)
@@ -136,14 +151,23 @@ class StepCostModel:
 
     def predict(self, decode_tokens: int, prompt_tokens: int = 0, prompt_kpos: float = 0.0,
                 path: PromptPath = PromptPath.ROWS) -> float:
-        """Predicted seconds of a step, never below zero."""
+        """Predicted seconds of a step (its prompt tokens one run), never below zero."""
         return max(float(self.coefficients @ step_features(decode_tokens, prompt_tokens, prompt_kpos, path)), 0.0)
 
     def prompt_tokens_within(self, seconds: float, start: int, path: PromptPath = PromptPath.ROWS) -> int:
         """The most prompt tokens, from position ``start`` on, that add at most ``seconds`` to a
-        step on ``path`` (the prefill path's overhead included)."""
-        fixed, per_token, per_kpos = self.coefficients[4:] if path is PromptPath.PREFILL else (0.0, *self.coefficients[2:4])
-        seconds -= max(float(fixed), 0.0)
+        step on ``path`` (the prefill path's overhead included; as rows, one run)."""
+        c = self.coefficients
+        if path is PromptPath.PREFILL:
+            return self._tokens_within(seconds - max(float(c[5]), 0.0), start, c[6], c[7])
+        short = min(self._tokens_within(seconds, start, c[2], c[3]), LONG_RUN_ROWS - 1)
+        long = self._tokens_within(seconds, start, c[2], c[4])
+        return max(short, long) if long >= LONG_RUN_ROWS else short
+
+    @staticmethod
+    def _tokens_within(seconds: float, start: int, per_token: float, per_kpos: float) -> int:
+        """The most tokens from ``start`` on at ``per_token`` seconds each plus ``per_kpos`` per
+        thousand positions that fit in ``seconds``."""
         per_token, per_kpos = max(float(per_token), 1e-6), max(float(per_kpos), 0.0)
         if seconds <= 0:
             return 0
@@ -190,21 +214,22 @@ def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int,
     room = target - decode_step
     if targets.ttft is not None and oldest_prompt_wait > targets.ttft:
         room *= OVERDUE_FACTOR
-    prefill = model.prompt_tokens_within(room, prompt_start, PromptPath.PREFILL)
-    rows = min(model.prompt_tokens_within(room, prompt_start), compiled_rows - decode_tokens) if compiled_rows else 0
-    floor = min_prompt_tokens(prompt_start)
+    free_rows = max(compiled_rows - decode_tokens, 0)
+    floor = min(min_prompt_tokens(prompt_start), step_budget)
+    cap = step_budget
     if last_prompt_tokens is not None:
-        cap = max(floor, GROWTH_FACTOR * last_prompt_tokens)
-        rows, prefill = min(rows, cap), min(prefill, cap)
-    if max(rows, prefill) < floor:  # the floor, on the path where it costs less
-        tokens = min(floor, step_budget)
-        kpos = prompt_kilopositions(prompt_start, tokens)
-        cheaper_as_rows = (compiled_rows and decode_tokens + tokens <= compiled_rows and model.predict(
-            decode_tokens, tokens, kpos) <= model.predict(decode_tokens, tokens, kpos, PromptPath.PREFILL))
-        return PromptPlan(tokens, PromptPath.ROWS if cheaper_as_rows else PromptPath.PREFILL)
-    if rows >= prefill:
-        return PromptPlan(min(rows, step_budget), PromptPath.ROWS)
-    return PromptPlan(min(prefill, step_budget), PromptPath.PREFILL)
+        cap = min(step_budget, max(floor, GROWTH_FACTOR * last_prompt_tokens))
+    # Rows wherever the compiled step can carry the chunk: the same prompt tokens cost less there
+    # at any depth (no eager step around them, and a run of 16 rows or more of one sequence is
+    # attended by the same prefill kernel as on the prefill path).
+    rows = min(model.prompt_tokens_within(room, prompt_start), cap)
+    if max(rows, floor) <= free_rows:
+        return PromptPlan(max(rows, floor), PromptPath.ROWS)
+    # The room holds more than the compiled step's free rows: the prefill path, if it fits more.
+    prefill = min(model.prompt_tokens_within(room, prompt_start, PromptPath.PREFILL), cap)
+    if floor <= free_rows and prefill <= free_rows:
+        return PromptPlan(free_rows, PromptPath.ROWS)
+    return PromptPlan(max(prefill, floor), PromptPath.PREFILL)
 
 
 class Pacer:
@@ -231,9 +256,10 @@ class Pacer:
         return plan
 
     def observe(self, decode_tokens: int, prompt_tokens: int, prompt_kpos: float, seconds: float,
-                path: PromptPath) -> None:
-        """Feeds one measured step, run on ``path``, to the cost model."""
-        self.model.observe(decode_tokens, prompt_tokens, prompt_kpos, seconds, path)
+                path: PromptPath, long_run_kpos: float | None = None) -> None:
+        """Feeds one measured step, run on ``path``, to the cost model (``long_run_kpos``: as in
+        :func:`step_features`)."""
+        self.model.observe(decode_tokens, prompt_tokens, prompt_kpos, seconds, path, long_run_kpos)
         self.last_prompt_tokens = prompt_tokens
 
 

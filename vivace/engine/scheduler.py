@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from vivace.engine.kv_cache import KVCacheManager
-from vivace.engine.pacer import Pacer, PromptPath, PromptPlan, prompt_kilopositions
+from vivace.engine.pacer import LONG_RUN_ROWS, Pacer, PromptPath, PromptPlan, prompt_kilopositions
 from vivace.engine.request import Request, RequestStatus
 
 
@@ -33,6 +33,7 @@ class ScheduledBatch:
     num_decode_tokens: int = 0  # of total_tokens, those of requests decoding (and verifying proposals)
     prompt_budget: int = 0  # the most prompt tokens this step could take
     prompt_kpos: float = 0.0  # its prompt tokens' positions summed, in thousands (their attention's work)
+    long_run_kpos: float = 0.0  # the part of prompt_kpos in chunks of LONG_RUN_ROWS tokens or more
     prompt_path: PromptPath = PromptPath.ROWS  # how its prompt tokens run beside decode rows
 
     @property
@@ -91,7 +92,9 @@ class Scheduler:
             self._admit_waiting(batch, prompt_budget)
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.num_tokens - request.num_computed_tokens > 1:
-                batch.prompt_kpos += prompt_kilopositions(request.num_computed_tokens, num_new)
+                kpos = prompt_kilopositions(request.num_computed_tokens, num_new)
+                batch.prompt_kpos += kpos
+                batch.long_run_kpos += kpos if num_new >= LONG_RUN_ROWS else 0.0
             else:
                 batch.num_decode_tokens += num_new
         return batch
@@ -113,7 +116,8 @@ class Scheduler:
     def observe_step(self, batch: ScheduledBatch, seconds: float, path: PromptPath) -> None:
         """Teaches the pacer (if any) what ``batch``, run on ``path``, cost."""
         if self.pacer is not None:
-            self.pacer.observe(batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_kpos, seconds, path)
+            self.pacer.observe(batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_kpos, seconds, path,
+                               batch.long_run_kpos)
 
     def _schedule_running(self, requests: list[Request], budget: int, batch: ScheduledBatch) -> int:
         """Give each of ``requests`` its next tokens within ``budget``; returns what is left."""
