@@ -174,6 +174,15 @@ def test_runs_of_16_rows_or_more_are_costed_apart_from_shorter_ones() -> None:
     assert before != pytest.approx(seconds, rel=0.05)  # as one run, the same step would be mispredicted
 
 
+def test_a_vanishing_depth_cost_leaves_the_room_to_the_per_token_cost() -> None:
+    # A fitted depth coefficient of ~1e-31 (noise around zero) once cancelled the quadratic's root
+    # to 0 tokens, or to a handful, at random.
+    for per_kpos in (0.0, 1e-31, 6e-31, 1e-12):
+        model = fixed_model((0.004, 0.00025, 0.0001, per_kpos, per_kpos, 0.001, 0.00005, per_kpos))
+        assert model.prompt_tokens_within(0.00425, 12) == 42
+        assert model.prompt_tokens_within(0.00425, 12, PREFILL) == pytest.approx(65, abs=1)  # 3.25 ms at 0.05
+
+
 def test_a_target_tighter_than_the_decode_step_still_moves_prompts_as_rows_while_they_fit() -> None:
     assert plan_prompt(trained(), PacerTargets(itl=0.001), 8, 512, 0.0, 64) == PromptPlan(MIN_PROMPT_TOKENS, ROWS)
     deep = trained(DEEP_COSTS)

@@ -171,10 +171,10 @@ class StepCostModel:
         per_token, per_kpos = max(float(per_token), 1e-6), max(float(per_kpos), 0.0)
         if seconds <= 0:
             return 0
-        # seconds >= per_token * p + per_kpos * p * (start + (p - 1) / 2) / 1000: a quadratic in p.
+        # seconds >= per_token * p + per_kpos * p * (start + (p - 1) / 2) / 1000: a quadratic in p,
+        # whose root is written so that a tiny per_kpos does not cancel it away (a -> 0: seconds / b).
         a, b = per_kpos / 2000, per_token + per_kpos * (start - 0.5) / 1000
-        tokens = seconds / b if a == 0 else (math.sqrt(b * b + 4 * a * seconds) - b) / (2 * a)
-        return math.floor(tokens)
+        return math.floor(2 * seconds / (b + math.sqrt(b * b + 4 * a * seconds)))
 
 
 @dataclass(frozen=True)
