@@ -141,11 +141,10 @@ def test_prompt_chunks_beside_decodes_ride_the_compiled_step(tiny_model_dir, mon
     compiled.check_integrity()
 
 
-def test_the_pacer_sends_chunks_past_the_compiled_steps_rows_to_the_prefill_path_and_keeps_greedy_tokens(
-        tiny_model_dir):
-    """With costs where the room under the target holds more prompt tokens than the compiled
-    step has rows free, a prompt's first (ramping) chunks ride the compiled step and the larger
-    ones take the prefill path beside the decode rows; greedy tokens stay those of an eager engine."""
+def test_the_pacer_sends_deep_chunks_to_the_prefill_path_and_keeps_greedy_tokens(tiny_model_dir):
+    """With costs that make a row dear the deeper it is, chunks at a prompt's start ride the
+    compiled step and deeper ones take the prefill path beside the decode rows; greedy tokens
+    stay those of an eager engine."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     rng = random.Random(12)
     batch = [[rng.randrange(3, 49152) for _ in range(length)] for length in (5, 60, 60)]
@@ -153,10 +152,11 @@ def test_the_pacer_sends_chunks_past_the_compiled_steps_rows_to_the_prefill_path
     compiled = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, quantization="int8", compile=True,
                    max_num_seqs=24)
     engine = compiled.engine
-    # 4 ms + 0.25 ms a decode; a row 0.1 ms; the prefill path 1 ms + 0.05 ms a token. Beside one
-    # decode (4.25 ms of room): 42 rows, past the compiled step's 23 free ones, or 65 tokens on the
-    # prefill path. Chunks ramp up 4, 8, 16 as rows, then 32 on the prefill path.
-    engine.scheduler.pacer.model = fixed_model((0.004, 0.00025, 0.0001, 0.0, 0.0, 0.001, 0.00005, 0.0))
+    # 4 ms + 0.25 ms a decode; a row 0.1 ms + 100 ms per thousand positions (short runs or long);
+    # the prefill path 3 ms + 0.3 ms a token. Beside one decode (4.25 ms of room): ~8 rows at a
+    # prompt's start against 4 tokens on the prefill path; past position ~20 fewer than 4 rows fit,
+    # and the prefill path's 4 win.
+    engine.scheduler.pacer.model = fixed_model((0.004, 0.00025, 0.0001, 0.1, 0.1, 0.003, 0.0003, 0.0))
     outputs: dict[str, list[int]] = {}
     engine.add_request("first", batch[0], params)
     for step in range(200):

@@ -133,24 +133,16 @@ def test_chunks_deeper_into_their_prompt_get_fewer_rows() -> None:
         assert cost(8, plan.tokens, costs, start) <= target.itl + 1e-5 < cost(8, plan.tokens + 2, costs, start)
 
 
-def test_a_chunk_rides_the_compiled_step_while_it_fits_and_takes_the_prefill_path_past_it() -> None:
+def test_a_deep_chunk_takes_the_prefill_path_when_it_fits_more_tokens() -> None:
     costs = DEEP_COSTS
     model = trained(costs)
     target = PacerTargets(itl=0.035)  # 29 ms of room beside 8 decodes
-    room = 0.035 - model.predict(8)
     shallow = plan_prompt(model, target, 8, 512, 0.0, 64, prompt_start=0)
-    deep = plan_prompt(model, target, 8, 512, 0.0, 64, prompt_start=1500)
+    deep = plan_prompt(model, target, 8, 512, 0.0, 64, prompt_start=4000)
     assert shallow == PromptPlan(56, ROWS)  # all the compiled step's rows fit
-    # Deeper, the room holds fewer rows than the compiled step has free: as rows.
-    assert deep == PromptPlan(model.prompt_tokens_within(room, 1500, ROWS), ROWS)
-    assert LONG_RUN_ROWS <= deep.tokens < 56
-    # A compiled step with 8 free rows: the prefill path, which fits more in the same room.
-    narrow = plan_prompt(model, target, 8, 512, 0.0, 16, prompt_start=1500)
-    assert narrow == PromptPlan(model.prompt_tokens_within(room, 1500, PREFILL), PREFILL)
-    assert cost(8, narrow.tokens, costs, 1500, PREFILL) == pytest.approx(0.035, rel=0.05)  # the fit's error
-    # And where the prefill path fits no more than the free rows, the free rows.
-    assert plan_prompt(trained((*COSTS[:5], 1.0, *COSTS[6:])), PacerTargets(itl=0.02), 8, 512, 0.0, 16) == PromptPlan(
-        8, ROWS)
+    assert deep.path is PREFILL
+    assert deep.tokens > model.prompt_tokens_within(0.035 - model.predict(8), 4000, ROWS)
+    assert cost(8, deep.tokens, costs, 4000, PREFILL) == pytest.approx(0.035, rel=0.05)  # the fit's error
 
 
 def test_runs_of_16_rows_or_more_are_costed_apart_from_shorter_ones() -> None:
@@ -183,15 +175,16 @@ def test_a_vanishing_depth_cost_leaves_the_room_to_the_per_token_cost() -> None:
         assert model.prompt_tokens_within(0.00425, 12, PREFILL) == pytest.approx(65, abs=1)  # 3.25 ms at 0.05
 
 
-def test_a_target_tighter_than_the_decode_step_still_moves_prompts_as_rows_while_they_fit() -> None:
+def test_a_target_tighter_than_the_decode_step_still_moves_prompts_on_the_cheaper_path() -> None:
     assert plan_prompt(trained(), PacerTargets(itl=0.001), 8, 512, 0.0, 64) == PromptPlan(MIN_PROMPT_TOKENS, ROWS)
+    # 40,000 tokens in, 16 rows (a long run: 0.3 + 0.2 x 40 ms each) cost 133 ms; on the prefill path 30 ms.
     deep = trained(DEEP_COSTS)
     assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 64, 40000) == PromptPlan(DEEP_MIN_PROMPT_TOKENS,
-                                                                                          ROWS)
-    # No free rows for the floor: it runs on the prefill path.
-    assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 16, 40000) == PromptPlan(DEEP_MIN_PROMPT_TOKENS,
                                                                                           PREFILL)
-    assert plan_prompt(deep, PacerTargets(itl=0.001), 62, 512, 0.0, 64) == PromptPlan(MIN_PROMPT_TOKENS, PREFILL)
+    # 3,000 tokens in, the same 16 rows cost 14.4 ms, less than the prefill path's 23.7: rows. Priced
+    # at the short runs' 0.7 ms per thousand positions they would have seemed to cost 38 ms.
+    assert plan_prompt(deep, PacerTargets(itl=0.001), 8, 512, 0.0, 64, 3000) == PromptPlan(DEEP_MIN_PROMPT_TOKENS,
+                                                                                         ROWS)
 
 
 def test_deep_into_a_prompt_the_floor_is_a_run_the_prefill_kernel_takes() -> None:

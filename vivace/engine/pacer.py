@@ -17,13 +17,11 @@ or, on the prefill path, ``prefill_base + per_prefill_token * p + per_prefill_kp
 :class:`StepCostModel` fits those eight numbers to the measured steps (least squares, recent
 steps weighted more, pulled toward a prior while data is thin); every step teaches it, the
 prompt-only ones (prefill path, ``d = 0``) too. :func:`plan_prompt` is the whole policy: the
-prompt gets the time between the decode-only step and the ITL target, never fewer than
-:func:`min_prompt_tokens` (4, or 16 deep into a prompt) nor more than twice the step before's
-(a new prompt's chunks ramp up), as rows while the compiled step has rows free for them, and on
-the prefill path only where that fits more tokens than the free rows (a run of 16 rows or more
-of one sequence takes the same prefill kernel as rows, without the eager step around it); a
-prompt overdue on its TTFT target gets twice the room; with nothing decoding, the whole step
-budget goes to prompts.
+prompt gets the time between the decode-only step and the ITL target, on whichever path fits
+more tokens in it (rows: no more than the compiled step takes), and never fewer than
+:func:`min_prompt_tokens` (4, or 16 deep into a prompt; on the path where they cost less) nor
+more than twice the step before's (a new prompt's chunks ramp up); a prompt overdue on its TTFT
+target gets twice the room; with nothing decoding, the whole step budget goes to prompts.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # The chunk a step takes, as rows, until the model has seen enough steps to be trusted.
 COLD_PROMPT_TOKENS = 16
-# The least a waiting prompt gets while decodes run: without it,
+# The least a waiting prompt gets while decodes run, on whichever path it costs less: without it,
 # deep into a long prompt the room under the default target fits a few tokens on either path,
 # and a 4,096-token prompt beside 8 streams waited 16 x its idle TTFT (docs/benchmarks.md). 4,
 # not 16, since chunk rows are attended once (16 rows cost ~20 ms over a 15 ms decode step, so
@@ -90,9 +88,9 @@ def prompt_kilopositions(start: int, tokens: int) -> float:
 
 
 # Prior coefficients, seconds (per unit of each term): base, per decode token, per prompt row,
-# per thousand prompt-row positions in short runs, the same in long runs, prefill-path overhead, per prefill token, per thousand
-# prefill positions. Optimistic about the prefill path, so that a chunk past the compiled step's
-# free rows tries it soon and the measured steps decide.
+# per thousand prompt-row positions in short runs, the same in long runs, prefill-path overhead,
+# per prefill token, per thousand prefill positions. Optimistic about the prefill path, so that a deep chunk tries it soon and
+# the measured steps decide.
 PRIOR = (0.002, 0.0005, 0.0005, 0.0002, 0.0001, 0.004, 0.0005, 0.00002)
 
 
@@ -214,22 +212,21 @@ def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int,
     room = target - decode_step
     if targets.ttft is not None and oldest_prompt_wait > targets.ttft:
         room *= OVERDUE_FACTOR
-    free_rows = max(compiled_rows - decode_tokens, 0)
-    floor = min(min_prompt_tokens(prompt_start), step_budget)
-    cap = step_budget
+    prefill = model.prompt_tokens_within(room, prompt_start, PromptPath.PREFILL)
+    rows = min(model.prompt_tokens_within(room, prompt_start), compiled_rows - decode_tokens) if compiled_rows else 0
+    floor = min_prompt_tokens(prompt_start)
     if last_prompt_tokens is not None:
-        cap = min(step_budget, max(floor, GROWTH_FACTOR * last_prompt_tokens))
-    # Rows wherever the compiled step can carry the chunk: the same prompt tokens cost less there
-    # at any depth (no eager step around them, and a run of 16 rows or more of one sequence is
-    # attended by the same prefill kernel as on the prefill path).
-    rows = min(model.prompt_tokens_within(room, prompt_start), cap)
-    if max(rows, floor) <= free_rows:
-        return PromptPlan(max(rows, floor), PromptPath.ROWS)
-    # The room holds more than the compiled step's free rows: the prefill path, if it fits more.
-    prefill = min(model.prompt_tokens_within(room, prompt_start, PromptPath.PREFILL), cap)
-    if floor <= free_rows and prefill <= free_rows:
-        return PromptPlan(free_rows, PromptPath.ROWS)
-    return PromptPlan(max(prefill, floor), PromptPath.PREFILL)
+        cap = max(floor, GROWTH_FACTOR * last_prompt_tokens)
+        rows, prefill = min(rows, cap), min(prefill, cap)
+    if max(rows, prefill) < floor:  # the floor, on the path where it costs less
+        tokens = min(floor, step_budget)
+        kpos = prompt_kilopositions(prompt_start, tokens)
+        cheaper_as_rows = (compiled_rows and decode_tokens + tokens <= compiled_rows and model.predict(
+            decode_tokens, tokens, kpos) <= model.predict(decode_tokens, tokens, kpos, PromptPath.PREFILL))
+        return PromptPlan(tokens, PromptPath.ROWS if cheaper_as_rows else PromptPath.PREFILL)
+    if rows >= prefill:
+        return PromptPlan(min(rows, step_budget), PromptPath.ROWS)
+    return PromptPlan(min(prefill, step_budget), PromptPath.PREFILL)
 
 
 class Pacer:
