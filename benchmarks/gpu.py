@@ -6,7 +6,8 @@ and Hugging Face transformers, batched decode against the (weights + KV) floor, 
 
 Needs a GPU (exits 2 without one). Per preset: the HBM floor (bytes one step reads / the copy
 bandwidth measured in this run), vivace's decode step (a CUDA graph replay, median of 200; and
-the same with the host's input staging and the logits' copy back, as the engine steps), HF's
+the same with the host's input staging and the logits' copy back, as the engine's host-sampler
+path steps; and with the device sampler's graph instead, greedy and top-p, tokens back), HF's
 static-cache + torch.compile decode in this run (its ITL: the difference of two generate calls'
 times over the difference of their tokens), batch 8/32/64 steps, and prompt prefill times
 (eager forward + LM head of the last token, median of 5). Prints a table per preset; with
@@ -72,6 +73,8 @@ def bytes_read_per_step(loaded, batch: int, context: int) -> tuple[int, int]:
 
 def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int]) -> dict:
     from vivace.gpu.forward import GpuBatch, forward
+    from vivace.engine.request import Request
+    from vivace.engine.sampling_params import SamplingParams
     from vivace.gpu.runner import CudaRunner
     from vivace.models import load_model
 
@@ -94,8 +97,15 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
         graph, _ = graphs.graphs[size]
         replay = timed(graph.replay, 200)
         staged = timed(lambda: graphs.replay(ids, positions, tables)[:batch].float().cpu(), 100)
+        sampled = {}
+        for name, params in (("greedy", dict(temperature=0)), ("top_p", dict(temperature=0.8, top_p=0.95))):
+            rows = [Request(f"{name}{i}", [1] * context, SamplingParams(**params, seed=i)) for i in range(batch)]
+            sampled[name] = timed(lambda: runner.sampler.read(graphs.replay_sampled(ids, positions, tables, rows),
+                                                              list(range(batch)), rows), 100)
         weights, kv = bytes_read_per_step(loaded, batch, context)
         result["decode"][batch] = {"replay_ms": replay * 1e3, "step_ms": staged * 1e3,
+                                   "sampled_greedy_ms": sampled["greedy"] * 1e3,
+                                   "sampled_top_p_ms": sampled["top_p"] * 1e3,
                                    "weight_bytes": weights, "kv_bytes": kv}
 
     for length in prompts:
@@ -204,13 +214,14 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         report["presets"].append(row)
         print(f"\n## {preset}, bf16, context {args.context}\n")
-        print("| batch | floor (weights + KV) | graph replay | engine step (staging + logits to host) | replay / floor |")
-        print("|---|---|---|---|---|")
+        print("| batch | floor (weights + KV) | graph replay | step, logits to host | step, device greedy "
+              "| step, device top-p | replay / floor |")
+        print("|---|---|---|---|---|---|---|")
         for batch, d in row["decode"].items():
             floor = (d["weight_bytes"] + d["kv_bytes"]) / bandwidth * 1e3
             d["floor_ms"] = floor
             print(f"| {batch} | {floor:.3f} ms | {d['replay_ms']:.3f} ms | {d['step_ms']:.3f} ms | "
-                  f"{d['replay_ms'] / floor:.2f}x |")
+                  f"{d['sampled_greedy_ms']:.3f} ms | {d['sampled_top_p_ms']:.3f} ms | {d['replay_ms'] / floor:.2f}x |")
         hf = row["hf_static_compile_itl_ms"]
         if hf is not None:
             one = row["decode"][1]["replay_ms"]

@@ -1,7 +1,8 @@
 """The CUDA runner behind the engine seam, end to end: greedy tokens of a tiny random Llama equal
 transformers' and the CPU runner's, through whole-prompt and chunked prefill, prefix-cache hits,
-mixed batches and n-gram verification rows (on CPU under Triton's interpreter where there is no
-GPU: few tokens, tiny model)."""
+mixed batches and n-gram verification rows; tokens drawn by the device sampler (penalties,
+logprobs, seeds) match the CPU engine's host sampler or reproduce across runs and batches (on CPU
+under Triton's interpreter where there is no GPU: few tokens, tiny model)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,13 @@ PROMPTS = [[5, 900, 31, 4242, 77, 12, 5, 900, 31, 4242, 77, 12, 5, 900], [8, 100
 NEW = 6
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+def greedy(**params: object) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, **params)
+
+
+def seeded(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=seed, max_tokens=NEW, ignore_eos=True,
+                          logprobs=2)
 
 
 def with_cuda_runner(llm: LLM, model_dir: str) -> LLM:
@@ -51,6 +57,15 @@ def test_greedy_equals_transformers_and_the_cpu_runner(tiny_model_dir, hf) -> No
         assert tokens == theirs[0, len(prompt):].tolist()
     cpu = LLM(str(tiny_model_dir), **config)
     assert [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy())] == ours
+    assert gpu.engine.runner.sampler.num_steps > NEW  # the device sampler drew them
+    # Penalties and logprobs on the device, against the CPU engine's host sampler.
+    params = greedy(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, logprobs=3)
+    theirs = cpu.generate(PROMPTS[0], params)[0].outputs[0]
+    mine = gpu.generate(PROMPTS[0], params)[0].outputs[0]
+    assert mine.token_ids == theirs.token_ids
+    for a, b in zip(mine.logprobs, theirs.logprobs):
+        assert [t for t, _, _ in a.top] == [t for t, _, _ in b.top]
+        assert abs(a.logprob - b.logprob) < 2e-3  # the two forwards differ by float rounding
     # Again: the prompts' full blocks now come from the prefix cache.
     again = gpu.generate(PROMPTS[0], greedy())[0]
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == ours[0]
@@ -67,6 +82,19 @@ def test_ngram_verification_rows_keep_greedy_tokens(tiny_model_dir) -> None:
     assert spec.engine.spec_stats.num_steps > 0
 
 
+def test_seeded_device_sampling_reproduces_across_runs_and_batches(tiny_model_dir) -> None:
+    config = dict(num_kv_blocks=32, block_size=4, max_model_len=64, device="cpu")
+    gpu = with_cuda_runner(LLM(str(tiny_model_dir), **config), str(tiny_model_dir))
+    alone = gpu.generate(PROMPTS[0], seeded(5))[0].outputs[0]
+    assert len(alone.logprobs) == NEW and all(len(lp.top) == 2 for lp in alone.logprobs)
+    assert gpu.generate(PROMPTS[0], seeded(5))[0].outputs[0].token_ids == alone.token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
+    batched = gpu.generate([PROMPTS[1], PROMPTS[0], PROMPTS[1]], [others, seeded(5), greedy()])
+    assert batched[1].outputs[0].token_ids == alone.token_ids
+    assert gpu.generate(PROMPTS[0], seeded(6))[0].outputs[0].token_ids != alone.token_ids
+    gpu.engine.check_integrity()
+
+
 def test_graph_buckets() -> None:
     assert graph_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
@@ -78,7 +106,16 @@ def test_graph_replay_equals_eager_across_buckets(tiny_model_dir) -> None:
     config = dict(num_kv_blocks=64, block_size=16, max_model_len=128, device="cpu")
     eager = with_cuda_runner(LLM(str(tiny_model_dir), **config), str(tiny_model_dir))
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS * 3, greedy())]
+    # Every sampler plan inside the graphs: seeds, filters, penalties, bans, logprobs.
+    mixed = [greedy(), seeded(3), greedy(repetition_penalty=1.2, logprobs=2), seeded(4),
+             SamplingParams(temperature=0.7, min_p=0.1, seed=9, min_tokens=NEW, max_tokens=NEW), greedy(logprobs=0)]
+    want_mixed = [o.outputs[0] for o in eager.generate(PROMPTS * 3, mixed)]
     graphed = LLM(str(tiny_model_dir), **config)
     loaded = load_model(str(tiny_model_dir), torch.float32, device="cuda")
     graphed.engine.runner = CudaRunner(loaded, 64, 16, torch.float32, 128, device="cuda", cuda_graph_max_batch=8)
     assert [o.outputs[0].token_ids for o in graphed.generate(PROMPTS * 3, greedy())] == want
+    got_mixed = [o.outputs[0] for o in graphed.generate(PROMPTS * 3, mixed)]
+    assert [o.token_ids for o in got_mixed] == [o.token_ids for o in want_mixed]
+    for ours, theirs in zip(got_mixed, want_mixed):
+        for a, b in zip(ours.logprobs or [], theirs.logprobs or [], strict=True):
+            assert [t for t, _, _ in a.top] == [t for t, _, _ in b.top] and abs(a.logprob - b.logprob) < 1e-3

@@ -63,7 +63,8 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_
 
         graphs = 0 if config.enforce_eager else min(config.cuda_graph_max_batch, config.max_num_seqs)
         return CudaRunner(loaded, num_blocks, config.block_size, config.kv_torch_dtype, max_model_len,
-                          device="cuda", cuda_graph_max_batch=graphs)
+                          device="cuda", cuda_graph_max_batch=graphs, max_num_seqs=config.max_num_seqs,
+                          seed=config.seed)
     background = config if config.background_compile and loaded_from_config else None
     return ModelRunner(loaded, num_blocks, config.block_size, config.kv_torch_dtype, max_model_len,
                        config.max_num_seqs if config.compile else 0, background)

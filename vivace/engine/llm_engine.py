@@ -20,7 +20,7 @@ from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from vivace.engine.pacer import pacer_for
 from vivace.engine.request import Request
-from vivace.engine.sampler import SampledTokens, Sampler
+from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 class NonFiniteLogitsError(ValueError):
     """A request's logits hold NaN or infinity: its forward went wrong, not its sampling."""
+
+    def __init__(self, message: str = "the model produced non-finite logits") -> None:
+        super().__init__(message)
 
 
 @dataclass
@@ -191,25 +194,30 @@ class LLMEngine:
         masks = self.token_masks.fill_async([r.matcher for r, _ in constrained]) if constrained else None
         path = self.runner.path(batch)
         try:
-            logits = self.runner.execute(batch, self.kv, logit_indices)
+            if self._samples_on_device(plan):
+                logits, drawn = None, self.runner.execute_sampled(batch, self.kv, logit_indices,
+                                                                  [request for request, _, _ in plan])
+            else:
+                logits, drawn = self.runner.execute(batch, self.kv, logit_indices), None
         except Exception as exc:
             if masks is not None:
                 masks.exception()  # let the mask worker finish with these requests' matchers
             logger.exception("the forward failed; ending the %d requests of this step", len(batch.requests))
             return [self._end(request, FinishReason.ABORT, f"the engine step failed: {exc}", poisoned=True)
                     for request in batch.requests]
-        # A row's sum is finite exactly when each of its logits is (NaN and inf propagate; sane
-        # logits can't overflow float32): one read of the rows, taken before masks add -inf.
-        finite = torch.isfinite(logits.sum(-1)).tolist() if plan else []
-        if masks is not None:  # filled while the forward ran
-            self.token_masks.apply(logits, [row for _, row in constrained], masks.result())
+        if drawn is None:
+            # A row's sum is finite exactly when each of its logits is (NaN and inf propagate; sane
+            # logits can't overflow float32): one read of the rows, taken before masks add -inf.
+            finite = torch.isfinite(logits.sum(-1)).tolist() if plan else []
+            if masks is not None:  # filled while the forward ran
+                self.token_masks.apply(logits, [row for _, row in constrained], masks.result())
         marks.append(time.perf_counter())
         sampling = {request.request_id for request, _, _ in plan}
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.request_id not in sampling:
                 request.num_computed_tokens += num_new  # a prompt chunk that samples nothing yet
         outputs: list[RequestOutput] = []
-        samples = self._sample(plan, logits, finite)
+        samples = self._sample(plan, logits, finite) if drawn is None else self._drawn(plan, drawn)
         marks.append(time.perf_counter())
         for request, sampled in samples:
             try:
@@ -247,12 +255,28 @@ class LLMEngine:
         plain = []
         for request, row, num_rows in plan:
             if not all(finite[row:row + num_rows]):
-                results.append((request, NonFiniteLogitsError("the model produced non-finite logits")))
+                results.append((request, NonFiniteLogitsError()))
             elif num_rows == 1:
                 plain.append((request, row))
             else:
                 results.append((request, self._verify(request, logits[row:row + num_rows])))
         return self._sample_plain(plain, logits) + results
+
+    def _samples_on_device(self, plan: list[tuple[Request, int, int]]) -> bool:
+        """Whether the runner draws this step's tokens itself: it can (the CUDA runner), no request
+        has proposals to verify, and the runner serves every request's parameters (else the host
+        sampler draws from logits, as on CPU)."""
+        supports = getattr(self.runner, "samples_on_device", None)
+        return (supports is not None and bool(plan) and all(num_rows == 1 for _, _, num_rows in plan)
+                and supports([request for request, _, _ in plan]))
+
+    @staticmethod
+    def _drawn(plan: list[tuple[Request, int, int]], drawn: DeviceSamples
+               ) -> list[tuple[Request, SampledTokens | Exception]]:
+        """The runner's draws, one row per request of ``plan``; a row whose logits were not finite
+        fails its request as on the host path."""
+        return [(request, drawn.tokens.row(i) if drawn.finite[i] else NonFiniteLogitsError())
+                for i, (request, _, _) in enumerate(plan)]
 
     def _sample_plain(self, plain: list[tuple[Request, int]], logits: torch.Tensor
                       ) -> list[tuple[Request, SampledTokens | Exception]]:

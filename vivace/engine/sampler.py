@@ -37,6 +37,15 @@ class SampledTokens:
                              [self.top_ids[i]], [self.top_logprobs[i]])
 
 
+@dataclass
+class DeviceSamples:
+    """Tokens a runner drew on its device (``vivace.gpu.sampler``), as the host sampler returns
+    them, and per row whether its logits were all finite."""
+
+    tokens: SampledTokens
+    finite: list[bool]
+
+
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     """Repetition (on prompt and output tokens), presence and frequency (on output) penalties."""
     for row, request in enumerate(requests):

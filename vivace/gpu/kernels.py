@@ -18,7 +18,8 @@ import triton.language as tl
 NO_WINDOW = 1 << 30  # a window no sequence reaches
 # Triton's interpreter multiplies bfloat16/float16 blocks wrongly in tl.dot (3.9: garbage): under
 # it the attention kernels round their operands as on the GPU, then multiply in float32.
-DOT_F32 = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+DOT_F32 = INTERPRETED
 LOG2E = 1.4426950408889634
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from vivace.config import EngineConfig
+from vivace.gpu.sampler import workspace_bytes
 from vivace.models import LoadedModel
 from vivace.models.llama import kv_bytes_per_token
 
@@ -24,12 +25,14 @@ def activation_bytes(loaded: LoadedModel, config: EngineConfig) -> int:
 
 
 def gpu_kv_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
-    """KV blocks that fit in the share of GPU memory left after the weights (already on the device)
-    and the largest step. Raises ValueError naming the flags when not even one ``max_model_len``
+    """KV blocks that fit in the share of GPU memory left after the weights (already on the device),
+    the largest step and the device sampler. Raises ValueError naming the flags when not even one ``max_model_len``
     sequence fits."""
     free, total = torch.cuda.mem_get_info()
     used = total - free
-    budget = int(total * config.gpu_memory_utilization) - used - activation_bytes(loaded, config) - GRAPH_RESERVE
+    step = activation_bytes(loaded, config) + workspace_bytes(config.max_num_seqs, loaded.config.vocab_size,
+                                                               max_model_len)
+    budget = int(total * config.gpu_memory_utilization) - used - step - GRAPH_RESERVE
     per_block = kv_bytes_per_token(loaded.config, config.kv_torch_dtype) * config.block_size
     blocks = max(budget, 0) // per_block
     need = -(-max_model_len // config.block_size)

@@ -3,10 +3,13 @@ over KV blocks in device memory, the Triton forward of ``vivace.gpu.forward``, a
 per decode batch bucket.
 
 Host work per step: the batch's ids, positions, slots, block tables and lengths are built with
-numpy and copied to the device in one pinned transfer per tensor; logits rows come back to the
-host for the (shared) sampler. Every batch runs the same kernels: a decode batch (one new token
-per sequence) the decode attention, any other (prompt chunks, prefix-cache hits, speculative
-verification rows, mixed batches) the prefill attention with per-sequence query ranges.
+numpy and copied to the device in one pinned transfer per tensor. ``execute_sampled`` draws the
+tokens on the device (``vivace.gpu.sampler``, inside the decode graphs) and brings back only them
+and their logprobs; ``execute`` brings the logits rows back for the engine's host sampler (batches
+the device sampler cannot serve: ``DeviceSampler.supports``). Every batch runs the same kernels:
+a decode batch (one new token per sequence) the decode attention, any other (prompt chunks,
+prefix-cache hits, speculative verification rows, mixed batches) the prefill attention with
+per-sequence query ranges.
 
 On a CPU device the same code runs under Triton's interpreter (tests); graphs are CUDA only.
 """
@@ -14,15 +17,18 @@ On a CPU device the same code runs under Triton's interpreter (tests); graphs ar
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.pacer import PromptPath
+from vivace.engine.request import Request
 from vivace.engine.scheduler import ScheduledBatch
 from vivace.gpu import kernels
 from vivace.gpu.forward import GpuBatch, check_supported, forward
+from vivace.gpu.sampler import ALL_PLANS, DeviceSampler, DeviceSamples, SamplerPlan
 from vivace.models import LoadedModel
 from vivace.models.llama import kv_cache_shape
 
@@ -37,10 +43,12 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 class CudaRunner:
     """Owns the device KV pool (one tensor per layer, one scratch block past the pool's blocks,
-    where padding rows write) and turns a scheduled batch into float32 logits on the host."""
+    where padding rows write) and turns a scheduled batch into sampled tokens (or float32 logits)
+    on the host. ``max_num_seqs`` sizes the device sampler; ``seed`` seeds its unseeded draws."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 max_model_len: int, device: str = "cuda", cuda_graph_max_batch: int = 0) -> None:
+                 max_model_len: int, device: str = "cuda", cuda_graph_max_batch: int = 0,
+                 max_num_seqs: int = 256, seed: int = 0) -> None:
         check_supported(loaded.model)
         self.model = loaded.model
         self.config = loaded.config
@@ -52,6 +60,8 @@ class CudaRunner:
         shape = kv_cache_shape(loaded.config, num_blocks + 1, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                           for _ in range(loaded.config.num_hidden_layers)]
+        self.sampler = DeviceSampler(max(max_num_seqs, cuda_graph_max_batch), loaded.config.vocab_size, max_model_len,
+                                     loaded.config.eos_token_ids, seed, self.device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self, cuda_graph_max_batch)
@@ -114,29 +124,58 @@ class CudaRunner:
             return PromptPath.ROWS
         return PromptPath.PREFILL
 
+    def samples_on_device(self, requests: list[Request]) -> bool:
+        """Whether ``execute_sampled`` can draw these requests' tokens (each sampling one row)."""
+        return self.sampler.supports(requests)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
         """Run the batch (writing its K/V); float32 logits ``[len(logit_indices), vocab]`` on the
         host at those flat token indices, or None when no logits are wanted this step."""
         if self.path(batch) is PromptPath.ROWS:
-            tables = [kv.block_ids(r.request_id) for r in batch.requests]
-            logits = self.graphs.replay([r.token_ids[r.num_computed_tokens] for r in batch.requests],
-                                        [r.num_computed_tokens for r in batch.requests], tables)
+            logits = self.graphs.replay(*self._decode_inputs(batch, kv))
             return logits[logit_indices].float().cpu() if logit_indices else None
+        logits = self._logits(batch, kv, logit_indices)
+        return None if logits is None else logits.float().cpu()
+
+    @torch.inference_mode()
+    def execute_sampled(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int],
+                        requests: list[Request]) -> DeviceSamples:
+        """Run the batch (writing its K/V) and draw ``requests[i]``'s next token from the logits at
+        flat token index ``logit_indices[i]`` on the device; only the tokens (and logprobs) come
+        back. ``samples_on_device(requests)`` must hold."""
+        if self.path(batch) is PromptPath.ROWS:
+            rows: list[Request | None] = [None] * len(batch.requests)
+            for index, request in zip(logit_indices, requests):
+                rows[index] = request
+            packed = self.graphs.replay_sampled(*self._decode_inputs(batch, kv), rows)
+            return self.sampler.read(packed, logit_indices, requests)
+        return self.sampler.run(self._logits(batch, kv, logit_indices), requests)
+
+    def _decode_inputs(self, batch: ScheduledBatch, kv: KVCacheManager
+                       ) -> tuple[list[int], list[int], list[list[int]]]:
+        """A decode batch's new token ids, their positions and the block tables, for a graph."""
+        return ([r.token_ids[r.num_computed_tokens] for r in batch.requests],
+                [r.num_computed_tokens for r in batch.requests], [kv.block_ids(r.request_id) for r in batch.requests])
+
+    def _logits(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
+        """The eager forward of any batch: logits ``[len(logit_indices), vocab]`` on the device."""
         gpu, _ = self.build_batch(batch, kv)
         hidden = forward(self.model, gpu, self.kv_caches)
         if not logit_indices:
             return None
         rows = torch.tensor(logit_indices, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float().cpu()
+        return self.model.compute_logits(hidden[rows])
 
 
 class DecodeGraphs:
     """One CUDA graph per decode bucket (``graph_buckets``), captured at start: embedding, every
-    layer, final norm and LM head, over static input buffers as wide as the context. A batch
+    layer, final norm and LM head, over static input buffers as wide as the context; and beside
+    each, one graph of the device sampler over its logits per ``SamplerPlan``, replayed right after
+    it (a plan's optional stages cost nothing to the batches that don't need them). A batch
     replays the smallest bucket that holds it; padding rows decode token 0 at position 0 into
-    the scratch block. Split-K is fixed per bucket (the kernel sizes each split from the row's
-    own length, so a short sequence leaves most splits empty)."""
+    the scratch block and sample greedily. Split-K is fixed per bucket (the kernel sizes each split
+    from the row's own length, so a short sequence leaves most splits empty)."""
 
     def __init__(self, runner: CudaRunner, max_batch: int) -> None:
         self.runner = runner
@@ -149,6 +188,7 @@ class DecodeGraphs:
         self.tables = torch.full((self.max_batch, width), runner.scratch_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sampler_graphs: dict[tuple[int, SamplerPlan], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -164,18 +204,28 @@ class DecodeGraphs:
         self._reset_padding(0)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        sampler = self.runner.sampler
         with torch.cuda.stream(stream):
             for size in self.buckets:  # compile every kernel variant before capturing
-                self._step(size)
+                logits = self._step(size)
+                for plan in ALL_PLANS:
+                    sampler.sample(logits, plan)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for size in reversed(self.buckets):  # largest first: the others reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._step(size)
-            self.graphs[size] = (graph, logits)
+            self.graphs[size] = self._capture(lambda: self._step(size))
+        for size in reversed(self.buckets):
+            logits = self.graphs[size][1]
+            for plan in ALL_PLANS:
+                self.sampler_graphs[size, plan] = self._capture(lambda: sampler.sample(logits, plan))
         torch.cuda.synchronize()
         logger.info("CUDA graphs captured for decode batches %s", self.buckets)
+
+    def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = step()
+        return graph, output
 
     def _reset_padding(self, start: int) -> None:
         scratch_slot = self.runner.scratch_block * self.runner.block_size
@@ -208,3 +258,14 @@ class DecodeGraphs:
         graph, logits = self.graphs[size]
         graph.replay()
         return logits
+
+    def replay_sampled(self, ids: list[int], positions: list[int], tables: list[list[int]],
+                       rows: list[Request | None]) -> torch.Tensor:
+        """``replay``, then the device sampler's graph for ``rows`` (row i samples for ``rows[i]``;
+        None and padding rows greedily): its packed output ``[bucket, width]`` (``DeviceSampler.read``)."""
+        logits = self.replay(ids, positions, tables)
+        size = logits.shape[0]
+        plan = self.runner.sampler.stage(rows + [None] * (size - len(rows)))  # staged while the forward runs
+        graph, packed = self.sampler_graphs[size, plan]
+        graph.replay()
+        return packed
