@@ -5,7 +5,11 @@ on the same file dequantized to float32 (on CPU under Triton's interpreter where
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,14 +21,16 @@ pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pi
 from models.gguf_export import write_gguf  # noqa: E402  (tests/ is on sys.path)
 from models.tiny import tiny_config  # noqa: E402
 from vivace import LLM, SamplingParams  # noqa: E402
-from vivace.gpu.gguf_kernels import LAYOUTS  # noqa: E402
-from vivace.gpu.gguf_linear import GgufLinear, linear  # noqa: E402
+from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS  # noqa: E402
+from vivace.gpu.gguf_linear import GgufLinear, linear, randomize_packed  # noqa: E402
 from vivace.gpu.runner import CudaRunner  # noqa: E402
 from vivace.models import load_model  # noqa: E402
+from vivace.models.dummy import random_gguf_blocks  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
 
 T = gguf.GGMLQuantizationType
+REPO = Path(__file__).resolve().parents[2]
 # Per GGUF tensor part: every GPU type once. Q8_0/Q4_0/Q4_1 quantize the model's values; the
 # K-quants are random blocks (the gguf package cannot quantize to them). "mixed" gives q/k and v
 # different types: its fused q/k/v projection falls back to float.
@@ -106,3 +112,28 @@ def test_graph_replay_with_packed_projections(gguf_model) -> None:
     loaded = load_model(str(path), torch.float32, "auto", device="cuda")
     graphed.engine.runner = CudaRunner(loaded, 64, 4, torch.float32, 32, device="cuda", cuda_graph_max_batch=8)
     assert [o.outputs[0].token_ids for o in graphed.generate(PROMPTS * 3, params)] == want
+
+
+@pytest.mark.parametrize("ggml_type", GPU_TYPES, ids=lambda t: t.name)
+def test_random_blocks_drawn_on_the_device_are_modest_weights(ggml_type) -> None:
+    blocks = random_gguf_blocks(ggml_type, 8, 512, DEVICE)
+    assert blocks.device.type == DEVICE and blocks.dtype == torch.uint8
+    weight = gguf.quants.dequantize(blocks.cpu().numpy(), ggml_type)
+    assert weight.shape == (8, 512) and np.isfinite(weight).all() and 0.01 < np.abs(weight).mean() < 1
+
+
+def test_randomize_packed_packs_every_projection(tiny_model_dir) -> None:
+    loaded = load_model(str(tiny_model_dir), torch.float32, load_format="dummy", device=DEVICE)
+    model = loaded.model
+    randomize_packed(model, T.Q4_0)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    packed = [m for m in model.modules() if isinstance(m, GgufLinear)]
+    assert len(packed) == 4 * model.config.num_hidden_layers  # tied embeddings: no LM head of its own
+    assert all(m.ggml_type == T.Q4_0 and m.blocks.device.type == DEVICE for m in packed)
+    assert len({tuple(m.blocks[0, :8].tolist()) for m in packed}) == len(packed)  # each drawn anew
+    # benchmarks/gpu.py's floor counts the packed bytes (and the tied embedding, the LM head's weight).
+    spec = importlib.util.spec_from_file_location("vivace_gpu_benchmark", REPO / "benchmarks" / "gpu.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert benchmark.bytes_read_per_step(loaded, 1, 0) == (dense + sum(m.blocks.numel() for m in packed), 0)

@@ -1,7 +1,8 @@
 """GGUF linear layers on the GPU: ``GgufLinear`` keeps a projection's weight as the file's blocks
 in device memory and multiplies by it with ``vivace.gpu.gguf_kernels``; ``plan_packed`` and
 ``pack_linears`` are the loader's side (which projections of a file stay packed, and swapping them
-in); ``linear`` is the forward's dispatch between these and cuBLAS.
+in); ``linear`` is the forward's dispatch between these and cuBLAS; ``randomize_packed`` makes a
+dummy model's projections random blocks of one type (benchmarks).
 
 A projection stays packed when its GGUF type is one the kernels read (``GPU_TYPES``): the decoder's
 q/k/v, output, gate/up and down projections, and an untied LM head. A fused projection (q/k/v,
@@ -22,6 +23,7 @@ from torch import nn
 
 from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, gguf_matmul
 from vivace.models.config import ModelConfig
+from vivace.models.dummy import random_gguf_blocks
 from vivace.models.gguf import _hf_name, hf_rows
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.loader import vivace_name
@@ -102,3 +104,16 @@ def pack_linears(model: nn.Module, path: Path, config: ModelConfig, plan: dict[s
         child = getattr(parent, child_name)
         packed = GgufLinear(torch.from_numpy(blocks), infos[0].ggml_type, infos[0].shape[1], child.bias)
         setattr(parent, child_name, packed)
+
+
+def randomize_packed(model: nn.Module, ggml_type: gguf.GGMLQuantizationType, seed: int = 0) -> None:
+    """Replace every projection of ``model`` (q/k/v, output, gate/up, down, an untied LM head) by a
+    ``GgufLinear`` of random ``ggml_type`` blocks on the device of its weight, biases kept: a
+    dummy model at a real shape in a GGUF format, for benchmarks."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                out_features, in_features = child.weight.shape
+                blocks = random_gguf_blocks(ggml_type, out_features, in_features, child.weight.device, seed)
+                setattr(module, child_name, GgufLinear(blocks, ggml_type, in_features, child.bias))
+                seed += 1
