@@ -79,7 +79,8 @@ def bytes_read_per_step(loaded, batch: int, context: int) -> tuple[int, int]:
     return weights, batch * context * kv_bytes_per_token(loaded.config, DTYPE)
 
 
-def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int], gguf_type: str | None = None) -> dict:
+def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int],
+                gguf_type: str | None = None) -> dict:
     """Decode steps and prefill times of ``preset`` in bf16, or with its projections random blocks
     of ``gguf_type``."""
     from vivace.gpu.forward import GpuBatch, forward
@@ -99,7 +100,8 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     runner = CudaRunner(loaded, num_blocks, block_size, DTYPE, max_len, device="cuda",
                         cuda_graph_max_batch=max_batch)
     graphs = runner.graphs
-    result: dict = {"preset": preset, "format": gguf_type or "bf16", "context": context, "decode": {}, "prefill_ms": {}}
+    result: dict = {"preset": preset, "format": gguf_type or "bf16", "context": context, "decode": {},
+                    "prefill_ms": {}}
 
     for batch in sorted({1, *batches}):
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]

@@ -313,7 +313,7 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, GEMM_BLOCK_N))
         _gemm_kernel[grid](blocks, x, out, bias, m, n, k, row_bytes, units, x.stride(0), out.stride(0),
                            FORMAT=int(ggml_type), BLOCK_M=block_m, BLOCK_N=GEMM_BLOCK_N, NU=nu,
-                           BLOCK_K=nu * layout.unit_cols, HAS_BIAS=has_bias, DOT_F32=DOT_F32, num_warps=4)
+                           BLOCK_K=nu * layout.unit_cols, HAS_BIAS=has_bias, DOT_F32=DOT_F32, num_warps=8)
         return out
     block_m = triton.next_power_of_2(m)
     nu = max(1, GEMV_TILE // (GEMV_BLOCK_N * block_m * layout.unit_cols))

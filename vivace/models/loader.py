@@ -67,10 +67,10 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     ``load_format`` "dummy" gives random weights at the shape of ``model`` (``vivace.models.dummy``:
     a preset name, a model directory or a config.json), made on ``device``. Otherwise the weights
     are read on CPU and then moved to ``device``. On a device other than "cpu" (or with
-    ``packed_gguf``, which False turns off), quantization "auto" or "gguf" keeps a GGUF's projections of the types the
-    GPU kernels read as the file's blocks (``vivace.gpu.gguf_linear``) and dequantizes the rest;
-    "none" dequantizes every tensor; "int8" and "int4" are CPU-only. ``tokenizer``, a Hugging
-    Face tokenizer directory, replaces the model's.
+    ``packed_gguf``, which False turns off), quantization "auto" or "gguf" keeps a GGUF's
+    projections of the types the GPU kernels read as the file's blocks (``vivace.gpu.gguf_linear``)
+    and dequantizes the rest; "none" dequantizes every tensor; "int8" and "int4" are CPU-only.
+    ``tokenizer``, a Hugging Face tokenizer directory, replaces the model's.
     """
     if load_format == "dummy":
         return _load_dummy(model, dtype, tokenizer, device)
