@@ -85,3 +85,12 @@ def test_rejects_blocks_that_do_not_fit_k() -> None:
     blocks = torch.from_numpy(random_blocks(T.Q4_K, 4, 512))
     with pytest.raises(AssertionError, match="do not hold 256 columns"):
         gguf_matmul(torch.randn(1, 256), blocks, T.Q4_K)
+
+
+@pytest.mark.parametrize("m", [1, 20], ids=lambda m: f"m{m}")
+def test_float16_activations(m: int) -> None:
+    blocks = random_blocks(T.Q4_K, N, 512, seed=m)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).half()
+    y = gguf_matmul(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), T.Q4_K)
+    assert y.dtype == torch.float16
+    assert_close(y, reference(x, blocks, T.Q4_K))
