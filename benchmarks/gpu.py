@@ -1,8 +1,10 @@
 """The CUDA backend on random weights at real shapes (bf16): batch-1 decode against the HBM floor
-and Hugging Face transformers, batched decode against the (weights + KV) floor, and prefill.
+and Hugging Face transformers, batched decode against the (weights + KV) floor, and prefill; then
+the same model with its projections in GGUF formats (kept as blocks, ``vivace.gpu.gguf_linear``).
 
     python benchmarks/gpu.py [--presets smollm2-135m,llama-3.2-1b,llama-3.1-8b] [--context 512]
-                             [--batches 8,32,64] [--prompts 128,512,2048] [--no-hf] [--out FILE.json]
+                             [--batches 8,32,64] [--prompts 128,512,2048] [--no-hf]
+                             [--gguf-types Q8_0,Q4_0,Q4_K] [--gguf-batches ""] [--out FILE.json]
 
 Needs a GPU (exits 2 without one). Per preset: the HBM floor (bytes one step reads / the copy
 bandwidth measured in this run), vivace's decode step (a CUDA graph replay, median of 200; and
@@ -10,8 +12,11 @@ the same with the host's input staging and the logits' copy back, as the engine'
 path steps; and with the device sampler's graph instead, greedy and top-p, tokens back), HF's
 static-cache + torch.compile decode in this run (its ITL: the difference of two generate calls'
 times over the difference of their tokens), batch 8/32/64 steps, and prompt prefill times
-(eager forward + LM head of the last token, median of 5). Prints a table per preset; with
-``--out``, also writes every figure as JSON. See docs/gpu.md.
+(eager forward + LM head of the last token, median of 5). Per GGUF type (random blocks in every
+projection, the untied LM head included; embedding and norms bf16): the floor of its packed bytes,
+the batch-1 step (and ``--gguf-batches``) and the prefill times; and per type at the 8B shape's
+matrices, the GGUF kernel's batch-1 GEMV (packed TB/s) and 512-row GEMM (TFLOP/s) beside cuBLAS
+on bf16. Prints a table per preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import statistics
 import sys
 import time
 
+import gguf
 import torch
 
 from vivace.models.dummy import PRESETS
@@ -60,25 +66,35 @@ def timed(fn, repeats: int, warmup: int = 3) -> float:
 
 
 def bytes_read_per_step(loaded, batch: int, context: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes) one decode step reads: every weight but the embedding table
-    (one row a token), unless it doubles as the LM head; every cached token of each sequence."""
+    """(weight bytes, KV bytes) one decode step reads: every weight (GGUF blocks as packed) but the
+    embedding table (one row a token), unless it doubles as the LM head; every cached token of
+    each sequence."""
+    from vivace.gpu.gguf_linear import GgufLinear
     from vivace.models.llama import kv_bytes_per_token
 
     model = loaded.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += sum(m.weight_bytes() for m in model.modules() if isinstance(m, GgufLinear))
     if model.lm_head is not None:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return weights, batch * context * kv_bytes_per_token(loaded.config, DTYPE)
 
 
-def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int]) -> dict:
+def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int],
+                gguf_type: str | None = None) -> dict:
+    """Decode steps and prefill times of ``preset`` in bf16, or with its projections random blocks
+    of ``gguf_type``."""
     from vivace.gpu.forward import GpuBatch, forward
     from vivace.engine.request import Request
     from vivace.engine.sampling_params import SamplingParams
+    from vivace.gpu.gguf_linear import randomize_packed
     from vivace.gpu.runner import CudaRunner
     from vivace.models import load_model
 
     loaded = load_model(preset, DTYPE, load_format="dummy", device="cuda")
+    if gguf_type is not None:
+        randomize_packed(loaded.model, gguf.GGMLQuantizationType[gguf_type])
+        torch.cuda.empty_cache()
     block_size = 16
     max_batch = max([1, *batches])
     max_len = max(context + 1, *prompts)
@@ -87,7 +103,8 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     runner = CudaRunner(loaded, num_blocks, block_size, DTYPE, max_len, device="cuda",
                         cuda_graph_max_batch=max_batch)
     graphs = runner.graphs
-    result: dict = {"preset": preset, "context": context, "decode": {}, "prefill_ms": {}}
+    result: dict = {"preset": preset, "format": gguf_type or "bf16", "context": context, "decode": {},
+                    "prefill_ms": {}}
 
     for batch in sorted({1, *batches}):
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
@@ -172,6 +189,55 @@ def gemv_rows() -> dict:
     return rows
 
 
+def gguf_matrix_rows(types: list[str], prefill_rows: int = 512) -> dict:
+    """Per 8B matrix: cuBLAS's ``prefill_rows``-row GEMM on bf16 (TFLOP/s) and, per GGUF type, the
+    GGUF kernels' batch-1 GEMV (TB/s of packed bytes, blocks rotated through copies larger than L2)
+    and ``prefill_rows``-row GEMM (TFLOP/s), launch costs included."""
+    import torch.nn.functional as F
+
+    from vivace.gpu.gguf_kernels import gguf_matmul
+    from vivace.models.dummy import random_gguf_blocks
+
+    rows = {}
+    for name, (n, k) in GEMV_SHAPES.items():
+        flops = 2 * prefill_rows * n * k
+        x1 = torch.randn(1, k, dtype=DTYPE, device="cuda")
+        xm = torch.randn(prefill_rows, k, dtype=DTYPE, device="cuda")
+        dense = torch.randn(n, k, dtype=DTYPE, device="cuda")
+        row: dict = {"cublas_gemm_tflop_s": flops / timed(lambda: F.linear(xm, dense), 10) / 1e12}
+        del dense
+        for type_name in types:
+            ggml_type = gguf.GGMLQuantizationType[type_name]
+            first = random_gguf_blocks(ggml_type, n, k, "cuda")
+            copies = max(2, -(-(256 << 20) // first.numel()))
+            blocks = [first] + [random_gguf_blocks(ggml_type, n, k, "cuda", seed) for seed in range(1, copies)]
+            gemv = timed(lambda: [gguf_matmul(x1, b, ggml_type) for b in blocks], 20) / copies
+            gemm = timed(lambda: gguf_matmul(xm, first, ggml_type), 10)
+            row[type_name] = {"gemv_us": gemv * 1e6, "gemv_tb_s": first.numel() / gemv / 1e12,
+                              "gemm_ms": gemm * 1e3, "gemm_tflop_s": flops / gemm / 1e12}
+            del blocks, first
+        rows[name] = row
+    torch.cuda.empty_cache()
+    return rows
+
+
+def print_gguf_rows(preset: str, context: int, rows: list[dict], bandwidth: float) -> None:
+    """One table per preset: each GGUF format's decode steps against its floor, and its prefill."""
+    prompts = sorted({length for row in rows for length in row["prefill_ms"]})
+    print(f"\n## {preset}, projections in GGUF formats (embedding, norms, KV bf16), context {context}\n")
+    print("| format | batch | weight bytes | floor (weights + KV) | graph replay | engine step | replay / floor | "
+          + " | ".join(f"prefill {p}" for p in prompts) + " |")
+    print("|---" * (7 + len(prompts)) + "|")
+    for row in rows:
+        for batch, d in row["decode"].items():
+            floor = (d["weight_bytes"] + d["kv_bytes"]) / bandwidth * 1e3
+            d["floor_ms"] = floor
+            prefill = " | ".join(f"{row['prefill_ms'][p]:.2f} ms" if batch == 1 else "" for p in prompts)
+            print(f"| {row['format']} | {batch} | {d['weight_bytes'] / 1e9:.2f} GB | {floor:.3f} ms | "
+                  f"{d['replay_ms']:.3f} ms | {d['step_ms']:.3f} ms | {d['replay_ms'] / floor:.2f}x | {prefill} |")
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
@@ -179,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="8,32,64")
     parser.add_argument("--prompts", default="128,512,2048")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' compiled decode")
+    parser.add_argument("--gguf-types", default="Q8_0,Q4_0,Q4_K",
+                        help="GGUF formats to run the presets in too (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; '' none)")
+    parser.add_argument("--gguf-batches", default="", help="decode batches of the GGUF runs besides 1")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -198,6 +267,21 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| matrix (bf16) | cuBLAS torch.mv | Triton GEMV (host loop, launch cost included) |\n|---|---|---|")
     for name, g in report["gemv"].items():
         print(f"| {name} | {g['cublas_tb_s']:.2f} TB/s | {g['triton_tb_s']:.2f} TB/s |")
+    gguf_types = [t for t in args.gguf_types.split(",") if t]
+    gguf_batches = [int(b) for b in args.gguf_batches.split(",") if b]
+    if gguf_types:
+        try:
+            report["gguf_matrices"] = gguf_matrix_rows(gguf_types)
+        except Exception as exc:
+            report["gguf_matrices"] = {}
+            print(f"GGUF matrix comparison failed: {exc!r}", flush=True)
+        print("\n| matrix | cuBLAS bf16 GEMM, 512 rows | "
+              + " | ".join(f"{t} GEMV (batch 1) | {t} GEMM (512 rows)" for t in gguf_types) + " |")
+        print("|---" * (2 + 2 * len(gguf_types)) + "|")
+        for name, g in report["gguf_matrices"].items():
+            cells = " | ".join(f"{g[t]['gemv_us']:.1f} us, {g[t]['gemv_tb_s']:.2f} TB/s | "
+                               f"{g[t]['gemm_ms']:.3f} ms, {g[t]['gemm_tflop_s']:.0f} TFLOP/s" for t in gguf_types)
+            print(f"| {name} | {g['cublas_gemm_tflop_s']:.0f} TFLOP/s | {cells} |")
     for preset in args.presets.split(","):
         try:
             row = vivace_rows(preset, args.context, batches, prompts)
@@ -231,6 +315,16 @@ def main(argv: list[str] | None = None) -> int:
         for length, ms in row["prefill_ms"].items():
             print(f"| {length} | {ms:.2f} ms |")
         sys.stdout.flush()
+        gguf_rows = []
+        for gguf_type in gguf_types:
+            try:
+                gguf_rows.append(vivace_rows(preset, args.context, gguf_batches, prompts, gguf_type))
+            except Exception as exc:
+                print(f"\n{preset} in {gguf_type}: vivace failed: {exc!r}", flush=True)
+                gguf_rows.append({"preset": preset, "format": gguf_type, "error": repr(exc)})
+                torch.cuda.empty_cache()
+        row["gguf"] = gguf_rows
+        print_gguf_rows(preset, args.context, [r for r in gguf_rows if "error" not in r], bandwidth)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)

@@ -25,13 +25,13 @@ import time
 from collections.abc import Callable
 
 import gguf
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from vivace.layers import quant_format as qf
 from vivace.layers.gguf_blocks import from_gguf_blocks
 from vivace.layers.linear import QuantizedLinear
+from vivace.models.dummy import random_gguf_blocks
 
 T = gguf.GGMLQuantizationType
 
@@ -77,27 +77,16 @@ def gguf_candidates(k: int, n: int, m: int) -> dict[str, Candidate]:
     q5_0 = from_gguf_blocks(gguf.quants.quantize(w, T.Q5_0), T.Q5_0)
     forms = {"Q5_0 as int5": q5_0, "Q5_0 widened to 8 bits": q5_0.widened(),
              "Q8_0 (Q6_K's old form)": from_gguf_blocks(gguf.quants.quantize(w, T.Q8_0), T.Q8_0),
-             "Q6_K as int6": from_gguf_blocks(random_k_blocks(T.Q6_K, n, k), T.Q6_K),
+             "Q6_K as int6": from_gguf_blocks(random_gguf_blocks(T.Q6_K, n, k, "cpu").numpy(), T.Q6_K),
              "Q4_K's old form (int4)": qf.quantize_int4(torch.from_numpy(w)),
-             "Q4_K two-level": from_gguf_blocks(random_k_blocks(T.Q4_K, n, k), T.Q4_K),
-             "Q5_K two-level": from_gguf_blocks(random_k_blocks(T.Q5_K, n, k), T.Q5_K)}
+             "Q4_K two-level": from_gguf_blocks(random_gguf_blocks(T.Q4_K, n, k, "cpu").numpy(), T.Q4_K),
+             "Q5_K two-level": from_gguf_blocks(random_gguf_blocks(T.Q5_K, n, k, "cpu").numpy(), T.Q5_K)}
     if k % 256:  # K-quants need whole 256-column super-blocks (Gemma's K = 640 projections have none)
         forms = {name: form for name, form in forms.items() if form.sub_group == 0}
     found: dict[str, Candidate] = {"fp32 F.linear": (F.linear, (torch.from_numpy(w),), torch.float32)}
     for name, form in forms.items():
         found[f"vivace {name}"] = (lambda x, layer: layer(x), (QuantizedLinear(form),), torch.float32)
     return found
-
-
-def random_k_blocks(ggml_type: gguf.GGMLQuantizationType, n: int, k: int) -> np.ndarray:
-    """Block bytes ``[n, row_bytes]`` of a K-quant: random codes and sub-block scales, float16
-    super-block scales of order 1e-3 (Q6_K's at byte 208, Q4_K/Q5_K's d and dmin at 0 and 2)."""
-    rng = np.random.default_rng(0)
-    _, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-    raw = rng.integers(0, 256, size=(n, k // 256, type_size), dtype=np.uint8)
-    for offset in (208,) if ggml_type == T.Q6_K else (0, 2):
-        raw[:, :, offset:offset + 2] = (rng.standard_normal((n, k // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
 
 
 def weight_bytes(weights: tuple[object, ...]) -> int:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from vivace.gpu import kernels
+from vivace.gpu.gguf_linear import linear
 from vivace.models.config import SLIDING
 from vivace.models.llama import LlamaForCausalLM
 
@@ -61,7 +62,7 @@ def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tens
         else:
             h, residual = kernels.rms_norm(x, layer.input_layernorm.weight, eps, residual)
         attn = layer.self_attn
-        qkv = F.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = linear(attn.qkv_proj, h)
         cos, sin = tables[SLIDING if attn.rope_type == SLIDING else None]
         q = kernels.rotary_kv_write(qkv, cos, sin, batch.positions, batch.slot_mapping, cache, attn.num_heads)
         if batch.query_start is None:
@@ -70,8 +71,8 @@ def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tens
         else:
             o = kernels.paged_prefill_attention(q, cache, batch.block_tables, batch.query_start, batch.seq_lens,
                                                 batch.max_query_len, attn.scale, attn.window)
-        x = F.linear(o.view(o.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+        x = linear(attn.o_proj, o.view(o.shape[0], -1))
         h, residual = kernels.rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
         mlp = layer.mlp
-        x = F.linear(kernels.silu_mul(F.linear(h, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+        x = linear(mlp.down_proj, kernels.silu_mul(linear(mlp.gate_up_proj, h)))
     return kernels.rms_norm(x, model.norm.weight, eps, residual)[0]

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import gguf
 import torch
 import transformers
 
@@ -81,3 +82,27 @@ def randomize_(model: torch.nn.Module, device: torch.device | str, seed: int = 0
             else:
                 value.normal_(0.0, std, generator=generator)
             setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+
+
+T = gguf.GGMLQuantizationType
+# Byte offsets of each GGUF block's float16 fields (scale d, min or dmin), per type.
+GGUF_HALF_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
+                    T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q3_K: (108,)}
+# |w| ~ field * (largest code and sub-block scale): float16 fields drawn at this std give weights of order 0.1.
+GGUF_FIELD_STD = {T.Q8_0: 1e-3, T.Q4_0: 1e-2, T.Q5_0: 5e-3, T.Q4_1: 1e-2, T.Q5_1: 5e-3,
+                  T.Q4_K: 5e-4, T.Q5_K: 2e-4, T.Q6_K: 1e-4, T.Q3_K: 1e-3}
+
+
+def random_gguf_blocks(ggml_type: gguf.GGMLQuantizationType, rows: int, cols: int, device: torch.device | str,
+                       seed: int = 0) -> torch.Tensor:
+    """Random GGUF blocks ``uint8 [rows, row_bytes]`` of a ``rows x cols`` weight of a type of
+    ``GGUF_HALF_FIELDS``, drawn on ``device``: random codes (and sub-block scales), float16 fields
+    of modest size (``GGUF_FIELD_STD``), so that types no quantizer here writes can be run too."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    shape = (rows, cols // block_size)
+    raw = torch.randint(0, 256, (*shape, type_size), dtype=torch.uint8, device=device, generator=generator)
+    for offset in GGUF_HALF_FIELDS[ggml_type]:
+        half = torch.randn(*shape, 1, device=device, generator=generator) * GGUF_FIELD_STD[ggml_type]
+        raw[:, :, offset:offset + 2] = half.half().view(torch.uint8)
+    return raw.view(rows, -1)

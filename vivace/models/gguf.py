@@ -5,7 +5,7 @@ float32 under Hugging Face names and conventions: llama.cpp's rotary row permuta
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,22 +39,25 @@ _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
 
 @dataclass
 class GGUFModel:
-    """An opened GGUF model. ``tensors`` yields ``(hf_name, float32 tensor)`` once, lazily."""
+    """An opened GGUF model. ``tensors`` yields ``(hf_name, float32 tensor)`` once, lazily (a
+    tensor ``open_gguf`` was told to skip comes as a meta tensor of its shape)."""
 
     config: ModelConfig
     tokenizer: transformers.PreTrainedTokenizerFast
     tensors: Iterator[tuple[str, torch.Tensor]]
 
 
-def open_gguf(path: Path) -> GGUFModel:
-    """Read ``path``'s config and tokenizer; weights are dequantized as ``tensors`` is consumed.
+def open_gguf(path: Path, skip: Collection[str] = ()) -> GGUFModel:
+    """Read ``path``'s config and tokenizer; weights are dequantized as ``tensors`` is consumed,
+    but those named in ``skip`` (GGUF names; kept as blocks by the caller).
 
     Raises ValueError for an architecture other than those of ``_ARCHITECTURES``, missing metadata, an
     unsupported rope scaling, or a tensor it cannot place or dequantize.
     """
     file = GGUFFile(path)
     config = model_config(file)
-    return GGUFModel(config, _tokenizer(path, file), _tensors(file, config, file.metadata["general.architecture"]))
+    return GGUFModel(config, _tokenizer(path, file),
+                     _tensors(file, config, file.metadata["general.architecture"], frozenset(skip)))
 
 
 def model_config(file: GGUFFile) -> ModelConfig:
@@ -136,20 +139,29 @@ def _tokenizer(path: Path, file: GGUFFile) -> transformers.PreTrainedTokenizerFa
     return tokenizer
 
 
-def _tensors(file: GGUFFile, config: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
-    rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    permuted = config.architecture == "LlamaForCausalLM"  # llama.cpp permutes llama-arch q/k only
+def _tensors(file: GGUFFile, config: ModelConfig, arch: str,
+             skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, info in file.tensors.items():
         if name == _ROPE_FREQS:
             continue
         hf_name = _hf_name(name, arch)
-        values = file.dequantize(info)
-        part = name.split(".")[-2]
-        if permuted and part in rotary_heads:
-            values = _unpermute(values, rotary_heads[part])
+        if name in skip:
+            yield hf_name, torch.empty(info.shape, device="meta")
+            continue
+        values = hf_rows(file.dequantize(info), name, config)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             values = values - 1.0  # llama.cpp stores Gemma's RMSNorm factor 1 + w
         yield hf_name, torch.from_numpy(values)
+
+
+def hf_rows(values: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
+    """Rows of GGUF tensor ``name`` (float values or block bytes, one row per output) in Hugging
+    Face order: llama.cpp permutes the q/k rows of llama-arch models only."""
+    rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    part = name.split(".")[-2]
+    if config.architecture == "LlamaForCausalLM" and part in rotary_heads:
+        return _unpermute(values, rotary_heads[part])
+    return values
 
 
 def _unpermute(values: np.ndarray, num_heads: int) -> np.ndarray:

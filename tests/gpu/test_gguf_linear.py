@@ -1,0 +1,139 @@
+"""GGUF projections kept as their blocks on the CUDA backend, end to end: a tiny random Llama written
+as a GGUF file of quantized projections loads with them packed in ``GgufLinear`` (uint8 blocks,
+rows in Hugging Face order), and the CUDA runner over it gives the greedy tokens of the CPU runner
+on the same file dequantized to float32 (on CPU under Triton's interpreter where there is no GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
+
+from models.gguf_export import write_gguf  # noqa: E402  (tests/ is on sys.path)
+from models.tiny import tiny_config  # noqa: E402
+from vivace import LLM, SamplingParams  # noqa: E402
+from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS  # noqa: E402
+from vivace.gpu.gguf_linear import GgufLinear, linear, randomize_packed  # noqa: E402
+from vivace.gpu.runner import CudaRunner  # noqa: E402
+from vivace.models import load_model  # noqa: E402
+from vivace.models.dummy import random_gguf_blocks  # noqa: E402
+
+from .conftest import DEVICE  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+REPO = Path(__file__).resolve().parents[2]
+# Per GGUF tensor part: every GPU type once. Q8_0/Q4_0/Q4_1 quantize the model's values; the
+# K-quants are random blocks (the gguf package cannot quantize to them). "mixed" gives q/k and v
+# different types: its fused q/k/v projection falls back to float.
+TYPES = {
+    "uniform": {"attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q4_0,
+                "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "output": T.Q4_1},
+    "mixed": {"attn_q": T.Q5_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.Q5_K,
+              "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "output": T.Q6_K},
+}
+PROMPTS = [[5, 90, 31, 242, 77, 12, 5, 90, 31, 242, 77, 12], [8, 100, 200, 7]]
+NEW = 4
+CONFIG = dict(num_kv_blocks=16, block_size=4, max_model_len=32, device="cpu", quantization="none")
+
+
+@pytest.fixture(scope="module", params=list(TYPES))
+def gguf_model(request, tmp_path_factory):
+    """(GGUF path, its part types): 256 wide, K-quant rows of one super-block or more."""
+    torch.manual_seed(0)
+    config = tiny_config("llama", hidden_size=256, intermediate_size=512, initializer_range=0.1)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    types = TYPES[request.param]
+    return write_gguf(hf, tmp_path_factory.mktemp("gguf") / "tiny.gguf", types=types), types
+
+
+def expected_blocks(module: nn.Module, ggml_type: T) -> tuple[int, int]:
+    layout = LAYOUTS[ggml_type]
+    return module.out_features, module.in_features // layout.block_cols * layout.block_bytes
+
+
+def test_projections_stay_packed_and_multiply_as_dequantized(gguf_model) -> None:
+    path, types = gguf_model
+    packed = load_model(str(path), torch.float32, "auto", packed_gguf=True).model
+    dense = load_model(str(path), torch.float32, "none", packed_gguf=True).model  # "none": all dequantized
+    assert not any(isinstance(m, GgufLinear) for m in dense.modules())
+    attn, mlp = packed.layers[0].self_attn, packed.layers[0].mlp
+    fused_qkv = len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1
+    expected = {attn.o_proj: types["attn_output"], mlp.gate_up_proj: types["ffn_gate"],
+                mlp.down_proj: types["ffn_down"], packed.lm_head: types["output"]}
+    if fused_qkv:
+        expected[attn.qkv_proj] = types["attn_q"]
+    else:
+        assert type(attn.qkv_proj) is nn.Linear and attn.qkv_proj.weight.dtype == torch.float32
+    for module, ggml_type in expected.items():
+        assert isinstance(module, GgufLinear) and module.ggml_type == ggml_type
+        assert module.blocks.dtype == torch.uint8 and tuple(module.blocks.shape) == expected_blocks(module, ggml_type)
+    # Same products as the dequantized model's, q/k rows included (llama.cpp permutes them).
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    dense_attn = dense.layers[0].self_attn
+    for ours, theirs in ((attn.qkv_proj, dense_attn.qkv_proj), (packed.lm_head, dense.lm_head)):
+        torch.testing.assert_close(linear(ours, x), F.linear(x, theirs.weight), rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_only_quantization_is_refused(gguf_model) -> None:
+    with pytest.raises(ValueError, match="--quantization int8 runs on CPU only"):
+        load_model(str(gguf_model[0]), torch.float32, "int8", packed_gguf=True)
+
+
+def test_cuda_runner_greedy_tokens_equal_the_dequantized_cpu_runner(gguf_model) -> None:
+    path, _ = gguf_model
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **CONFIG).generate(PROMPTS, params)]
+    gpu = LLM(str(path), **CONFIG)
+    loaded = load_model(str(path), torch.float32, "auto", device=DEVICE, packed_gguf=True)
+    assert any(isinstance(m, GgufLinear) for m in loaded.model.modules())
+    engine = gpu.engine
+    engine.runner = CudaRunner(loaded, len(engine.kv.blocks), engine.kv.block_size, torch.float32,
+                               engine.max_model_len, device=DEVICE)
+    assert [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)] == want
+    engine.check_integrity()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_graph_replay_with_packed_projections(gguf_model) -> None:
+    path, _ = gguf_model
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    config = {**CONFIG, "num_kv_blocks": 64}
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **config).generate(PROMPTS * 3, params)]
+    graphed = LLM(str(path), **config)
+    loaded = load_model(str(path), torch.float32, "auto", device="cuda")
+    graphed.engine.runner = CudaRunner(loaded, 64, 4, torch.float32, 32, device="cuda", cuda_graph_max_batch=8)
+    assert [o.outputs[0].token_ids for o in graphed.generate(PROMPTS * 3, params)] == want
+
+
+@pytest.mark.parametrize("ggml_type", GPU_TYPES, ids=lambda t: t.name)
+def test_random_blocks_drawn_on_the_device_are_modest_weights(ggml_type) -> None:
+    blocks = random_gguf_blocks(ggml_type, 8, 512, DEVICE)
+    assert blocks.device.type == DEVICE and blocks.dtype == torch.uint8
+    weight = gguf.quants.dequantize(blocks.cpu().numpy(), ggml_type)
+    assert weight.shape == (8, 512) and np.isfinite(weight).all() and 0.01 < np.abs(weight).mean() < 1
+
+
+def test_randomize_packed_packs_every_projection(tiny_model_dir) -> None:
+    loaded = load_model(str(tiny_model_dir), torch.float32, load_format="dummy", device=DEVICE)
+    model = loaded.model
+    randomize_packed(model, T.Q4_0)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    packed = [m for m in model.modules() if isinstance(m, GgufLinear)]
+    assert len(packed) == 4 * model.config.num_hidden_layers  # tied embeddings: no LM head of its own
+    assert all(m.ggml_type == T.Q4_0 and m.blocks.device.type == DEVICE for m in packed)
+    assert len({tuple(m.blocks[0, :8].tolist()) for m in packed}) == len(packed)  # each drawn anew
+    # benchmarks/gpu.py's floor counts the packed bytes (and the tied embedding, the LM head's weight).
+    spec = importlib.util.spec_from_file_location("vivace_gpu_benchmark", REPO / "benchmarks" / "gpu.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert benchmark.bytes_read_per_step(loaded, 1, 0) == (dense + sum(m.blocks.numel() for m in packed), 0)

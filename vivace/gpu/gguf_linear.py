@@ -1,0 +1,119 @@
+"""GGUF linear layers on the GPU: ``GgufLinear`` keeps a projection's weight as the file's blocks
+in device memory and multiplies by it with ``vivace.gpu.gguf_kernels``; ``plan_packed`` and
+``pack_linears`` are the loader's side (which projections of a file stay packed, and swapping them
+in); ``linear`` is the forward's dispatch between these and cuBLAS; ``randomize_packed`` makes a
+dummy model's projections random blocks of one type (benchmarks).
+
+A projection stays packed when its GGUF type is one the kernels read (``GPU_TYPES``): the decoder's
+q/k/v, output, gate/up and down projections, and an untied LM head. A fused projection (q/k/v,
+gate/up) stacks its parts' rows, which only works when they share one type; when they do not, it
+is dequantized to float as before, as is every tensor of another type, the embedding and norms.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, gguf_matmul
+from vivace.models.config import ModelConfig
+from vivace.models.dummy import random_gguf_blocks
+from vivace.models.gguf import _hf_name, hf_rows
+from vivace.models.gguf_file import GGUFFile
+from vivace.models.loader import vivace_name
+
+
+class GgufLinear(nn.Module):
+    """``y = x @ W^T + b`` for ``W`` held as GGUF blocks ``uint8 [out_features, bytes_per_row]``
+    of ``ggml_type`` (one of ``GPU_TYPES``). ``x [..., in_features]`` in any float dtype; ``y``
+    has its dtype. ``module.to(dtype)`` converts the bias only: the blocks stay bytes."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if ggml_type not in LAYOUTS:
+            raise ValueError(f"GGUF type {ggml_type.name} has no GPU kernel; supported: "
+                             f"{', '.join(t.name for t in GPU_TYPES)}")
+        layout = LAYOUTS[ggml_type]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or in_features % layout.block_cols \
+                or blocks.shape[1] != in_features // layout.block_cols * layout.block_bytes:
+            raise ValueError(f"{ggml_type.name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold "
+                             f"rows of {in_features} weights")
+        self.ggml_type = ggml_type
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return gguf_matmul(rows, self.blocks, self.ggml_type, self.bias).view(*x.shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        """Bytes of blocks and bias one forward pass reads."""
+        return sum(t.numel() * t.element_size() for t in (self.blocks, self.bias) if t is not None)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"type={self.ggml_type.name}, bias={self.bias is not None}")
+
+
+def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s ``x @ W^T + b``: its own forward when it holds GGUF blocks, else cuBLAS."""
+    if isinstance(module, GgufLinear):
+        return module(x)
+    return F.linear(x, module.weight, module.bias)
+
+
+def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:
+    """vivace module name (``layers.0.self_attn.qkv_proj``, ``lm_head``) -> the GGUF tensors whose
+    rows it stacks, in order, for every projection whose parts are all of one type in ``GPU_TYPES``."""
+    arch = file.metadata["general.architecture"]
+    parts: dict[str, dict[int, str]] = defaultdict(dict)
+    counts: dict[str, int] = {}
+    for name, info in file.tensors.items():
+        if len(info.shape) != 2 or not name.endswith(".weight") or name.startswith("token_embd."):
+            continue
+        module, index, count = vivace_name(_hf_name(name, arch))
+        module = module.removesuffix(".weight")
+        parts[module][index], counts[module] = name, count
+    plan = {}
+    for module, names in parts.items():
+        types = {file.tensors[name].ggml_type for name in names.values()}
+        if len(names) == counts[module] and len(types) == 1 and types.pop() in GPU_TYPES:
+            plan[module] = tuple(names[i] for i in range(counts[module]))
+    return plan
+
+
+def pack_linears(model: nn.Module, path: Path, config: ModelConfig, plan: dict[str, tuple[str, ...]]) -> None:
+    """Replace each module of ``plan`` in ``model`` by a ``GgufLinear`` of its GGUF tensors' blocks
+    (read from ``path``, rows in Hugging Face order), keeping the module's bias."""
+    file = GGUFFile(path)
+    for module_name, names in plan.items():
+        infos = [file.tensors[name] for name in names]
+        blocks = np.concatenate([hf_rows(file.blocks(info), info.name, config) for info in infos])
+        parent_name, _, child_name = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        child = getattr(parent, child_name)
+        packed = GgufLinear(torch.from_numpy(blocks), infos[0].ggml_type, infos[0].shape[1], child.bias)
+        setattr(parent, child_name, packed)
+
+
+def randomize_packed(model: nn.Module, ggml_type: gguf.GGMLQuantizationType, seed: int = 0) -> None:
+    """Replace every projection of ``model`` (q/k/v, output, gate/up, down, an untied LM head) by a
+    ``GgufLinear`` of random ``ggml_type`` blocks on the device of its weight, biases kept: a
+    dummy model at a real shape in a GGUF format, for benchmarks."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                out_features, in_features = child.weight.shape
+                blocks = random_gguf_blocks(ggml_type, out_features, in_features, child.weight.device, seed)
+                setattr(module, child_name, GgufLinear(blocks, ggml_type, in_features, child.bias))
+                seed += 1
