@@ -10,6 +10,13 @@
 #                                      # a dummy-weight server smoke test and benchmarks/gpu.py,
 #                                      # writing every log and result under OUT (default gpu-results)
 #
+# Where one command may run 10 minutes at most, run the stages one call each (the install is
+# repeated, cheaply, by each; OUT may differ between calls):
+#
+#   benchmarks/gpu_device.sh tests OUT             # pytest -m cuda (GPU first run compiles every kernel)
+#   benchmarks/gpu_device.sh smoke OUT             # the dummy-weight server, a request, vivace bench
+#   benchmarks/gpu_device.sh bench OUT [ARGS...]   # benchmarks/gpu.py ARGS, e.g. --presets llama-3.1-8b
+#
 # .whl/ is git-ignored (about 4 MB); carry it with the checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,19 +40,34 @@ PY
     du -sh .whl
 }
 
-run() {
-    local out=${1:-gpu-results}
+setup() {  # the wheels into a private target, once per machine; the machine's description into OUT
+    local out=$1 site=/tmp/vivace-site
     mkdir -p "$out"
-    local site=/tmp/vivace-site
-    "$PYTHON" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl > "$out/pip.txt" 2>&1
+    [ -d "$site/fastapi" ] || "$PYTHON" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl \
+        > "$out/pip.txt" 2>&1
     export PYTHONPATH="$site:$PWD" VIVACE_TEST_TOKENIZER="$PWD/.whl/tokenizer"
     { nvidia-smi; "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
         > "$out/machine.txt" 2>&1
-    timeout 900 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider tests/gpu > "$out/pytest-cuda.txt" 2>&1
-    tail -3 "$out/pytest-cuda.txt"
+}
+
+tests() {
+    timeout "${TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rfE tests/gpu \
+        > "$1/pytest-cuda.txt" 2>&1
+    tail -30 "$1/pytest-cuda.txt"
+}
+
+bench() {
+    local out=$1; shift
+    timeout "${BENCH_TIMEOUT:-1500}" "$PYTHON" benchmarks/gpu.py --out "$out/gpu.json" "$@" > "$out/gpu.txt" 2>&1
+    tail -60 "$out/gpu.txt"
+}
+
+run() {
+    local out=${1:-gpu-results}
+    setup "$out"
+    tests "$out"
     smoke "$out"
-    timeout 1500 "$PYTHON" benchmarks/gpu.py --out "$out/gpu.json" > "$out/gpu.txt" 2>&1
-    tail -40 "$out/gpu.txt"
+    bench "$out"
 }
 
 smoke() {  # a dummy-weight 1B-shape server on the GPU, one streamed and one plain request
@@ -79,5 +101,7 @@ PY
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 prepare | run [OUT]" >&2; exit 2 ;;
+    tests|smoke) setup "${2:?OUT}"; "$1" "$2" ;;
+    bench) setup "${2:?OUT}"; out=$2; shift 2; bench "$out" "$@" ;;
+    *) echo "usage: $0 prepare | run [OUT] | tests OUT | smoke OUT | bench OUT [ARGS...]" >&2; exit 2 ;;
 esac
