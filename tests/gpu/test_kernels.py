@@ -12,7 +12,6 @@ import torch
 pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
 
 from vivace.gpu import kernels  # noqa: E402
-from vivace.layers.norm import rms_norm  # noqa: E402
 from vivace.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
@@ -155,27 +154,6 @@ def test_silu_mul() -> None:
     x = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     gate, up = x.chunk(2, -1)
     torch.testing.assert_close(kernels.silu_mul(x, block=16), torch.nn.functional.silu(gate) * up)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gelu_tanh_mul(dtype) -> None:
-    x = (3 * torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(9))).to(DEVICE, dtype)
-    gate, up = x.chunk(2, -1)
-    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
-    torch.testing.assert_close(kernels.gated_act(x, gelu=True, block=16), want)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_rms_norm_of_q_and_k_in_place(dtype) -> None:
-    heads, kv_heads, head_dim, tokens = 4, 2, 24, 3
-    g = torch.Generator().manual_seed(11)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
-    q_w, k_w = (torch.rand(head_dim, generator=g).to(DEVICE, dtype) + 0.5 for _ in range(2))
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    want = torch.cat([rms_norm(q.reshape(-1, head_dim), q_w, 1e-6).view(tokens, -1),
-                      rms_norm(k.reshape(-1, head_dim), k_w, 1e-6).view(tokens, -1), v], dim=-1)
-    out = kernels.head_rms_norm(qkv.clone(), q_w, k_w, heads, kv_heads, 1e-6)
-    torch.testing.assert_close(out, want)
 
 
 def test_decode_splits_fill_the_gpu_but_keep_a_block_of_keys_each() -> None:

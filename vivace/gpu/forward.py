@@ -1,11 +1,9 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3) and Gemma 3's from the Triton kernels
-and cuBLAS GEMMs, over the same modules and weights as ``vivace.models.llama`` and
-``vivace.models.gemma3`` (which the CPU backend runs).
+"""The Llama-family forward (Llama, Mistral, Qwen2) from the Triton kernels and cuBLAS GEMMs,
+over the same module and weights as ``vivace.models.llama`` (which the CPU backend runs).
 
-Per layer: add + RMSNorm (one launch), the fused q/k/v GEMM, per-head q/k RMSNorm (Qwen3, Gemma 3:
-one launch for both), rotary + K/V write (one launch), paged attention (one launch, two with
-split-K), the output GEMM, add + RMSNorm, the gate/up GEMM, SiLU (Gemma: GELU-tanh) * mul, the
-down GEMM: 9-11 launches; Gemma's norms after attention and after the MLP add two. Every tensor's shape depends on the batch's rows only,
+Per layer: add + RMSNorm (one launch), the fused q/k/v GEMM, rotary + K/V write (one launch),
+paged attention (one launch, two with split-K), the output GEMM, add + RMSNorm, the gate/up GEMM,
+SiLU * mul, the down GEMM: 9-10 launches. Every tensor's shape depends on the batch's rows only,
 never on sequence lengths, so a CUDA graph of a decode step replays for any lengths.
 """
 
@@ -14,14 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from vivace.gpu import kernels
 from vivace.gpu.gguf_linear import linear
 from vivace.models.config import SLIDING
-from vivace.models.gemma3 import Gemma3ForCausalLM
 from vivace.models.llama import LlamaForCausalLM
-
-SUPPORTED = (LlamaForCausalLM, Gemma3ForCausalLM)
 
 
 @dataclass
@@ -43,22 +39,22 @@ class GpuBatch:
 def check_supported(model: torch.nn.Module) -> None:
     """Raise ValueError for a model this forward does not run (yet)."""
     config = model.config
-    if type(model) not in SUPPORTED:
-        raise ValueError(f"--device cuda runs the Llama family (Llama, Mistral, Qwen2, Qwen3) and Gemma 3; "
-                         f"not {config.architecture} yet")
+    if type(model) is not LlamaForCausalLM:
+        raise ValueError(f"--device cuda runs the Llama family (Llama, Mistral, Qwen2); not {config.architecture} yet")
+    if config.qk_norm:
+        raise ValueError(f"--device cuda does not run per-head q/k norms ({config.architecture}) yet")
+    if config.final_logit_softcapping is not None:
+        raise ValueError("--device cuda does not run final logit soft-capping yet")
 
 
 def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-    """Hidden states ``[num_tokens, hidden]`` after the final norm; writes the batch's K/V. Gemma 3
-    (a ``LlamaForCausalLM`` too) scales its embeddings in ``model.embed``, holds its norms' weights as
-    ``1 + w`` already (the loader adds the 1) and wraps attention and MLP in norms of their own."""
+    """Hidden states ``[num_tokens, hidden]`` after the final norm; writes the batch's K/V."""
     config = model.config
     eps = config.rms_norm_eps
     tables = {None: (model.rotary.cos, model.rotary.sin)}
     if model.local_rotary is not None:
         tables[SLIDING] = (model.local_rotary.cos, model.local_rotary.sin)
-    gemma = isinstance(model, Gemma3ForCausalLM)
-    x = model.embed(batch.input_ids)
+    x = F.embedding(batch.input_ids, model.embed_tokens.weight)
     residual = None
     for layer, cache in zip(model.layers, kv_caches, strict=True):
         if residual is None:
@@ -67,9 +63,6 @@ def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tens
             h, residual = kernels.rms_norm(x, layer.input_layernorm.weight, eps, residual)
         attn = layer.self_attn
         qkv = linear(attn.qkv_proj, h)
-        if attn.q_norm is not None:
-            kernels.head_rms_norm(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.num_heads, attn.num_kv_heads,
-                                  attn.q_norm.eps)
         cos, sin = tables[SLIDING if attn.rope_type == SLIDING else None]
         q = kernels.rotary_kv_write(qkv, cos, sin, batch.positions, batch.slot_mapping, cache, attn.num_heads)
         if batch.query_start is None:
@@ -79,13 +72,7 @@ def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tens
             o = kernels.paged_prefill_attention(q, cache, batch.block_tables, batch.query_start, batch.seq_lens,
                                                 batch.max_query_len, attn.scale, attn.window)
         x = linear(attn.o_proj, o.view(o.shape[0], -1))
+        h, residual = kernels.rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
         mlp = layer.mlp
-        if gemma:
-            x = kernels.rms_norm(x, layer.post_attention_layernorm.weight, eps)
-            h, residual = kernels.rms_norm(x, layer.pre_feedforward_layernorm.weight, eps, residual)
-            x = linear(mlp.down_proj, kernels.gated_act(linear(mlp.gate_up_proj, h), gelu=True))
-            x = kernels.rms_norm(x, layer.post_feedforward_layernorm.weight, eps)
-        else:
-            h, residual = kernels.rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
-            x = linear(mlp.down_proj, kernels.silu_mul(linear(mlp.gate_up_proj, h)))
+        x = linear(mlp.down_proj, kernels.silu_mul(linear(mlp.gate_up_proj, h)))
     return kernels.rms_norm(x, model.norm.weight, eps, residual)[0]

@@ -345,68 +345,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _gated_act_kernel(X, OUT, stride_x, stride_o, WIDTH, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    """``act(gate) * up``, the activation rounded to the input dtype first, as torch's two ops do:
-    SiLU, or (``GELU``) GELU's tanh approximation, its tanh as ``2 * sigmoid(2z) - 1``."""
+def _silu_mul_kernel(X, OUT, stride_x, stride_o, WIDTH, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < WIDTH
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(X + row * stride_x + WIDTH + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    if GELU:
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) * (g + 0.044715 g^3)
-        act = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))  # 0.5 g (1 + tanh z)
-    else:
-        act = g / (1.0 + tl.exp(-g))
-    act = act.to(gate.dtype)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     tl.store(OUT + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(OUT.dtype.element_ty),
              mask=mask)
 
 
-def gated_act(x: torch.Tensor, gelu: bool = False, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
-    """``silu(gate) * up`` (``gelu``: GELU-tanh) for ``x = [gate | up]`` ``[num_tokens, 2 * width]``,
-    rounding as torch does."""
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` ``[num_tokens, 2 * width]``, rounding as torch does."""
     num_tokens, width = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device) if out is None else out
     block = min(block, _pow2(width))
-    _gated_act_kernel[(num_tokens, triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width,
-                                                               GELU=gelu, BLOCK=block)
+    _silu_mul_kernel[(num_tokens, triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width, BLOCK=block)
     return out
-
-
-def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x = [gate | up]`` ``[num_tokens, 2 * width]``, rounding as torch does."""
-    return gated_act(x, False, out, block)
-
-
-@triton.jit
-def _head_rms_norm_kernel(QKV, QW, KW, stride_t, eps, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """One program per (token, q or k head), in place: RMSNorm over the head's ``HEAD_DIM`` values
-    with the q or the k weight, rounded as ``_rms_norm_kernel`` rounds (Llama's order)."""
-    token, head = tl.program_id(0), tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < HEAD_DIM
-    ptrs = QKV + token.to(tl.int64) * stride_t + head * HEAD_DIM + cols
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    x32 = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x32 * x32, 0) / HEAD_DIM + eps)
-    if head < NUM_HEADS:
-        w = tl.load(QW + cols, mask=mask, other=0.0).to(tl.float32)
-    else:
-        w = tl.load(KW + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, ((x32 * inv).to(x.dtype).to(tl.float32) * w).to(x.dtype), mask=mask)
-
-
-def head_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm of the q and k heads of a fused ``qkv`` ``[num_tokens, (heads + 2 kv_heads)
-    * head_dim]`` (Qwen3, Gemma 3), in place, v untouched; one launch. Returns ``qkv``."""
-    head_dim = q_weight.shape[0]
-    _head_rms_norm_kernel[(qkv.shape[0], num_heads + num_kv_heads)](
-        qkv, q_weight, k_weight, qkv.stride(0), eps, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK=_pow2(head_dim))
-    return qkv
 
 
 # --- batch-1 GEMV ----------------------------------------------------------------------------
