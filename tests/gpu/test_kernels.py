@@ -1,6 +1,7 @@
 """Each Triton kernel against a float32 torch reference at tiny shapes (the interpreter is slow on
-CPU): paged decode attention (GQA packed, split-K, window), paged prefill attention (chunks after a
-cached context, causal, window, a mixed batch), rotary + KV write, add + RMSNorm, SiLU * mul."""
+CPU): paged decode attention (GQA packed, split-K, window, mixed dtypes), paged prefill attention
+(chunks after a cached context, causal, window, a mixed batch), rotary + KV write (with per-head
+q/k norms), add + RMSNorm, SiLU * mul, GELU-tanh * mul; and the attention launch's shape rules."""
 
 from __future__ import annotations
 
@@ -75,14 +76,20 @@ def test_paged_decode_attention(splits: int, window: int | None) -> None:
         torch.testing.assert_close(out[i:i + 1], want, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_decode_attention_bfloat16_within_tolerance() -> None:
-    heads, kv_heads, head_dim, lengths = 4, 4, 32, [9, 33]
-    cache = random_cache(24, kv_heads, head_dim).bfloat16()
+@pytest.mark.parametrize("q_dtype, kv_dtype, head_dim", [(torch.bfloat16, torch.bfloat16, 32),
+                                                         (torch.float32, torch.bfloat16, 24),
+                                                         (torch.bfloat16, torch.float16, 32)])
+def test_paged_decode_attention_16_bit_within_tolerance(q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                                                        head_dim: int) -> None:
+    """bfloat16 throughout, and queries of another dtype than the cache (``tl.dot`` on a GPU
+    takes one dtype: the kernel multiplies those in float32), at a head_dim that is no power of two."""
+    heads, kv_heads, lengths = 4, 4, [9, 33]
+    cache = random_cache(24, kv_heads, head_dim).to(kv_dtype)
     tables = tables_for(lengths, 24)
-    q = torch.randn(2, heads, head_dim, generator=torch.Generator().manual_seed(3)).to(DEVICE).bfloat16()
+    q = torch.randn(2, heads, head_dim, generator=torch.Generator().manual_seed(3)).to(DEVICE, q_dtype)
     out = kernels.paged_decode_attention(q, cache, as_tensor(tables), torch.tensor(lengths, device=DEVICE),
                                          0.2, num_splits=2, block_n=16)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == q_dtype
     for i, length in enumerate(lengths):
         k, v = gather(cache, tables[i], length)
         want = reference(q[i:i + 1], k, v, torch.tensor([length - 1], device=DEVICE), 0.2, None)
@@ -94,11 +101,12 @@ def test_paged_prefill_attention_mixed_batch(window: int | None) -> None:
     """Three sequences: a whole prompt, a chunk after a cached context (a prefix-cache hit or a
     later chunk), and a decode row."""
     heads, kv_heads, head_dim = 4, 2, 16
-    query_lens, seq_lens = [9, 5, 1], [9, 14, 11]
+    # The prompt spans two blocks of 16 queries; the others' second blocks are empty.
+    query_lens, seq_lens = [18, 5, 1], [18, 14, 11]
     cache = random_cache(20, kv_heads, head_dim, seed=4)
     tables = tables_for(seq_lens, 20, seed=5)
     q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    starts = torch.tensor([0, 9, 14, 15], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 18, 23, 24], dtype=torch.int32, device=DEVICE)
     scale = 0.3
     out = kernels.paged_prefill_attention(q, cache, as_tensor(tables), starts, torch.tensor(seq_lens, device=DEVICE),
                                           max(query_lens), scale, window, block_m=16, block_n=16)
@@ -109,20 +117,32 @@ def test_paged_prefill_attention_mixed_batch(window: int | None) -> None:
         torch.testing.assert_close(out[rows], reference(q[rows], k, v, positions, scale, window), rtol=1e-5, atol=1e-5)
 
 
-def test_rotary_kv_write() -> None:
-    heads, kv_heads, head_dim, tokens = 4, 2, 16, 5
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm of ``x`` ``[tokens, heads, head_dim]`` (the identity without ``weight``)."""
+    if weight is None:
+        return x
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_kv_write(qk_norm: bool) -> None:
+    heads, kv_heads, head_dim, tokens, eps = 4, 2, 16, 5, 1e-6
     rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, torch.float32)
     cos, sin = rotary.cos.to(DEVICE), rotary.sin.to(DEVICE)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE)
+    q_norm, k_norm = (torch.randn(head_dim, generator=g).to(DEVICE) if qk_norm else None for _ in range(2))
     positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
     slots = torch.tensor([5, 0, 31, 12, 7], device=DEVICE)
     cache = torch.zeros(2, 8, BLOCK, kv_heads, head_dim, device=DEVICE)
-    q = kernels.rotary_kv_write(qkv, cos, sin, positions, slots, cache, heads)
+    q = kernels.rotary_kv_write(qkv, cos, sin, positions, slots, cache, heads, q_norm=q_norm, k_norm=k_norm, eps=eps)
     q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    torch.testing.assert_close(q, apply_rotary(q_ref.view(tokens, heads, head_dim), c, s))
+    q_want = apply_rotary(head_rms_norm(q_ref.reshape(tokens, heads, head_dim), q_norm, eps), c, s)
+    torch.testing.assert_close(q, q_want)
     flat = cache.view(2, -1, kv_heads, head_dim)
-    torch.testing.assert_close(flat[0, slots], apply_rotary(k_ref.reshape(tokens, kv_heads, head_dim), c, s))
+    k_want = apply_rotary(head_rms_norm(k_ref.reshape(tokens, kv_heads, head_dim), k_norm, eps), c, s)
+    torch.testing.assert_close(flat[0, slots], k_want)
     torch.testing.assert_close(flat[1, slots], v_ref.reshape(tokens, kv_heads, head_dim))
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[slots.cpu()] = False
@@ -154,6 +174,31 @@ def test_silu_mul() -> None:
     x = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     gate, up = x.chunk(2, -1)
     torch.testing.assert_close(kernels.silu_mul(x, block=16), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy, at the far tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul(dtype: torch.dtype) -> None:
+    x = (4 * torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(11))).to(DEVICE, dtype)
+    gate, up = x.chunk(2, -1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kernels.gelu_tanh_mul(x, block=16), want, **tolerance)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_attention_launch_fits_an_h100(head_dim: int, itemsize: int) -> None:
+    """What the interpreter cannot check: tiles ``tl.dot`` takes on a GPU, pipelined K/V tiles
+    within shared memory, float32 accumulators within registers."""
+    block_d = kernels._pow2(head_dim, 16)
+    for rows in (16, 64):  # a decode's padded query heads, a prefill's queries
+        launch = kernels.attention_launch(rows, block_d, 64, itemsize)
+        assert launch["num_stages"] * 2 * 64 * block_d * itemsize <= kernels.KV_TILES_SMEM
+        assert launch["num_warps"] in (4, 8) and rows * block_d / (32 * launch["num_warps"]) <= 64
+    for bad in ((3, block_d, 64), (16, head_dim + 1, 64), (16, block_d, 8)):  # SmolLM2's 3 heads unpadded, ...
+        with pytest.raises(AssertionError):
+            kernels.attention_launch(*bad, itemsize)
 
 
 def test_decode_splits_fill_the_gpu_but_keep_a_block_of_keys_each() -> None:

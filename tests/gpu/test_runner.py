@@ -1,8 +1,9 @@
-"""The CUDA runner behind the engine seam, end to end: greedy tokens of a tiny random Llama equal
-transformers' and the CPU runner's, through whole-prompt and chunked prefill, prefix-cache hits,
-mixed batches and n-gram verification rows; tokens drawn by the device sampler (penalties,
-logprobs, seeds) match the CPU engine's host sampler or reproduce across runs and batches (on CPU
-under Triton's interpreter where there is no GPU: few tokens, tiny model)."""
+"""The CUDA runner behind the engine seam, end to end: greedy tokens of tiny random Llama, Qwen3
+and Gemma 3 models equal transformers' and the CPU runner's, through whole-prompt and chunked
+prefill, prefix-cache hits, mixed batches and n-gram verification rows; a prompt's logits equal
+transformers'; tokens drawn by the device sampler (penalties, logprobs, seeds) match the CPU
+engine's host sampler or reproduce across runs and batches (on CPU under Triton's interpreter
+where there is no GPU: few tokens, tiny models)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,19 @@ import torch
 pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
 
 from vivace import LLM, SamplingParams  # noqa: E402
+from vivace.gpu.forward import GpuBatch, forward  # noqa: E402
 from vivace.gpu.runner import CudaRunner, graph_buckets  # noqa: E402
 from vivace.models import load_model  # noqa: E402
+from tests.models.tiny import save_hf_dir, tiny_model  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
 
-PROMPTS = [[5, 900, 31, 4242, 77, 12, 5, 900, 31, 4242, 77, 12, 5, 900], [8, 1000, 20000, 7]]
+PROMPTS = [[5, 90, 31, 242, 77, 12, 5, 90, 31, 242, 77, 12, 5, 90], [8, 100, 200, 7]]  # ids every vocab has
 NEW = 6
+# What sets each family's forward apart: Qwen3's per-head q/k norms; Gemma 3's (1 + w) and sandwich
+# norms, scaled embeddings, GELU MLP, sliding layers (window 6) with their own rope base, a query
+# scale apart from head_dim, and final logit soft-capping.
+FAMILIES = {"qwen3": ("qwen3", {}), "gemma3": ("gemma3_pattern2", dict(final_logit_softcapping=2.0))}
 
 
 def greedy(**params: object) -> SamplingParams:
@@ -40,22 +47,29 @@ def with_cuda_runner(llm: LLM, model_dir: str) -> LLM:
     return llm
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
+@pytest.fixture(scope="module", params=["llama", *FAMILIES])
+def family(request, tiny_model_dir, tmp_path_factory):
+    """``(directory, transformers model)`` of a tiny random model of each family."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    if request.param == "llama":
+        return str(tiny_model_dir), transformers.AutoModelForCausalLM.from_pretrained(
+            tiny_model_dir, dtype=torch.float32).eval()
+    kind, overrides = FAMILIES[request.param]
+    hf = tiny_model(kind, **overrides)
+    return str(save_hf_dir(hf, tmp_path_factory.mktemp(request.param))), hf
 
 
-def test_greedy_equals_transformers_and_the_cpu_runner(tiny_model_dir, hf) -> None:
+def test_greedy_equals_transformers_and_the_cpu_runner(family) -> None:
+    path, hf = family
     # A 5-token budget: the 14-token prompt prefills in chunks, riding with the other's decodes.
     config = dict(num_kv_blocks=32, block_size=4, max_num_batched_tokens=5, max_model_len=64, device="cpu")
-    gpu = with_cuda_runner(LLM(str(tiny_model_dir), **config), str(tiny_model_dir))
+    gpu = with_cuda_runner(LLM(path, **config), path)
     ours = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, greedy())]
     for prompt, tokens in zip(PROMPTS, ours):
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
         assert tokens == theirs[0, len(prompt):].tolist()
-    cpu = LLM(str(tiny_model_dir), **config)
+    cpu = LLM(path, **config)
     assert [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy())] == ours
     assert gpu.engine.runner.sampler.num_steps > NEW  # the device sampler drew them
     # Penalties and logprobs on the device, against the CPU engine's host sampler.
@@ -71,6 +85,29 @@ def test_greedy_equals_transformers_and_the_cpu_runner(tiny_model_dir, hf) -> No
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == ours[0]
     gpu.engine.check_integrity()
     assert gpu.engine.kv.num_free_blocks == 32
+
+
+@torch.inference_mode()
+def test_prompt_logits_equal_transformers(family) -> None:
+    """Logits themselves, not only their argmax (soft-capping keeps the argmax)."""
+    path, hf = family
+    loaded = load_model(path, torch.float32, device=DEVICE)
+    prompt = PROMPTS[0]
+    n, block_size = len(prompt), 4
+    caches = [torch.zeros(2, 5, block_size, loaded.config.num_key_value_heads, loaded.config.head_dim,
+                          device=DEVICE) for _ in range(loaded.config.num_hidden_layers)]
+
+    def tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+    # Blocks out of order: the sequence's block table is 3, 0, 4, 1.
+    table = [3, 0, 4, 1]
+    batch = GpuBatch(tensor(prompt), tensor(list(range(n))), tensor([table[p // block_size] * block_size
+                                                                      + p % block_size for p in range(n)]),
+                     tensor([table], torch.int32), tensor([n], torch.int32), tensor([0, n], torch.int32), n)
+    logits = loaded.model.compute_logits(forward(loaded.model, batch, caches)).cpu()
+    want = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
 
 
 def test_ngram_verification_rows_keep_greedy_tokens(tiny_model_dir) -> None:
@@ -102,16 +139,17 @@ def test_graph_buckets() -> None:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-def test_graph_replay_equals_eager_across_buckets(tiny_model_dir) -> None:
+def test_graph_replay_equals_eager_across_buckets(family) -> None:
+    path, _ = family
     config = dict(num_kv_blocks=64, block_size=16, max_model_len=128, device="cpu")
-    eager = with_cuda_runner(LLM(str(tiny_model_dir), **config), str(tiny_model_dir))
+    eager = with_cuda_runner(LLM(path, **config), path)
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS * 3, greedy())]
     # Every sampler plan inside the graphs: seeds, filters, penalties, bans, logprobs.
     mixed = [greedy(), seeded(3), greedy(repetition_penalty=1.2, logprobs=2), seeded(4),
              SamplingParams(temperature=0.7, min_p=0.1, seed=9, min_tokens=NEW, max_tokens=NEW), greedy(logprobs=0)]
     want_mixed = [o.outputs[0] for o in eager.generate(PROMPTS * 3, mixed)]
-    graphed = LLM(str(tiny_model_dir), **config)
-    loaded = load_model(str(tiny_model_dir), torch.float32, device="cuda")
+    graphed = LLM(path, **config)
+    loaded = load_model(path, torch.float32, device="cuda")
     graphed.engine.runner = CudaRunner(loaded, 64, 16, torch.float32, 128, device="cuda", cuda_graph_max_batch=8)
     assert [o.outputs[0].token_ids for o in graphed.generate(PROMPTS * 3, greedy())] == want
     got_mixed = [o.outputs[0] for o in graphed.generate(PROMPTS * 3, mixed)]

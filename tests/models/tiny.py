@@ -60,11 +60,11 @@ def tiny_config(kind: str, **overrides: object) -> transformers.PretrainedConfig
     return config_class(**copy.deepcopy({**_COMMON, **extra, **overrides}))
 
 
-def tiny_model(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A random model whose every weight (norms and biases too) is non-trivial and exactly
-    representable in float16, so an F16 export is lossless."""
+def tiny_model(kind: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
+    """A random model (``overrides`` change its config) whose every weight (norms and biases too) is
+    non-trivial and exactly representable in float16, so an F16 export is lossless."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.1)

@@ -1,10 +1,14 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2) from the Triton kernels and cuBLAS GEMMs,
-over the same module and weights as ``vivace.models.llama`` (which the CPU backend runs).
+"""The decoder forward from the Triton kernels and cuBLAS GEMMs, over the same modules and weights
+as ``vivace.models.llama`` and ``vivace.models.gemma3`` (which the CPU backend runs): the Llama
+family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 3.
 
-Per layer: add + RMSNorm (one launch), the fused q/k/v GEMM, rotary + K/V write (one launch),
-paged attention (one launch, two with split-K), the output GEMM, add + RMSNorm, the gate/up GEMM,
-SiLU * mul, the down GEMM: 9-10 launches. Every tensor's shape depends on the batch's rows only,
-never on sequence lengths, so a CUDA graph of a decode step replays for any lengths.
+Per Llama layer: add + RMSNorm (one launch), the fused q/k/v GEMM, rotary + K/V write (one launch,
+Qwen3's per-head q/k norms in it), paged attention (one launch, two with split-K), the output
+GEMM, add + RMSNorm, the gate/up GEMM, SiLU * mul, the down GEMM: 9-10 launches. A Gemma 3 layer
+adds a norm after attention and one after the MLP, and gates with GELU (tanh). Every tensor's
+shape depends on the batch's rows only, never on sequence lengths, so a CUDA graph of a decode
+step replays for any lengths. Projections go through ``gguf_linear.linear``: cuBLAS
+(``F.linear``), or the GGUF kernels for a projection kept packed.
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from vivace.gpu import kernels
 from vivace.gpu.gguf_linear import linear
-from vivace.models.config import SLIDING
-from vivace.models.llama import LlamaForCausalLM
+from vivace.models.config import FULL, SLIDING
+from vivace.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
+from vivace.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 
 
 @dataclass
@@ -37,42 +41,63 @@ class GpuBatch:
 
 
 def check_supported(model: torch.nn.Module) -> None:
-    """Raise ValueError for a model this forward does not run (yet)."""
-    config = model.config
-    if type(model) is not LlamaForCausalLM:
-        raise ValueError(f"--device cuda runs the Llama family (Llama, Mistral, Qwen2); not {config.architecture} yet")
-    if config.qk_norm:
-        raise ValueError(f"--device cuda does not run per-head q/k norms ({config.architecture}) yet")
-    if config.final_logit_softcapping is not None:
-        raise ValueError("--device cuda does not run final logit soft-capping yet")
+    """Raise ValueError for a model this forward does not run."""
+    if type(model) not in _LAYER_STEPS:
+        raise ValueError(f"--device cuda runs the Llama family and Gemma 3; not {model.config.architecture}")
 
 
 def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
     """Hidden states ``[num_tokens, hidden]`` after the final norm; writes the batch's K/V."""
-    config = model.config
-    eps = config.rms_norm_eps
-    tables = {None: (model.rotary.cos, model.rotary.sin)}
+    tables = {FULL: (model.rotary.cos, model.rotary.sin)}
     if model.local_rotary is not None:
         tables[SLIDING] = (model.local_rotary.cos, model.local_rotary.sin)
-    x = F.embedding(batch.input_ids, model.embed_tokens.weight)
-    residual = None
+    layer_step = _LAYER_STEPS[type(model)]
+    eps = model.config.rms_norm_eps
+    x, residual = model.embed(batch.input_ids), None  # Gemma scales its embeddings there
     for layer, cache in zip(model.layers, kv_caches, strict=True):
         if residual is None:
             residual, h = x, kernels.rms_norm(x, layer.input_layernorm.weight, eps)
         else:
             h, residual = kernels.rms_norm(x, layer.input_layernorm.weight, eps, residual)
-        attn = layer.self_attn
-        qkv = linear(attn.qkv_proj, h)
-        cos, sin = tables[SLIDING if attn.rope_type == SLIDING else None]
-        q = kernels.rotary_kv_write(qkv, cos, sin, batch.positions, batch.slot_mapping, cache, attn.num_heads)
-        if batch.query_start is None:
-            o = kernels.paged_decode_attention(q, cache, batch.block_tables, batch.seq_lens, attn.scale, attn.window,
-                                               batch.num_splits)
-        else:
-            o = kernels.paged_prefill_attention(q, cache, batch.block_tables, batch.query_start, batch.seq_lens,
-                                                batch.max_query_len, attn.scale, attn.window)
-        x = linear(attn.o_proj, o.view(o.shape[0], -1))
-        h, residual = kernels.rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
-        mlp = layer.mlp
-        x = linear(mlp.down_proj, kernels.silu_mul(linear(mlp.gate_up_proj, h)))
+        x, residual = layer_step(layer, _attention(layer.self_attn, h, tables, batch, cache), residual, eps)
     return kernels.rms_norm(x, model.norm.weight, eps, residual)[0]
+
+
+def _attention(attn: Attention, h: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               batch: GpuBatch, cache: torch.Tensor) -> torch.Tensor:
+    """The attention block's output projection ``[num_tokens, hidden]`` for normed input ``h``;
+    writes the batch's K/V into ``cache``."""
+    qkv = linear(attn.qkv_proj, h)
+    cos, sin = tables[attn.rope_type]
+    norms = {} if attn.q_norm is None else dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
+                                                  eps=attn.q_norm.eps)
+    q = kernels.rotary_kv_write(qkv, cos, sin, batch.positions, batch.slot_mapping, cache, attn.num_heads, **norms)
+    if batch.query_start is None:
+        o = kernels.paged_decode_attention(q, cache, batch.block_tables, batch.seq_lens, attn.scale, attn.window,
+                                           batch.num_splits)
+    else:
+        o = kernels.paged_prefill_attention(q, cache, batch.block_tables, batch.query_start, batch.seq_lens,
+                                            batch.max_query_len, attn.scale, attn.window)
+    return linear(attn.o_proj, o.view(o.shape[0], -1))
+
+
+def _llama_layer(layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the attention: ``(MLP output, residual stream)``, as ``llama.DecoderLayer`` computes them."""
+    h, residual = kernels.rms_norm(attn_out, layer.post_attention_layernorm.weight, eps, residual)
+    mlp = layer.mlp
+    return linear(mlp.down_proj, kernels.silu_mul(linear(mlp.gate_up_proj, h))), residual
+
+
+def _gemma3_layer(layer: Gemma3DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the attention: ``(post-feedforward-normed MLP output, residual stream)``, as
+    ``gemma3.Gemma3DecoderLayer`` computes them (its norm weights already hold Gemma's ``1 + w``)."""
+    h = kernels.rms_norm(attn_out, layer.post_attention_layernorm.weight, eps)
+    h, residual = kernels.rms_norm(h, layer.pre_feedforward_layernorm.weight, eps, residual)
+    mlp = layer.mlp
+    x = linear(mlp.down_proj, kernels.gelu_tanh_mul(linear(mlp.gate_up_proj, h)))
+    return kernels.rms_norm(x, layer.post_feedforward_layernorm.weight, eps), residual
+
+
+_LAYER_STEPS = {LlamaForCausalLM: _llama_layer, Gemma3ForCausalLM: _gemma3_layer}

@@ -27,6 +27,38 @@ def _pow2(n: int, least: int = 1) -> int:
     return max(triton.next_power_of_2(n), least)
 
 
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+# Of the 227 KiB of shared memory an H100 block may use, what the pipelined K/V tiles may take
+# (the rest: the query tile and Triton's layout conversions).
+KV_TILES_SMEM = 160 * 1024
+
+
+def attention_launch(rows: int, block_d: int, block_n: int, itemsize: int) -> dict[str, int]:
+    """``num_warps`` and ``num_stages`` of an attention program over a ``[rows, block_d]`` query
+    tile and ``[block_n, block_d]`` K/V tiles whose ``tl.dot`` operands take ``itemsize`` bytes:
+    warps enough that the float32 accumulator holds at most 64 registers a thread (4 to 8), K/V
+    tiles pipelined up to 3 deep while they fit in ``KV_TILES_SMEM`` (float32 tiles of head_dim
+    256 fit once). Raises AssertionError for tiles a GPU's ``tl.dot`` rejects: every dimension a
+    power of two and at least 16 (Triton's interpreter checks neither)."""
+    assert all(_is_pow2(n) and n >= 16 for n in (rows, block_d, block_n)), (rows, block_d, block_n)
+    num_warps = min(max(rows * block_d // (32 * 64), 4), 8)
+    num_stages = max(1, min(3, KV_TILES_SMEM // (2 * block_n * block_d * itemsize)))
+    return dict(num_warps=num_warps, num_stages=num_stages)
+
+
+def _dot_f32(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether attention multiplies in float32: under the interpreter, and where the queries and
+    the cache differ in dtype (``tl.dot`` takes operands of one dtype)."""
+    return DOT_F32 or q.dtype != kv_cache.dtype
+
+
+def _dot_itemsize(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
+    return 4 if _dot_f32(q, kv_cache) else kv_cache.dtype.itemsize
+
+
 # --- attention ------------------------------------------------------------------------------
 
 
@@ -153,9 +185,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
-    block_d = _pow2(head_dim, 16)
-    consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                  BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=DOT_F32)
+    block_d, block_g = _pow2(head_dim, 16), _pow2(group, 16)  # the query heads padded to tl.dot's 16 rows
+    consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                  BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q, kv_cache),
+                  **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)))
     args = (float(scale) * LOG2E, int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0))
     grid = (num_seqs, num_kv_heads, num_splits)
@@ -196,14 +229,17 @@ def _prefill_attention_kernel(
     rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < q_len
     pos = context + rows
+    tokens = (q_start + rows).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+    q = tl.load(Q + tokens[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
     lo = tl.maximum(context + mblk * BLOCK_M - window + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum(context + tl.minimum((mblk + 1) * BLOCK_M, q_len), seq_len)
+    # The grid is as tall as the longest chunk: a shorter one's blocks past its queries scan nothing.
+    hi = tl.where(mblk * BLOCK_M < q_len, hi, lo)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -215,7 +251,7 @@ def _prefill_attention_kernel(
         visible = n_mask[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
         m, l, acc = _online_softmax_step(q, k, v, visible, m, l, acc, scale_log2, DOT_F32)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
+    tl.store(OUT + tokens[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
              mask=row_mask[:, None] & d_mask[None, :])
 
 
@@ -231,14 +267,15 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(q) if out is None else out
-    block_m = min(block_m, _pow2(max_query_len, 16))
+    block_m, block_d = min(block_m, _pow2(max_query_len, 16)), _pow2(head_dim, 16)
     grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_attention_kernel[grid](
         q, kv_cache, block_tables, query_start, seq_lens, out, float(scale) * LOG2E, int(window or NO_WINDOW),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16),
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=DOT_F32)
+        BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_dot_f32(q, kv_cache),
+        **attention_launch(block_m, block_d, block_n, _dot_itemsize(q, kv_cache)))
     return out
 
 
@@ -246,15 +283,26 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 
 
 @triton.jit
+def _head_rms_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """RMSNorm of one head given as its halves ``x1``, ``x2`` (float32, zeros where masked), as
+    vivace's RMSNorm rounds it: the normalized value rounded to DTYPE, times the weight, rounded."""
+    inv = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+    y1 = ((x1 * inv).to(DTYPE).to(tl.float32) * w1).to(DTYPE).to(tl.float32)
+    y2 = ((x2 * inv).to(DTYPE).to(tl.float32) * w2).to(DTYPE).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
 def _rotary_kv_write_kernel(
-    QKV, COS, SIN, POSITIONS, SLOTS, Q_OUT, CACHE,
+    QKV, COS, SIN, POSITIONS, SLOTS, Q_OUT, CACHE, Q_NORM, K_NORM, eps,
     stride_t, stride_cos, stride_qt, stride_qh, stride_kv, stride_slot, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr,
 ):
-    """One program: one token, one head of q or k (k's program also stores v): the rotation of
-    pairs (i, i + HEAD_DIM/2) by the token's position; q to Q_OUT, k and v to the token's slot."""
-    t = tl.program_id(0)
+    """One program: one token, one head of q or k (k's program also stores v): with QK_NORM the
+    head's RMSNorm (q's or k's weight) first, then the rotation of pairs (i, i + HEAD_DIM/2) by the
+    token's position; q to Q_OUT, k and v to the token's slot."""
+    t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     i = tl.arange(0, BLOCK_HALF)
     mask = i < HALF
@@ -264,6 +312,13 @@ def _rotary_kv_write_kernel(
     src = QKV + t * stride_t + head * HEAD_DIM
     x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # both weights loaded, one chosen: a select, not a branch over pointers
+        is_q = head < NUM_HEADS
+        w1 = tl.where(is_q, tl.load(Q_NORM + i, mask=mask, other=0.0), tl.load(K_NORM + i, mask=mask, other=0.0))
+        w2 = tl.where(is_q, tl.load(Q_NORM + HALF + i, mask=mask, other=0.0),
+                      tl.load(K_NORM + HALF + i, mask=mask, other=0.0))
+        x1, x2 = _head_rms_norm(x1, x2, w1.to(tl.float32), w2.to(tl.float32), eps, HEAD_DIM,
+                                QKV.dtype.element_ty)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     if head < NUM_HEADS:
@@ -285,22 +340,27 @@ def _rotary_kv_write_kernel(
 
 def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                     slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
-                    q_out: torch.Tensor | None = None) -> torch.Tensor:
+                    q_out: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                    k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """From ``qkv`` ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]`` (q, k, v heads in
     that order, as vivace's fused projection gives them): the rotated q ``[num_tokens, num_heads,
     head_dim]`` returned; rotated k and v stored at each token's slot of ``kv_cache``. ``cos``,
-    ``sin``: ``[max_positions, head_dim // 2]`` tables (``RotaryEmbedding``'s). One launch."""
+    ``sin``: ``[max_positions, head_dim // 2]`` tables (``RotaryEmbedding``'s). With ``q_norm`` and
+    ``k_norm`` (``[head_dim]`` weights, Qwen3's and Gemma 3's), each q and k head is RMS-normed
+    (``eps``) before its rotation. One launch."""
     num_tokens = qkv.shape[0]
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and kv_cache.is_contiguous()
+    assert (q_norm is None) == (k_norm is None)
     if q_out is None:
         q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2
+    norm = q_norm is not None
     _rotary_kv_write_kernel[(num_tokens, num_heads + num_kv_heads)](
-        qkv, cos, sin, positions, slot_mapping, q_out, kv_cache,
-        qkv.stride(0), cos.stride(0), q_out.stride(0), q_out.stride(1), kv_cache.stride(0), kv_cache.stride(2),
+        qkv, cos, sin, positions, slot_mapping, q_out, kv_cache, q_norm if norm else qkv, k_norm if norm else qkv,
+        eps, qkv.stride(0), cos.stride(0), q_out.stride(0), q_out.stride(1), kv_cache.stride(0), kv_cache.stride(2),
         kv_cache.stride(3), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        BLOCK_HALF=_pow2(half))
+        BLOCK_HALF=_pow2(half), QK_NORM=norm, num_warps=1)  # a program is one head: 64 pairs for head_dim 128
     return q_out
 
 
@@ -311,7 +371,7 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
 def _rms_norm_kernel(X, RES, W, OUT, stride_x, stride_r, stride_o, N, eps,
                      HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: (residual += x), then RMSNorm of it, as Hugging Face rounds it."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -340,30 +400,53 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res = x if residual is None else residual
     _rms_norm_kernel[(num_tokens,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
                                     HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
-                                    BLOCK=_pow2(hidden))
+                                    BLOCK=_pow2(hidden), num_warps=_row_warps(_pow2(hidden)))
     return out if residual is None else (out, residual)
 
 
+def _row_warps(block: int) -> int:
+    """Warps for a program that holds one row of ``block`` elements: about 16 a thread, 4 to 16 warps."""
+    return min(max(block // 512, 4), 16)
+
+
 @triton.jit
-def _silu_mul_kernel(X, OUT, stride_x, stride_o, WIDTH, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _gated_activation_kernel(X, OUT, stride_x, stride_o, WIDTH, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """``act(gate) * up`` for one row's BLOCK columns: SiLU, or GELU's tanh approximation, whose
+    ``0.5 g (1 + tanh(y))`` is ``g * sigmoid(2 y)`` (no tanh needed). The activation is rounded to
+    the input dtype before the product, as torch's two ops round."""
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < WIDTH
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(X + row * stride_x + WIDTH + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    if GELU:
+        act = g / (1.0 + tl.exp(-2.0 * 0.7978845608028654 * (g + 0.044715 * g * g * g)))  # sqrt(2 / pi)
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(gate.dtype)
     tl.store(OUT + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(OUT.dtype.element_ty),
              mask=mask)
 
 
-def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x = [gate | up]`` ``[num_tokens, 2 * width]``, rounding as torch does."""
+def _gated_activation(x: torch.Tensor, gelu: bool, out: torch.Tensor | None, block: int) -> torch.Tensor:
     num_tokens, width = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device) if out is None else out
     block = min(block, _pow2(width))
-    _silu_mul_kernel[(num_tokens, triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width, BLOCK=block)
+    _gated_activation_kernel[(num_tokens, triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width,
+                                                                      GELU=gelu, BLOCK=block)
     return out
+
+
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` ``[num_tokens, 2 * width]``, rounding as torch does."""
+    return _gated_activation(x, False, out, block)
+
+
+def gelu_tanh_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` (Gemma's MLP) for ``x = [gate | up]``
+    ``[num_tokens, 2 * width]``, rounding as torch does."""
+    return _gated_activation(x, True, out, block)
 
 
 # --- batch-1 GEMV ----------------------------------------------------------------------------
