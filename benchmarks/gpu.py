@@ -4,15 +4,18 @@ the same model with its projections in GGUF formats (kept as blocks, ``vivace.gp
 
     python benchmarks/gpu.py [--presets smollm2-135m,llama-3.2-1b,llama-3.1-8b] [--context 512]
                              [--batches 8,32,64] [--prompts 128,512,2048] [--no-hf]
-                             [--gguf-types Q8_0,Q4_0,Q4_K] [--gguf-batches ""] [--out FILE.json]
+                             [--gguf-types Q8_0,Q4_0,Q4_K] [--gguf-batches ""] [--no-engine]
+                             [--tokenizer DIR] [--out FILE.json]
 
 Needs a GPU (exits 2 without one). Per preset: the HBM floor (bytes one step reads / the copy
 bandwidth measured in this run), vivace's decode step (a CUDA graph replay, median of 200; and
 the same with the host's input staging and the logits' copy back, as the engine's host-sampler
 path steps; and with the device sampler's graph instead, greedy and top-p, tokens back), HF's
 static-cache + torch.compile decode in this run (its ITL: the difference of two generate calls'
-times over the difference of their tokens), batch 8/32/64 steps, and prompt prefill times
-(eager forward + LM head of the last token, median of 5). Per GGUF type (random blocks in every
+times over the difference of their tokens), the engine loop's batch-1 ITL (``LLMEngine.step``
+with the device sampler, detokenization and stop checks; with the overlap scheduler and without),
+batch 8/32/64 steps, and prompt prefill times (eager forward + LM head of the last token, median
+of 5). Per GGUF type (random blocks in every
 projection, the untied LM head included; embedding and norms bf16): the floor of its packed bytes,
 the batch-1 step (and ``--gguf-batches``) and the prefill times; and per type at the 8B shape's
 matrices, the GGUF kernel's batch-1 GEMV (packed TB/s) and 512-row GEMM (TFLOP/s) beside cuBLAS
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -142,6 +146,37 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     return result
 
 
+def engine_itl(preset: str, context: int, tokenizer: str | None, new_tokens: int = 128, reps: int = 3) -> dict:
+    """Batch-1 inter-token time through ``LLMEngine.step`` (scheduling, the decode graph, the
+    device sampler, detokenization and stop checks: the serving loop less HTTP), median over
+    ``reps`` requests of a ``context``-token prompt, with the overlap scheduler on and off."""
+    from vivace.config import EngineConfig
+    from vivace.engine.llm_engine import LLMEngine
+    from vivace.engine.sampling_params import SamplingParams
+    from vivace.models import load_model
+
+    max_len = context + new_tokens + 16
+    loaded = load_model(preset, DTYPE, load_format="dummy", device="cuda", tokenizer=tokenizer)
+    result = {}
+    for overlap in (True, False):
+        config = EngineConfig(model=preset, dtype="bfloat16", load_format="dummy", tokenizer=tokenizer,
+                              device="cuda", max_model_len=max_len, num_kv_blocks=2 * -(-max_len // 16),
+                              max_num_seqs=4, cuda_graph_max_batch=4, overlap_schedule=overlap)
+        engine = LLMEngine(config, loaded)
+        gaps: list[float] = []
+        for rep in range(reps):
+            engine.add_request(f"r{rep}", [1] * context, SamplingParams(temperature=0, max_tokens=new_tokens,
+                                                                        ignore_eos=True))
+            stamps = []
+            while engine.has_unfinished():
+                stamps += [time.perf_counter()] * len(engine.step())
+            gaps += [b - a for a, b in zip(stamps[1:], stamps[2:])]  # after the first token
+        result["overlap" if overlap else "serial"] = statistics.median(gaps) * 1e3
+        del engine
+        torch.cuda.empty_cache()
+    return result
+
+
 def hf_itl(preset: str, context: int) -> float | None:
     """Hugging Face transformers' ITL (seconds) at batch 1: static cache + torch.compile (what
     ``cache_implementation="static"`` compiles), random weights at the preset's shape."""
@@ -248,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-types", default="Q8_0,Q4_0,Q4_K",
                         help="GGUF formats to run the presets in too (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; '' none)")
     parser.add_argument("--gguf-batches", default="", help="decode batches of the GGUF runs besides 1")
+    parser.add_argument("--tokenizer", default=os.environ.get("VIVACE_TEST_TOKENIZER"),
+                        help="tokenizer of the engine-loop rows (default: $VIVACE_TEST_TOKENIZER, else the "
+                             "default model's)")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine-loop ITL rows")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -311,6 +350,17 @@ def main(argv: list[str] | None = None) -> int:
             one = row["decode"][1]["replay_ms"]
             print(f"\nHF static cache + torch.compile ITL {hf:.3f} ms; vivace graph replay {one:.3f} ms "
                   f"({one / hf:.2f}x)")
+        if not args.no_engine:
+            try:
+                row["engine_itl_ms"] = engine_itl(preset, args.context, args.tokenizer)
+                e = row["engine_itl_ms"]
+                print(f"\nengine loop, batch 1 (LLMEngine.step, device greedy): ITL p50 {e['overlap']:.3f} ms with "
+                      f"the overlap scheduler, {e['serial']:.3f} ms without; graph replay "
+                      f"{row['decode'][1]['replay_ms']:.3f} ms")
+            except Exception as exc:
+                row["engine_error"] = repr(exc)
+                print(f"engine loop failed on {preset}: {exc!r}", flush=True)
+                torch.cuda.empty_cache()
         print("\n| prompt tokens | prefill (forward + LM head of the last token) |\n|---|---|")
         for length, ms in row["prefill_ms"].items():
             print(f"| {length} | {ms:.2f} ms |")

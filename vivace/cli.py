@@ -89,6 +89,8 @@ ENGINE_FLAGS = (
          "captured at start", int),
     Flag("--enforce-eager", False, "cuda: run every step eagerly, without CUDA graphs",
          kind="switch"),
+    Flag("--disable-overlap-schedule", False, "cuda: read each step's tokens before queueing the next "
+         "(by default the next decode step is queued first, and stops are seen one step late)", kind="switch"),
 )
 SERVER_FLAGS = (
     Flag("--host", "127.0.0.1", "address to listen on"),
@@ -195,7 +197,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, compile=args.compile and not args.eager,
         device=args.device, load_format=args.load_format, tokenizer=args.tokenizer,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        cuda_graph_max_batch=args.cuda_graph_max_batch, enforce_eager=args.enforce_eager)
+        cuda_graph_max_batch=args.cuda_graph_max_batch, enforce_eager=args.enforce_eager,
+        overlap_schedule=not args.disable_overlap_schedule)
     resolve_device(config.device)  # --device cuda without a GPU: an error now, before loading
     return config
 

@@ -85,6 +85,9 @@ class EngineConfig:
     # enforce_eager: every step eager.
     cuda_graph_max_batch: int = 64
     enforce_eager: bool = False
+    # CUDA: queue the next decode step before the host reads this one's tokens (SGLang's overlap
+    # scheduler); False: each step's tokens reach the host before the next is scheduled.
+    overlap_schedule: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype != "auto":

@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,15 +19,18 @@ from vivace.engine.grammar import GrammarCompiler, TokenMasks, advance
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
-from vivace.engine.pacer import pacer_for
+from vivace.engine.pacer import PromptPath, pacer_for
 from vivace.engine.request import Request
 from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler
 from vivace.engine.sampling_params import SamplingParams
-from vivace.engine.scheduler import Scheduler
+from vivace.engine.scheduler import ScheduledBatch, Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
 from vivace.engine.step_timing import StepTimings
 from vivace.layers.packed_linear import prepack_linears
 from vivace.models import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from vivace.gpu.runner import Launched
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +96,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
+        # A step the runner has queued on its device whose tokens the host has not read yet.
+        self._inflight: Launched | None = None
 
     @property
     def model_name(self) -> str:
@@ -101,6 +107,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
+
+    @property
+    def _overlaps(self) -> bool:
+        """Whether steps are queued on the runner's device ahead of their tokens' reading."""
+        return self.config.overlap_schedule and hasattr(self.runner, "launch")
 
     @property
     def limits(self) -> RequestLimits:
@@ -156,7 +167,7 @@ class LLMEngine:
         return output
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -166,7 +177,18 @@ class LLMEngine:
         A failure that belongs to one request (a non-finite logit in its rows, its sampling, its
         detokenization or stop strings) ends that request alone, with an output whose ``error``
         is set; every other request gets its tokens as if it were not there. A failed forward
-        ends the requests of this step that way; the engine goes on with the next step."""
+        ends the requests of this step that way; the engine goes on with the next step.
+
+        With a runner that can ``launch`` (the CUDA runner) and ``overlap_schedule``, a step whose
+        requests all draw on the device is queued, and before its tokens are read the next
+        decode step is queued too when the batch would not change (``_launch_ahead``): the
+        host emits step n's tokens while the device runs step n + 1, whose input ids never
+        leave the device. A request that stops at step n has a row in step n + 1 whose token is
+        dropped: stops are seen one step late, but nothing past a stop is sent."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            now = time.perf_counter()
+            return self._finish_launched(launched, None, [now, now])
         if getattr(self.runner, "pending_compile", None) is not None and self.runner.swap_in_compiled():
             # Compiled steps cost differently, and prompt chunks may now ride them: relearn.
             self.scheduler.pacer = None if self.scheduler.pacer is None else pacer_for(self.config,
@@ -193,6 +215,12 @@ class LLMEngine:
         constrained = [(request, row) for request, row, _ in plan if request.matcher is not None]
         masks = self.token_masks.fill_async([r.matcher for r, _ in constrained]) if constrained else None
         path = self.runner.path(batch)
+        if self._overlaps and masks is None and len(plan) == len(batch.requests) and self._samples_on_device(plan):
+            try:
+                launched = self.runner.launch(batch, self.kv, [request for request, _, _ in plan])
+            except Exception as exc:
+                return self._fail_step(batch.requests, exc)
+            return self._finish_launched(launched, (batch, path), marks)
         try:
             if self._samples_on_device(plan):
                 logits, drawn = None, self.runner.execute_sampled(batch, self.kv, logit_indices,
@@ -202,9 +230,7 @@ class LLMEngine:
         except Exception as exc:
             if masks is not None:
                 masks.exception()  # let the mask worker finish with these requests' matchers
-            logger.exception("the forward failed; ending the %d requests of this step", len(batch.requests))
-            return [self._end(request, FinishReason.ABORT, f"the engine step failed: {exc}", poisoned=True)
-                    for request in batch.requests]
+            return self._fail_step(batch.requests, exc)
         if drawn is None:
             # A row's sum is finite exactly when each of its logits is (NaN and inf propagate; sane
             # logits can't overflow float32): one read of the rows, taken before masks add -inf.
@@ -216,9 +242,80 @@ class LLMEngine:
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.request_id not in sampling:
                 request.num_computed_tokens += num_new  # a prompt chunk that samples nothing yet
-        outputs: list[RequestOutput] = []
         samples = self._sample(plan, logits, finite) if drawn is None else self._drawn(plan, drawn)
         marks.append(time.perf_counter())
+        outputs = self._emit_all(samples)
+        marks.append(time.perf_counter())
+        self._settle(batch.requests)
+        self._propose()
+        marks.append(time.perf_counter())
+        self.timings.record_step(marks, batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_budget,
+                                 path.value)
+        self.scheduler.observe_step(batch, marks[-1] - marks[0], path)
+        return outputs
+
+    def _fail_step(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
+        """A forward failed: end its requests (still live ones) with an error; their blocks,
+        which it may have written garbage into, are cleared and leave the prefix cache."""
+        logger.error("the forward failed; ending the %d requests of this step", len(requests), exc_info=exc)
+        return [self._end(request, FinishReason.ABORT, f"the engine step failed: {exc}", poisoned=True)
+                for request in requests if request.request_id in self.requests]
+
+    def _finish_launched(self, launched: Launched, scheduled: tuple[ScheduledBatch, PromptPath] | None,
+                         marks: list[float]) -> list[RequestOutput]:
+        """Queue the step after ``launched`` if it can go ahead, then read and emit ``launched``'s
+        tokens. ``scheduled``: the batch ``launched`` ran and its path, when the scheduler chose
+        it (the pacer learns from those steps); None for a step launched ahead."""
+        try:
+            ahead = self._launch_ahead(launched)
+            drawn = self.runner.collect(launched)
+        except Exception as exc:
+            return self._fail_step(launched.requests, exc)
+        self._inflight = ahead
+        marks.append(time.perf_counter())
+        live = [(i, request) for i, request in enumerate(launched.requests) if request.request_id in self.requests]
+        samples = [(request, drawn.tokens.row(i) if drawn.finite[i] else NonFiniteLogitsError())
+                   for i, request in live]  # a request aborted since its launch gets nothing
+        marks.append(time.perf_counter())
+        outputs = self._emit_all(samples)
+        marks.append(time.perf_counter())
+        self._settle([request for _, request in live])
+        self._propose()  # with speculation on, nothing was launched ahead
+        marks.append(time.perf_counter())
+        if scheduled is None:
+            self.timings.record_step(marks, len(launched.requests), 0, 0, "rows")
+        else:
+            batch, path = scheduled
+            self.timings.record_step(marks, batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_budget,
+                                     path.value)
+            self.scheduler.observe_step(batch, marks[-1] - marks[0], path)
+        return outputs
+
+    def _launch_ahead(self, launched: Launched) -> Launched | None:
+        """Queue the decode step after ``launched`` (``CudaRunner.launch_next``), or None when the
+        scheduler might choose another batch: a request waits to be admitted, or runs without a
+        row in ``launched``; or when a row needs the host's view of its tokens first: penalties
+        (their history), a grammar, speculation. Requests that surely finish at ``launched``'s
+        token (max_tokens, the context) are left out; the K/V slot of each other one's next
+        token is allocated now (None, with nothing to undo, if the pool is short)."""
+        if self.scheduler.waiting or self.config.speculative is not None:
+            return None
+        live = [request for request in launched.requests if request.request_id in self.requests]
+        if len(live) != len(self.scheduler.running):
+            return None
+        going_on = [request for request in live
+                    if request.num_output_tokens + 1 < request.params.max_tokens
+                    and request.num_tokens + 1 < self.max_model_len]
+        if not going_on or any(r.params.has_penalties or r.matcher is not None for r in going_on) \
+                or not self.runner.samples_on_device(going_on):
+            return None
+        for request in going_on:  # slots up to and including the token ``launched`` draws
+            if not self.kv.allocate_slots(request, request.num_tokens + 1 - request.num_computed_tokens):
+                return None
+        return self.runner.launch_next(launched, going_on, self.kv)
+
+    def _emit_all(self, samples: list[tuple[Request, SampledTokens | Exception]]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         for request, sampled in samples:
             try:
                 if isinstance(sampled, Exception):
@@ -228,8 +325,12 @@ class LLMEngine:
                 logger.error("request %s failed", request.request_id, exc_info=exc)
                 outputs.append(self._end(request, FinishReason.ABORT, f"this request failed: {exc}",
                                          poisoned=isinstance(exc, NonFiniteLogitsError)))
-        marks.append(time.perf_counter())
-        for request in batch.requests:
+        return outputs
+
+    def _settle(self, requests: list[Request]) -> None:
+        """After a step: cache the blocks its requests filled, release the finished ones, give
+        back slots no token needs."""
+        for request in requests:
             if request.request_id not in self.requests:
                 continue  # failed above: released, and nothing it computed this step is cached
             self.kv.cache_full_blocks(request)
@@ -237,12 +338,6 @@ class LLMEngine:
                 self._release(request)
             else:
                 self.kv.trim(request, request.num_tokens)
-        self._propose()
-        marks.append(time.perf_counter())
-        self.timings.record_step(marks, batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_budget,
-                                 path.value)
-        self.scheduler.observe_step(batch, marks[-1] - marks[0], path)
-        return outputs
 
     def _sample(self, plan: list[tuple[Request, int, int]], logits: torch.Tensor | None, finite: list[bool]
                 ) -> list[tuple[Request, SampledTokens | Exception]]:

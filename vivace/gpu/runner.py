@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,6 +34,19 @@ from vivace.models import LoadedModel
 from vivace.models.llama import kv_cache_shape
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Launched:
+    """A step queued on the device whose tokens the host has not read yet (``CudaRunner.launch``):
+    row i drew ``requests[i]``'s next token. ``tokens`` holds them on the device (what a step
+    launched after this one reads its input ids from), ``host`` is the packed sampler output on
+    its way to the host, complete once ``copied`` (None on a CPU device: already there)."""
+
+    requests: list[Request]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -152,6 +166,60 @@ class CudaRunner:
             return self.sampler.read(packed, logit_indices, requests)
         return self.sampler.run(self._logits(batch, kv, logit_indices), requests)
 
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, kv: KVCacheManager, requests: list[Request]) -> Launched:
+        """``execute_sampled`` without waiting for the tokens: the batch's forward and sampling
+        are queued on the device and the packed tokens start for the host; ``collect`` reads
+        them. Every request of ``batch`` samples one row (``requests`` are its requests, in
+        order), and ``samples_on_device(requests)`` holds."""
+        if self.path(batch) is PromptPath.ROWS:
+            packed = self.graphs.replay_sampled(*self._decode_inputs(batch, kv), list(requests))
+        else:
+            logit_indices = np.cumsum(batch.num_new_tokens) - 1
+            logits = self._logits(batch, kv, logit_indices.tolist())
+            packed = self.sampler.sample(logits, self.sampler.stage(list(requests)))
+        return self._launched(packed[:len(requests)], requests)
+
+    @torch.inference_mode()
+    def launch_next(self, previous: Launched, requests: list[Request], kv: KVCacheManager) -> Launched:
+        """Queue the decode step after ``previous`` before its tokens reach the host: each of
+        ``requests`` (each one of ``previous``'s, its K/V slots allocated for one more token)
+        decodes the token ``previous`` drew for it, read on the device, at position
+        ``num_tokens`` (the host has not appended that token yet), and draws the one after."""
+        rows = [previous.requests.index(request) for request in requests]
+        if rows == list(range(len(rows))):
+            ids = previous.tokens[:len(rows)]
+        else:
+            ids = previous.tokens[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        positions = [request.num_tokens for request in requests]
+        tables = [kv.block_ids(request.request_id) for request in requests]
+        if self.graphs is not None and len(requests) <= self.graphs.max_batch:
+            packed = self.graphs.replay_sampled(ids, positions, tables, list(requests), ahead=1)
+        else:
+            arrays = decode_arrays(positions, tables, len(requests), max(map(len, tables)), self.scratch_block,
+                                   self.block_size)
+            gpu = GpuBatch(ids, *map(self._tensor, arrays), None, 1,
+                           kernels.decode_splits(max(positions) + 1, len(requests), self.config.num_key_value_heads)
+                           if self.device.type == "cuda" else 1)
+            logits = self.model.compute_logits(forward(self.model, gpu, self.kv_caches))
+            packed = self.sampler.sample(logits, self.sampler.stage(list(requests), ahead=1))
+        return self._launched(packed[:len(requests)], requests)
+
+    def _launched(self, packed: torch.Tensor, requests: list[Request]) -> Launched:
+        if self.device.type != "cuda":
+            return Launched(list(requests), packed[:, 0], packed.clone(), None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)  # queued before any later step can overwrite ``packed``
+        copied = torch.cuda.Event()
+        copied.record()
+        return Launched(list(requests), packed[:, 0], host, copied)
+
+    def collect(self, launched: Launched) -> DeviceSamples:
+        """Wait for a launched step's tokens (and logprobs) and read them."""
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        return self.sampler.read(launched.host, list(range(len(launched.requests))), launched.requests)
+
     def _decode_inputs(self, batch: ScheduledBatch, kv: KVCacheManager
                        ) -> tuple[list[int], list[int], list[list[int]]]:
         """A decode batch's new token ids, their positions and the block tables, for a graph."""
@@ -235,37 +303,54 @@ class DecodeGraphs:
         self.tables[start:].fill_(self.runner.scratch_block)
         self.seq_lens[start:].fill_(1)
 
-    def replay(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """Logits ``[bucket, vocab]`` (rows past ``len(ids)`` are padding) of one decode step."""
+    def replay(self, ids: list[int] | torch.Tensor, positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Logits ``[bucket, vocab]`` (rows past ``len(ids)`` are padding) of one decode step;
+        ``ids`` may be on the device already (a step launched before its input ids reached the host)."""
         n = len(ids)
         size = next(s for s in self.buckets if s >= n)
         runner = self.runner
-        block_tables = np.full((size, runner.max_blocks_per_seq), runner.scratch_block, dtype=np.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, :len(table)] = table
-        pos = np.zeros(size, dtype=np.int64)
-        pos[:n] = positions
-        slots = np.full(size, runner.scratch_block * runner.block_size, dtype=np.int64)
-        slots[:n] = block_tables[np.arange(n), pos[:n] // runner.block_size].astype(np.int64) * runner.block_size
-        slots[:n] += pos[:n] % runner.block_size
-        seq_lens = np.ones(size, dtype=np.int32)
-        seq_lens[:n] = pos[:n] + 1
-        padded_ids = np.zeros(size, dtype=np.int64)
-        padded_ids[:n] = ids
-        for buffer, array in ((self.ids, padded_ids), (self.positions, pos), (self.slots, slots),
-                              (self.tables, block_tables), (self.seq_lens, seq_lens)):
+        arrays = decode_arrays(positions, tables, size, runner.max_blocks_per_seq, runner.scratch_block,
+                               runner.block_size)
+        for buffer, array in zip((self.positions, self.slots, self.tables, self.seq_lens), arrays):
             buffer[:size].copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
+        if isinstance(ids, torch.Tensor):
+            self.ids[:n].copy_(ids)
+            self.ids[n:size].zero_()
+        else:
+            padded_ids = np.zeros(size, dtype=np.int64)
+            padded_ids[:n] = ids
+            self.ids[:size].copy_(torch.from_numpy(padded_ids).pin_memory(), non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits
 
-    def replay_sampled(self, ids: list[int], positions: list[int], tables: list[list[int]],
-                       rows: list[Request | None]) -> torch.Tensor:
+    def replay_sampled(self, ids: list[int] | torch.Tensor, positions: list[int], tables: list[list[int]],
+                       rows: list[Request | None], ahead: int = 0) -> torch.Tensor:
         """``replay``, then the device sampler's graph for ``rows`` (row i samples for ``rows[i]``;
-        None and padding rows greedily): its packed output ``[bucket, width]`` (``DeviceSampler.read``)."""
+        None and padding rows greedily; ``ahead`` as in ``DeviceSampler.stage``): its packed
+        output ``[bucket, width]`` (``DeviceSampler.read``)."""
         logits = self.replay(ids, positions, tables)
         size = logits.shape[0]
-        plan = self.runner.sampler.stage(rows + [None] * (size - len(rows)))  # staged while the forward runs
+        plan = self.runner.sampler.stage(rows + [None] * (size - len(rows)), ahead)  # staged while the forward runs
         graph, packed = self.sampler_graphs[size, plan]
         graph.replay()
         return packed
+
+
+def decode_arrays(positions: list[int], tables: list[list[int]], size: int, width: int, scratch_block: int,
+                  block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A decode step's positions, K/V slots, block tables ``[size, width]`` and sequence lengths,
+    for ``len(positions)`` sequences padded to ``size`` rows (padding rows: position 0, the
+    scratch block, length 1)."""
+    n = len(positions)
+    block_tables = np.full((size, width), scratch_block, dtype=np.int32)
+    for row, table in enumerate(tables):
+        block_tables[row, :len(table)] = table
+    pos = np.zeros(size, dtype=np.int64)
+    pos[:n] = positions
+    slots = np.full(size, scratch_block * block_size, dtype=np.int64)
+    slots[:n] = block_tables[np.arange(n), pos[:n] // block_size].astype(np.int64) * block_size
+    slots[:n] += pos[:n] % block_size
+    seq_lens = np.ones(size, dtype=np.int32)
+    seq_lens[:n] = pos[:n] + 1
+    return pos, slots, block_tables, seq_lens

@@ -97,16 +97,20 @@ class DeviceSampler:
         return len(requests) <= self.max_rows and all(
             r.matcher is None and len(self._banned(r)) <= MAX_BANNED for r in requests)
 
-    def _banned(self, request: Request) -> list[int]:
-        """The tokens ``mask_stop_tokens`` forbids ``request`` this step."""
+    def _banned(self, request: Request, ahead: int = 0) -> list[int]:
+        """The tokens ``mask_stop_tokens`` forbids ``request`` this step (``ahead`` of its host
+        state: drawing its output token ``num_output_tokens + ahead``)."""
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
+        if request.num_output_tokens + ahead >= params.min_tokens:
             return []
         return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
 
-    def stage(self, rows: list[Request | None]) -> SamplerPlan:
+    def stage(self, rows: list[Request | None], ahead: int = 0) -> SamplerPlan:
         """Fill the parameters of rows ``0..len(rows)-1`` (None: a row nobody samples, drawn
-        greedily) and return the plan they need. Queues host-to-device copies only."""
+        greedily) and return the plan they need. Queues host-to-device copies only. ``ahead``:
+        the step draws each request's output token ``num_output_tokens + ahead`` (1 for a step
+        launched before the previous one's tokens reached the host; not with penalties, whose
+        history is the host's)."""
         n = len(rows)
         floats = np.zeros((n, self.floats.shape[1]), dtype=np.float32)
         floats[:, [TOP_P, REPETITION]] = 1.0
@@ -118,7 +122,7 @@ class DeviceSampler:
         penalized: list[int] = []
         for row, request in enumerate(rows):
             if request is not None:
-                plan = self._stage_row(request, floats[row], ints[row], plan)
+                plan = self._stage_row(request, floats[row], ints[row], plan, ahead)
                 if request.params.has_penalties:
                     penalized.append(row)
         if penalized:
@@ -127,7 +131,8 @@ class DeviceSampler:
         self._upload(self.ints[:n], ints)
         return plan
 
-    def _stage_row(self, request: Request, floats: np.ndarray, ints: np.ndarray, plan: SamplerPlan) -> SamplerPlan:
+    def _stage_row(self, request: Request, floats: np.ndarray, ints: np.ndarray, plan: SamplerPlan,
+                   ahead: int) -> SamplerPlan:
         params = request.params
         filtered = False
         if not params.greedy:
@@ -135,10 +140,10 @@ class DeviceSampler:
             ints[TOP_K] = params.top_k
             filtered = 0 < params.top_k < self.vocab_size or params.top_p < 1.0 or params.min_p > 0
             if params.seed is not None:  # the request's own stream, counted by its output position
-                ints[[SEED, COUNTER, STREAM]] = signed64(params.seed), request.num_output_tokens, 0
+                ints[[SEED, COUNTER, STREAM]] = signed64(params.seed), request.num_output_tokens + ahead, 0
         floats[[REPETITION, PRESENCE, FREQUENCY]] = (params.repetition_penalty, params.presence_penalty,
                                                      params.frequency_penalty)
-        banned = self._banned(request)
+        banned = self._banned(request, ahead)
         ints[BANNED:BANNED + len(banned)] = banned
         return SamplerPlan(plan.process or params.has_penalties or bool(banned), plan.filter or filtered,
                            plan.logprobs or params.logprobs is not None)
@@ -184,7 +189,7 @@ class DeviceSampler:
 
     def read(self, packed: torch.Tensor, rows: list[int], requests: list[Request]) -> DeviceSamples:
         """The host's view of ``sample``'s output at ``rows`` (``requests[i]`` sampled row
-        ``rows[i]``): one device-to-host copy."""
+        ``rows[i]``): one device-to-host copy (none if ``packed`` is on the host already)."""
         host = packed.cpu()[rows]
         tokens, finite = host[:, 0].tolist(), host[:, 1].bool().tolist()
         wanted = [r.params.logprobs or 0 for r in requests]
