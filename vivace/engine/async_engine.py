@@ -84,8 +84,10 @@ class AsyncEngine:
                     except Exception as exc:  # fail the requests in flight, keep serving
                         logger.exception("engine step failed; aborting the requests in flight")
                         self._fail_in_flight(exc)
-                        continue
+                        outputs = []
                 self._deliver(outputs)
+                if self.engine.device_error is not None:  # its step's requests have their errors
+                    raise EngineDeadError(f"the device failed: {self.engine.device_error}")
         except BaseException as exc:  # the loop itself is broken: fail every stream, loudly
             logger.exception("engine loop died")
             self.error = exc

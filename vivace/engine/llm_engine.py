@@ -98,6 +98,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         # A step the runner has queued on its device whose tokens the host has not read yet.
         self._inflight: Launched | None = None
+        # Set when a step failed in a way that leaves the device unusable (a CUDA error is sticky:
+        # every later launch fails too); the serving loop then stops and reports it.
+        self.device_error: Exception | None = None
 
     @property
     def model_name(self) -> str:
@@ -256,9 +259,15 @@ class LLMEngine:
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
         """A forward failed: end its requests (still live ones) with an error; their blocks,
-        which it may have written garbage into, are cleared and leave the prefix cache."""
+        which it may have written garbage into, are cleared and leave the prefix cache. A
+        failure the runner calls a ``device_fault`` sets ``device_error``."""
         logger.error("the forward failed; ending the %d requests of this step", len(requests), exc_info=exc)
-        return [self._end(request, FinishReason.ABORT, f"the engine step failed: {exc}", poisoned=True)
+        device_fault = getattr(self.runner, "device_fault", None)
+        if device_fault is not None and device_fault(exc):
+            self.device_error = exc
+            logger.critical("the device is unusable after this failure: the engine stops serving")
+        return [self._end(request, FinishReason.ABORT, f"the engine step failed: {exc}",
+                          poisoned=self.device_error is None)  # nothing more runs on a failed device
                 for request in requests if request.request_id in self.requests]
 
     def _finish_launched(self, launched: Launched, scheduled: tuple[ScheduledBatch, PromptPath] | None,

@@ -85,6 +85,20 @@ class CudaRunner:
         """The most rows a decode step may have and still replay a graph; 0 without graphs."""
         return self.graphs.max_batch if self.graphs is not None else 0
 
+    def device_fault(self, exc: Exception) -> bool:
+        """Whether ``exc``, raised by a step, left the device unusable: a CUDA error (an illegal
+        address, a failed launch) is sticky, so every later launch fails too; an out-of-memory
+        error or a bad batch is not."""
+        accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+        if (accelerator_error is not None and isinstance(exc, accelerator_error)) or "CUDA error" in str(exc):
+            return True
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:
+                return True
+        return False
+
     def clear_blocks(self, block_ids: list[int]) -> None:
         """Zero the K/V of ``block_ids`` (a failed forward may have left NaN there)."""
         if block_ids:
@@ -198,7 +212,7 @@ class CudaRunner:
         else:
             arrays = decode_arrays(positions, tables, len(requests), max(map(len, tables)), self.scratch_block,
                                    self.block_size)
-            gpu = GpuBatch(ids, *map(self._tensor, arrays), None, 1,
+            gpu = GpuBatch(ids.long(), *map(self._tensor, arrays), None, 1,
                            kernels.decode_splits(max(positions) + 1, len(requests), self.config.num_key_value_heads)
                            if self.device.type == "cuda" else 1)
             logits = self.model.compute_logits(forward(self.model, gpu, self.kv_caches))

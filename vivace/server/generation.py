@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 from starlette.requests import Request
 
 from vivace.engine.deadlines import Deadlines, QueueTimeoutError, RequestTimeoutError
-from vivace.engine.errors import EngineStepError, RequestFailedError
+from vivace.engine.errors import EngineDeadError, EngineStepError, RequestFailedError
 from vivace.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vivace.engine.sampling_params import SamplingParams
 from vivace.server.errors import APIError
@@ -100,6 +100,8 @@ class EngineRequest:
             logger.warning("request %s failed in the engine: %s", self.engine_id, exc)
             raise APIError(500, f"The engine could not complete this request: {exc}",
                            code="request_failed") from None
+        except EngineDeadError as exc:  # /health says 503 too
+            raise APIError(503, f"The engine has stopped: {exc}", code="engine_dead") from None
         except QueueTimeoutError:
             self.metrics.record_timeout("queue")
             raise APIError(503, f"The request waited more than {self.deadlines.max_queue_delay} s "
