@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -77,7 +78,7 @@ class CudaRunner:
         self.sampler = DeviceSampler(max(max_num_seqs, cuda_graph_max_batch), loaded.config.vocab_size, max_model_len,
                                      loaded.config.eos_token_ids, seed, self.device)
         self.graphs: DecodeGraphs | None = None
-        if cuda_graph_max_batch and self.device.type == "cuda":
+        if cuda_graph_max_batch:  # on a CPU device (tests), eager stand-ins for the graphs
             self.graphs = DecodeGraphs(self, cuda_graph_max_batch)
 
     @property
@@ -269,9 +270,10 @@ class DecodeGraphs:
         self.slots = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.tables = torch.full((self.max_batch, width), runner.scratch_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.sampler_graphs: dict[tuple[int, SamplerPlan], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerGraph, torch.Tensor]] = {}
+        self.sampler_graphs: dict[tuple[int, SamplerPlan], tuple[torch.cuda.CUDAGraph | EagerGraph, torch.Tensor]] = {}
+        self.cuda = device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._capture_all()
 
     def _step(self, size: int) -> torch.Tensor:
@@ -284,26 +286,32 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         self._reset_padding(0)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         sampler = self.runner.sampler
-        with torch.cuda.stream(stream):
-            for size in self.buckets:  # compile every kernel variant before capturing
-                logits = self._step(size)
-                for plan in ALL_PLANS:
-                    sampler.sample(logits, plan)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        if self.cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for size in self.buckets:  # compile every kernel variant before capturing
+                    logits = self._step(size)
+                    for plan in ALL_PLANS:
+                        sampler.sample(logits, plan)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
         for size in reversed(self.buckets):  # largest first: the others reuse its memory
-            self.graphs[size] = self._capture(lambda: self._step(size))
+            self.graphs[size] = self._capture(partial(self._step, size))
         for size in reversed(self.buckets):
             logits = self.graphs[size][1]
             for plan in ALL_PLANS:
-                self.sampler_graphs[size, plan] = self._capture(lambda: sampler.sample(logits, plan))
-        torch.cuda.synchronize()
-        logger.info("CUDA graphs captured for decode batches %s", self.buckets)
+                self.sampler_graphs[size, plan] = self._capture(partial(sampler.sample, logits, plan))
+        if self.cuda:
+            torch.cuda.synchronize()
+        logger.info("%s for decode batches %s", "CUDA graphs captured" if self.cuda else "eager graph stand-ins",
+                    self.buckets)
 
-    def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph | EagerGraph, torch.Tensor]:
+        if not self.cuda:
+            graph = EagerGraph(step)
+            return graph, graph.output
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = step()
@@ -326,17 +334,22 @@ class DecodeGraphs:
         arrays = decode_arrays(positions, tables, size, runner.max_blocks_per_seq, runner.scratch_block,
                                runner.block_size)
         for buffer, array in zip((self.positions, self.slots, self.tables, self.seq_lens), arrays):
-            buffer[:size].copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
+            buffer[:size].copy_(self._host(array), non_blocking=True)
         if isinstance(ids, torch.Tensor):
             self.ids[:n].copy_(ids)
             self.ids[n:size].zero_()
         else:
             padded_ids = np.zeros(size, dtype=np.int64)
             padded_ids[:n] = ids
-            self.ids[:size].copy_(torch.from_numpy(padded_ids).pin_memory(), non_blocking=True)
+            self.ids[:size].copy_(self._host(padded_ids), non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits
+
+    def _host(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` as a tensor to copy to the device from: pinned, so the copy is asynchronous."""
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory() if self.cuda else tensor
 
     def replay_sampled(self, ids: list[int] | torch.Tensor, positions: list[int], tables: list[list[int]],
                        rows: list[Request | None], ahead: int = 0) -> torch.Tensor:
@@ -349,6 +362,20 @@ class DecodeGraphs:
         graph, packed = self.sampler_graphs[size, plan]
         graph.replay()
         return packed
+
+
+class EagerGraph:
+    """What stands in for a CUDA graph on a CPU device (tests, under Triton's interpreter): the
+    captured function runs once at capture, and again at each ``replay``, its result copied into
+    the output the capture returned; so the static buffers, buckets, padding and sampler plans
+    around the graphs run and are tested without a GPU."""
+
+    def __init__(self, step: Callable[[], torch.Tensor]) -> None:
+        self.step = step
+        self.output = step()
+
+    def replay(self) -> None:
+        self.output.copy_(self.step())
 
 
 def decode_arrays(positions: list[int], tables: list[list[int]], size: int, width: int, scratch_block: int,
