@@ -1,11 +1,12 @@
 """The CUDA backend on random weights at real shapes (bf16): batch-1 decode against the HBM floor
 and Hugging Face transformers, batched decode against the (weights + KV) floor, and prefill; then
-the same model with its projections in GGUF formats (kept as blocks, ``vivace.gpu.gguf_linear``).
+the same model with its projections in GGUF formats (kept as blocks, ``vivace.gpu.gguf_linear``)
+and in FP8 (``vivace.gpu.fp8_linear``).
 
     python benchmarks/gpu.py [--presets smollm2-135m,llama-3.2-1b,llama-3.1-8b] [--context 512]
                              [--batches 8,32,64] [--prompts 128,512,2048] [--no-hf]
-                             [--gguf-types Q8_0,Q4_0,Q4_K] [--gguf-batches ""] [--no-engine]
-                             [--tokenizer DIR] [--out FILE.json]
+                             [--gguf-types Q8_0,Q4_0,Q4_K] [--gguf-batches ""]
+                             [--fp8] [--fp8-batches 64] [--no-engine] [--tokenizer DIR] [--out FILE.json]
 
 Needs a GPU (exits 2 without one). Per preset: the HBM floor (bytes one step reads / the copy
 bandwidth measured in this run), vivace's decode step (a CUDA graph replay, median of 200; and
@@ -19,7 +20,10 @@ of 5). Per GGUF type (random blocks in every
 projection, the untied LM head included; embedding and norms bf16): the floor of its packed bytes,
 the batch-1 step (and ``--gguf-batches``) and the prefill times; and per type at the 8B shape's
 matrices, the GGUF kernel's batch-1 GEMV (packed TB/s) and 512-row GEMM (TFLOP/s) beside cuBLAS
-on bf16. Prints a table per preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
+on bf16. With ``--fp8``, the same for FP8 projections (e4m3 quantized at load from the random
+bf16 weights; the LM head stays bf16): batch 1 and ``--fp8-batches``; its matrix rows are the FP8
+GEMV and ``torch._scaled_mm`` with per-token activation scales (the quantization included).
+Prints a table per preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import gguf
 import torch
@@ -70,24 +75,23 @@ def timed(fn, repeats: int, warmup: int = 3) -> float:
 
 
 def bytes_read_per_step(loaded, batch: int, context: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes) one decode step reads: every weight (GGUF blocks as packed) but the
-    embedding table (one row a token), unless it doubles as the LM head; every cached token of
-    each sequence."""
-    from vivace.gpu.gguf_linear import GgufLinear
+    """(weight bytes, KV bytes) one decode step reads: every weight (GGUF blocks as packed, FP8
+    codes and scales) but the embedding table (one row a token), unless it doubles as the LM head;
+    every cached token of each sequence."""
     from vivace.models.llama import kv_bytes_per_token
 
     model = loaded.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights += sum(m.weight_bytes() for m in model.modules() if isinstance(m, GgufLinear))
+    weights += sum(m.weight_bytes() for m in model.modules() if hasattr(m, "weight_bytes"))
     if model.lm_head is not None:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return weights, batch * context * kv_bytes_per_token(loaded.config, DTYPE)
 
 
 def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int],
-                gguf_type: str | None = None) -> dict:
+                weight_format: str | None = None) -> dict:
     """Decode steps and prefill times of ``preset`` in bf16, or with its projections random blocks
-    of ``gguf_type``."""
+    of a GGUF type (``weight_format``, e.g. "Q4_K") or in FP8 (``weight_format`` "fp8")."""
     from vivace.gpu.forward import GpuBatch, forward
     from vivace.engine.request import Request
     from vivace.engine.sampling_params import SamplingParams
@@ -95,9 +99,10 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     from vivace.gpu.runner import CudaRunner
     from vivace.models import load_model
 
-    loaded = load_model(preset, DTYPE, load_format="dummy", device="cuda")
-    if gguf_type is not None:
-        randomize_packed(loaded.model, gguf.GGMLQuantizationType[gguf_type])
+    fp8 = weight_format == "fp8"
+    loaded = load_model(preset, DTYPE, "fp8" if fp8 else "none", load_format="dummy", device="cuda")
+    if weight_format is not None and not fp8:
+        randomize_packed(loaded.model, gguf.GGMLQuantizationType[weight_format])
         torch.cuda.empty_cache()
     block_size = 16
     max_batch = max([1, *batches])
@@ -107,7 +112,7 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     runner = CudaRunner(loaded, num_blocks, block_size, DTYPE, max_len, device="cuda",
                         cuda_graph_max_batch=max_batch)
     graphs = runner.graphs
-    result: dict = {"preset": preset, "format": gguf_type or "bf16", "context": context, "decode": {},
+    result: dict = {"preset": preset, "format": weight_format or "bf16", "context": context, "decode": {},
                     "prefill_ms": {}}
 
     for batch in sorted({1, *batches}):
@@ -224,14 +229,27 @@ def gemv_rows() -> dict:
     return rows
 
 
-def gguf_matrix_rows(types: list[str], prefill_rows: int = 512) -> dict:
-    """Per 8B matrix: cuBLAS's ``prefill_rows``-row GEMM on bf16 (TFLOP/s) and, per GGUF type, the
-    GGUF kernels' batch-1 GEMV (TB/s of packed bytes, blocks rotated through copies larger than L2)
-    and ``prefill_rows``-row GEMM (TFLOP/s), launch costs included."""
-    import torch.nn.functional as F
-
+def random_format_weight(weight_format: str, n: int, k: int, seed: int) -> tuple[int, Callable]:
+    """A random ``n x k`` weight on the GPU in ``weight_format``, a GGUF type (random blocks) or
+    "fp8" (random bf16 quantized): ``(bytes a product reads, x -> x @ W^T)``."""
+    from vivace.gpu.fp8_kernels import fp8_matmul, quantize_weight
     from vivace.gpu.gguf_kernels import gguf_matmul
     from vivace.models.dummy import random_gguf_blocks
+
+    if weight_format == "fp8":
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        codes, scale = quantize_weight(torch.randn(n, k, dtype=DTYPE, device="cuda", generator=generator))
+        return codes.numel() + scale.numel() * 4, lambda x: fp8_matmul(x, codes, scale)
+    ggml_type = gguf.GGMLQuantizationType[weight_format]
+    blocks = random_gguf_blocks(ggml_type, n, k, "cuda", seed)
+    return blocks.numel(), lambda x: gguf_matmul(x, blocks, ggml_type)
+
+
+def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
+    """Per 8B matrix: cuBLAS's ``prefill_rows``-row GEMM on bf16 (TFLOP/s) and, per format (GGUF
+    types, "fp8"), vivace's batch-1 GEMV (TB/s of the format's bytes, weights rotated through
+    copies larger than L2) and ``prefill_rows``-row GEMM (TFLOP/s), launch costs included."""
+    import torch.nn.functional as F
 
     rows = {}
     for name, (n, k) in GEMV_SHAPES.items():
@@ -241,25 +259,25 @@ def gguf_matrix_rows(types: list[str], prefill_rows: int = 512) -> dict:
         dense = torch.randn(n, k, dtype=DTYPE, device="cuda")
         row: dict = {"cublas_gemm_tflop_s": flops / timed(lambda: F.linear(xm, dense), 10) / 1e12}
         del dense
-        for type_name in types:
-            ggml_type = gguf.GGMLQuantizationType[type_name]
-            first = random_gguf_blocks(ggml_type, n, k, "cuda")
-            copies = max(2, -(-(256 << 20) // first.numel()))
-            blocks = [first] + [random_gguf_blocks(ggml_type, n, k, "cuda", seed) for seed in range(1, copies)]
-            gemv = timed(lambda: [gguf_matmul(x1, b, ggml_type) for b in blocks], 20) / copies
-            gemm = timed(lambda: gguf_matmul(xm, first, ggml_type), 10)
-            row[type_name] = {"gemv_us": gemv * 1e6, "gemv_tb_s": first.numel() / gemv / 1e12,
-                              "gemm_ms": gemm * 1e3, "gemm_tflop_s": flops / gemm / 1e12}
-            del blocks, first
+        for weight_format in formats:
+            nbytes, first = random_format_weight(weight_format, n, k, 0)
+            copies = max(2, -(-(256 << 20) // nbytes))
+            weights = [first] + [random_format_weight(weight_format, n, k, seed)[1] for seed in range(1, copies)]
+            gemv = timed(lambda: [matmul(x1) for matmul in weights], 20) / copies
+            gemm = timed(lambda: first(xm), 10)
+            row[weight_format] = {"gemv_us": gemv * 1e6, "gemv_tb_s": nbytes / gemv / 1e12,
+                                  "gemm_ms": gemm * 1e3, "gemm_tflop_s": flops / gemm / 1e12}
+            del weights, first
         rows[name] = row
     torch.cuda.empty_cache()
     return rows
 
 
-def print_gguf_rows(preset: str, context: int, rows: list[dict], bandwidth: float) -> None:
-    """One table per preset: each GGUF format's decode steps against its floor, and its prefill."""
+def print_format_rows(preset: str, context: int, rows: list[dict], bandwidth: float) -> None:
+    """One table per preset: each weight format's decode steps against its floor, and its prefill."""
     prompts = sorted({length for row in rows for length in row["prefill_ms"]})
-    print(f"\n## {preset}, projections in GGUF formats (embedding, norms, KV bf16), context {context}\n")
+    print(f"\n## {preset}, projections in GGUF formats or FP8 (embedding, norms, KV bf16; FP8 keeps the LM head "
+          f"bf16), context {context}\n")
     print("| format | batch | weight bytes | floor (weights + KV) | graph replay | engine step | replay / floor | "
           + " | ".join(f"prefill {p}" for p in prompts) + " |")
     print("|---" * (7 + len(prompts)) + "|")
@@ -287,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokenizer of the engine-loop rows (default: $VIVACE_TEST_TOKENIZER, else the "
                              "default model's)")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-loop ITL rows")
+    parser.add_argument("--fp8", action="store_true", help="run the presets with FP8 projections too")
+    parser.add_argument("--fp8-batches", default="64", help="decode batches of the FP8 runs besides 1")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -306,20 +326,22 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| matrix (bf16) | cuBLAS torch.mv | Triton GEMV (host loop, launch cost included) |\n|---|---|---|")
     for name, g in report["gemv"].items():
         print(f"| {name} | {g['cublas_tb_s']:.2f} TB/s | {g['triton_tb_s']:.2f} TB/s |")
-    gguf_types = [t for t in args.gguf_types.split(",") if t]
-    gguf_batches = [int(b) for b in args.gguf_batches.split(",") if b]
-    if gguf_types:
+    # Weight format -> its decode batches besides 1.
+    formats = {t: [int(b) for b in args.gguf_batches.split(",") if b] for t in args.gguf_types.split(",") if t}
+    if args.fp8:
+        formats["fp8"] = [int(b) for b in args.fp8_batches.split(",") if b]
+    if formats:
         try:
-            report["gguf_matrices"] = gguf_matrix_rows(gguf_types)
+            report["format_matrices"] = format_matrix_rows(list(formats))
         except Exception as exc:
-            report["gguf_matrices"] = {}
-            print(f"GGUF matrix comparison failed: {exc!r}", flush=True)
+            report["format_matrices"] = {}
+            print(f"Weight format matrix comparison failed: {exc!r}", flush=True)
         print("\n| matrix | cuBLAS bf16 GEMM, 512 rows | "
-              + " | ".join(f"{t} GEMV (batch 1) | {t} GEMM (512 rows)" for t in gguf_types) + " |")
-        print("|---" * (2 + 2 * len(gguf_types)) + "|")
-        for name, g in report["gguf_matrices"].items():
+              + " | ".join(f"{t} GEMV (batch 1) | {t} GEMM (512 rows)" for t in formats) + " |")
+        print("|---" * (2 + 2 * len(formats)) + "|")
+        for name, g in report["format_matrices"].items():
             cells = " | ".join(f"{g[t]['gemv_us']:.1f} us, {g[t]['gemv_tb_s']:.2f} TB/s | "
-                               f"{g[t]['gemm_ms']:.3f} ms, {g[t]['gemm_tflop_s']:.0f} TFLOP/s" for t in gguf_types)
+                               f"{g[t]['gemm_ms']:.3f} ms, {g[t]['gemm_tflop_s']:.0f} TFLOP/s" for t in formats)
             print(f"| {name} | {g['cublas_gemm_tflop_s']:.0f} TFLOP/s | {cells} |")
     for preset in args.presets.split(","):
         try:
@@ -365,16 +387,16 @@ def main(argv: list[str] | None = None) -> int:
         for length, ms in row["prefill_ms"].items():
             print(f"| {length} | {ms:.2f} ms |")
         sys.stdout.flush()
-        gguf_rows = []
-        for gguf_type in gguf_types:
+        format_rows = []
+        for weight_format, format_batches in formats.items():
             try:
-                gguf_rows.append(vivace_rows(preset, args.context, gguf_batches, prompts, gguf_type))
+                format_rows.append(vivace_rows(preset, args.context, format_batches, prompts, weight_format))
             except Exception as exc:
-                print(f"\n{preset} in {gguf_type}: vivace failed: {exc!r}", flush=True)
-                gguf_rows.append({"preset": preset, "format": gguf_type, "error": repr(exc)})
+                print(f"\n{preset} in {weight_format}: vivace failed: {exc!r}", flush=True)
+                format_rows.append({"preset": preset, "format": weight_format, "error": repr(exc)})
                 torch.cuda.empty_cache()
-        row["gguf"] = gguf_rows
-        print_gguf_rows(preset, args.context, [r for r in gguf_rows if "error" not in r], bandwidth)
+        row["formats"] = format_rows
+        print_format_rows(preset, args.context, [r for r in format_rows if "error" not in r], bandwidth)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)

@@ -1,11 +1,14 @@
 """Perplexity of a model's quantized forms against its float weights on a fixed text.
 
-    python benchmarks/perplexity.py [--model gemma-3-270m] [--quantizations none gguf] [--text FILE]
-                                    [--kv-dtypes float32 float16] [--llama-ctx N]
+    python benchmarks/perplexity.py [--model gemma-3-270m] [--quantizations none gguf fp8] [--text FILE]
+                                    [--kv-dtypes float32 float16] [--dtype bfloat16] [--llama-ctx N]
 
 Each quantization loads the same file ("none": the GGUF's values dequantized to float32; "gguf":
-its own formats through the native kernels, int8 activations included), scores the whole text in
-one prefill and prints its perplexity, the change from the first quantization listed, and how
+its own formats through the native kernels, int8 activations included; "fp8": every decoder
+projection in e4m3 with per-channel scales, ``vivace.gpu.fp8_linear``: at ``--dtype bfloat16`` its
+prefill quantizes the activations per token too, as the GPU's prefill does; at float32 it is
+weight-only, as the GPU's decode GEMV is), scores
+the whole text in one prefill and prints its perplexity, the change from the first quantization listed, and how
 often the two agree on the top-1 next token; with several ``--kv-dtypes``, every quantization runs
 with its KV cache in each (the prompt's attention reads its keys and values back from the cache,
 as serving does). The default text is the English passage the
@@ -33,10 +36,10 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quant_text.t
 BLOCK_SIZE = 16
 
 
-def text_logits(model_name: str, quantization: str, text: str,
-                kv_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, float32 logits at every position) of one prefill over ``text``."""
-    loaded = load_model(model_name, torch.float32, quantization)
+def text_logits(model_name: str, quantization: str, text: str, kv_dtype: torch.dtype = torch.float32,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, float32 logits at every position) of one prefill over ``text``, weights in ``dtype``."""
+    loaded = load_model(model_name, dtype, quantization)
     ids = torch.tensor(loaded.tokenizer(text)["input_ids"])
     return ids, prefill_logits(loaded, ids, kv_dtype)
 
@@ -73,6 +76,8 @@ def main() -> None:
     parser.add_argument("--quantizations", nargs="+", default=["none", "gguf"])
     parser.add_argument("--text", type=Path, default=TEXT)
     parser.add_argument("--kv-dtypes", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's dtype (not with --llama-ctx)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-ctx", type=int, help="score as llama-perplexity -c N does (module docstring)")
     args = parser.parse_args()
@@ -88,7 +93,8 @@ def main() -> None:
     print("| quantization | KV cache | tokens | perplexity | vs first | top-1 agreement |\n|---|---|---|---|---|---|")
     for quantization in args.quantizations:
         for kv_dtype in args.kv_dtypes:
-            ids, logits = text_logits(args.model, quantization, text, getattr(torch, kv_dtype))
+            ids, logits = text_logits(args.model, quantization, text, getattr(torch, kv_dtype),
+                                      getattr(torch, args.dtype))
             ppl = math.exp(F.cross_entropy(logits[:-1], ids[1:]).item())
             top1 = logits.argmax(-1)
             base = base or (ppl, top1)

@@ -120,3 +120,12 @@ def test_device_cuda_without_a_gpu_exits_2_naming_the_problem(capsys: pytest.Cap
     err = capsys.readouterr().err
     assert "--device cuda" in err and "no CUDA GPU" in err
     assert main(["generate", "hi", "--device", "cuda"]) == 2
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_quantization_the_device_cannot_run_exits_2_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hi", "--device", "auto", "--quantization", "fp8", "--model", "/nowhere"]) == 2
+    err = capsys.readouterr().err  # refused before the (missing) model is looked for
+    assert "--quantization fp8 runs on CUDA GPUs of compute capability 8.9" in err and "on cpu use int8" in err
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4, fp8"):
+        engine_config(parse_args(["serve", "--quantization", "fp4"]))

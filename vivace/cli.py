@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-from vivace.config import EngineConfig, resolve_device
+from vivace.config import EngineConfig, check_quantization, resolve_device
 
 if TYPE_CHECKING:
     from vivace.server.settings import ServerSettings
@@ -51,8 +51,9 @@ ENGINE_FLAGS = (
     Flag("--dtype", "float32", "weights and activations dtype: float32, bfloat16, float16, auto"),
     Flag("--kv-cache-dtype", "auto", "KV cache dtype: float32, bfloat16, float16, or auto (float16 "
          "where the model computes in float32 on the CPU, else the model's dtype)"),
-    Flag("--quantization", "auto", "weight-only quantized linear layers: int8, int4, none, or auto "
-         "(a quantized GGUF file in its own formats, K-quants included, as llama.cpp runs it; float otherwise)"),
+    Flag("--quantization", "auto", "quantized linear layers: int8, int4 (CPU), fp8 (CUDA, compute capability "
+         "8.9+), none, or auto (a quantized GGUF file in its own formats, K-quants included, as llama.cpp runs "
+         "it; an FP8 checkpoint as stored, on a GPU that runs FP8; float otherwise)"),
     Flag("--compile", True, "decode through a graph compiled at start-up (cached on disk; "
          "VIVACE_COMPILE=0 or --eager turns it off)", kind="switch"),
     Flag("--eager", False, "decode eagerly, without compiled graphs (overrides --compile)",
@@ -199,7 +200,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graph_max_batch=args.cuda_graph_max_batch, enforce_eager=args.enforce_eager,
         overlap_schedule=not args.disable_overlap_schedule)
-    resolve_device(config.device)  # --device cuda without a GPU: an error now, before loading
+    # --device cuda without a GPU, or a quantization the device cannot run: an error now, before loading
+    check_quantization(config.quantization, resolve_device(config.device))
     return config
 
 

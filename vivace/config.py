@@ -9,6 +9,8 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores and conversions: Ada, Hopper and later
 
 
 def resolve_device(device: str) -> str:
@@ -23,6 +25,27 @@ def resolve_device(device: str) -> str:
             f"torch {torch.__version__} built for CUDA {torch.version.cuda}, but no usable GPU or driver"
         raise ValueError(f"--device cuda: torch sees no CUDA GPU ({build}); use --device cpu or auto")
     return device
+
+
+def fp8_capable(device: str) -> bool:
+    """Whether ``device`` runs FP8 weights: a CUDA GPU of compute capability 8.9 (Ada) or later."""
+    return device.startswith("cuda") and torch.cuda.is_available() \
+        and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
+def check_quantization(quantization: str, device: str) -> None:
+    """Raise ValueError naming the problem when ``device`` (``"cpu"`` or ``"cuda"``, resolved)
+    cannot run ``--quantization`` ``quantization``."""
+    if quantization in ("int8", "int4") and device != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on CPU only; on {device} use fp8, auto or none")
+    if quantization == "fp8" and not fp8_capable(device):
+        if device == "cpu":
+            where = "on cpu use int8, int4, auto or none"
+        else:
+            major, minor = torch.cuda.get_device_capability(device)
+            where = f"{torch.cuda.get_device_name(device)} is {major}.{minor}; use auto or none"
+        raise ValueError("--quantization fp8 runs on CUDA GPUs of compute capability 8.9 or later (Ada, Hopper, "
+                         f"Blackwell): {where}")
 
 
 @dataclass(frozen=True)
@@ -68,9 +91,10 @@ class EngineConfig:
     # while the engine decodes eagerly, and taken up between two steps when ready (vivace serve's
     # default, so that a fresh server is ready in seconds); off: the engine waits for the compile.
     background_compile: bool = False
-    # Weight-only "int8" or "int4" linear layers (logits layer int8), "none", or "auto": a
-    # quantized GGUF in its own formats (vivace.models.quantize, "gguf" mode), as llama.cpp
-    # would; float otherwise.
+    # Weight-only "int8" or "int4" linear layers (logits layer int8; CPU), "fp8" (CUDA, compute
+    # capability 8.9+: e4m3 weights with per-channel scales, vivace.gpu.fp8_linear), "none", or
+    # "auto": a quantized GGUF in its own formats (vivace.models.quantize, "gguf" mode), as
+    # llama.cpp would, an FP8 checkpoint as stored where the device runs FP8; float otherwise.
     quantization: str = "auto"
     # "cpu", "cuda" (vivace.gpu), or "auto": cuda when torch sees a GPU. The command line's default
     # is auto; an engine built in Python stays on the CPU unless asked.
@@ -106,8 +130,8 @@ class EngineConfig:
             raise ValueError(f"speculative must be 'ngram' or 'draft:<model>', got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"quantization must be one of auto, none, int8, int4, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:

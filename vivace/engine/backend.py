@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from vivace.config import EngineConfig, resolve_device
+from vivace.config import EngineConfig, check_quantization, resolve_device
 from vivace.engine.runner import ModelRunner, num_blocks_for_budget
 from vivace.layers.packed_linear import prepack_linears
 from vivace.models import LoadedModel, load_model
@@ -24,6 +24,7 @@ def load(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     if device != "cpu" and config.speculative and config.speculative.startswith("draft:"):
         raise ValueError(f"--speculative draft:<model> runs on CPU only; on {device} use ngram")
+    check_quantization(config.quantization, device)
     loaded = load_model(config.model, config.torch_dtype, config.quantization, config.load_format,
                         config.tokenizer, device)
     prepare(loaded, device)

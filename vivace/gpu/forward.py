@@ -8,7 +8,7 @@ GEMM, add + RMSNorm, the gate/up GEMM, SiLU * mul, the down GEMM: 9-10 launches.
 adds a norm after attention and one after the MLP, and gates with GELU (tanh). Every tensor's
 shape depends on the batch's rows only, never on sequence lengths, so a CUDA graph of a decode
 step replays for any lengths. Projections go through ``gguf_linear.linear``: cuBLAS
-(``F.linear``), or the GGUF kernels for a projection kept packed.
+(``F.linear``), or the GGUF kernels for a projection kept packed, or the FP8 ones (``fp8_linear``).
 """
 
 from __future__ import annotations

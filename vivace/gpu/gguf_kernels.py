@@ -230,6 +230,14 @@ def _gemv_kernel(W, X, Y, BIAS, M, N, K, row_bytes, units, units_per_split, stri
         x = tl.load(X + m[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
+    store_gemv_rows(acc, Y, BIAS, m, n, m_mask, n_mask, split, stride_ym, stride_ys, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def store_gemv_rows(acc, Y, BIAS, m, n, m_mask, n_mask, split, stride_ym, stride_ys, HAS_BIAS: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """A GEMV program's float32 ``acc [rows of x, rows of W]``: split, the partial sums ``Y[split]``
+    (``sum_splits_kernel`` adds them and the bias); else the result (+ bias) in Y's dtype."""
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
         tl.store(Y + split * stride_ys + m[:, None] * stride_ym + n[None, :], acc, mask=out_mask)
@@ -240,7 +248,7 @@ def _gemv_kernel(W, X, Y, BIAS, M, N, K, row_bytes, units, units_per_split, stri
 
 
 @triton.jit
-def _sum_splits_kernel(P, Y, BIAS, N, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+def sum_splits_kernel(P, Y, BIAS, N, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """``Y = sum(P[s]) (+ bias)`` over the SPLITS float32 partials of a split-K GEMV, ``[M, N]`` flat."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
@@ -281,7 +289,8 @@ def _gemm_kernel(W, X, Y, BIAS, M, N, K, row_bytes, units, stride_xm, stride_ym,
 
 
 @lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (1 off the GPU)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
@@ -319,7 +328,7 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
     nu = max(1, GEMV_TILE // (GEMV_BLOCK_N * block_m * layout.unit_cols))
     row_programs = triton.cdiv(n, GEMV_BLOCK_N)
     if splits is None:
-        splits = gemv_splits(row_programs, units, nu, _num_sms(x.device)) if x.is_cuda else 1
+        splits = gemv_splits(row_programs, units, nu, num_sms(x.device)) if x.is_cuda else 1
     units_per_split = triton.cdiv(triton.cdiv(units, splits), nu) * nu
     splits = triton.cdiv(units, units_per_split)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
@@ -329,6 +338,6 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
                                          HAS_BIAS=has_bias, SPLIT=splits > 1, num_warps=4)
     if splits > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, bias, n, m * n, SPLITS=splits, BLOCK=block,
+        sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, bias, n, m * n, SPLITS=splits, BLOCK=block,
                                                          HAS_BIAS=has_bias)
     return out

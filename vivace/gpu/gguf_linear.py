@@ -1,8 +1,8 @@
 """GGUF linear layers on the GPU: ``GgufLinear`` keeps a projection's weight as the file's blocks
 in device memory and multiplies by it with ``vivace.gpu.gguf_kernels``; ``plan_packed`` and
 ``pack_linears`` are the loader's side (which projections of a file stay packed, and swapping them
-in); ``linear`` is the forward's dispatch between these and cuBLAS; ``randomize_packed`` makes a
-dummy model's projections random blocks of one type (benchmarks).
+in); ``linear`` is the forward's dispatch between cuBLAS and these (or FP8 layers);
+``randomize_packed`` makes a dummy model's projections random blocks of one type (benchmarks).
 
 A projection stays packed when its GGUF type is one the kernels read (``GPU_TYPES``): the decoder's
 q/k/v, output, gate/up and down projections, and an untied LM head. A fused projection (q/k/v,
@@ -66,10 +66,11 @@ class GgufLinear(nn.Module):
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module``'s ``x @ W^T + b``: its own forward when it holds GGUF blocks, else cuBLAS."""
-    if isinstance(module, GgufLinear):
-        return module(x)
-    return F.linear(x, module.weight, module.bias)
+    """``module``'s ``x @ W^T + b``: cuBLAS for a float ``nn.Linear``, else the module's own forward
+    (GGUF blocks, ``GgufLinear``; FP8, ``vivace.gpu.fp8_linear.Fp8Linear``)."""
+    if isinstance(module, nn.Linear):
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
 
 
 def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:

@@ -18,10 +18,12 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 
+from vivace.config import fp8_capable
 from vivace.kernels import quant_linear_kernel
 from vivace.models.bundled import BUNDLED, bundled_model_path
 from vivace.models.config import ModelConfig
 from vivace.models.dummy import dummy_config, dummy_tokenizer, randomize_
+from vivace.models.fp8 import read_fp8
 from vivace.models.gguf import open_gguf
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.gemma3 import Gemma3ForCausalLM
@@ -60,9 +62,12 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     The model is in eval mode on CPU with parameters in ``dtype``; ``quantization`` "int8" or
     "int4" makes its linear layers weight-only quantized (``vivace.models.quantize``), "gguf"
     runs a GGUF's in their own formats, and "auto" is "gguf" for a quantized GGUF file
-    (``native_quantization``), "none" for anything else. Raises FileNotFoundError
-    for a missing path or file (or the default model's package), ValueError for an
-    unsupported architecture or a checkpoint that does not fit it.
+    (``native_quantization``), "none" for anything else. "fp8" makes every decoder
+    projection an FP8 layer on ``device`` (``vivace.gpu.fp8_linear``), as an FP8 checkpoint stores
+    it (``vivace.models.fp8``) or quantized from float; with "auto" an FP8 checkpoint stays FP8
+    where ``device`` runs it (``fp8_capable``) and is dequantized elsewhere. Raises
+    FileNotFoundError for a missing path or file (or the default model's package), ValueError for
+    an unsupported architecture or a checkpoint that does not fit it.
 
     ``load_format`` "dummy" gives random weights at the shape of ``model`` (``vivace.models.dummy``:
     a preset name, a model directory or a config.json), made on ``device``. Otherwise the weights
@@ -73,14 +78,18 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     ``tokenizer``, a Hugging Face tokenizer directory, replaces the model's.
     """
     if load_format == "dummy":
-        return _load_dummy(model, dtype, tokenizer, device)
+        return _load_dummy(model, dtype, tokenizer, device, quantization == "fp8")
     tokenizer_dir = tokenizer
-    if device != "cpu" or packed_gguf:
-        if quantization not in ("auto", "none", "gguf"):
+    fp8 = quantization == "fp8"
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    if fp8 or (quantization == "auto" and fp8_capable(device)):
+        stored = {}  # an FP8 checkpoint's weights, kept as they are
+    if device != "cpu" or packed_gguf or fp8:
+        if quantization not in ("auto", "none", "gguf", "fp8"):
             raise ValueError(f"--quantization {quantization} runs on CPU only; on {device} a GGUF file's "
                              "Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K weights run as they are stored ('auto' or 'gguf'), "
-                             "other weights as float")
-        packed_gguf, quantization = packed_gguf is not False and quantization != "none", "none"
+                             "other weights as float, or every projection in FP8 ('fp8')")
+        packed_gguf, quantization = packed_gguf is not False and quantization in ("auto", "gguf"), "none"
     if model in BUNDLED:
         path, name = bundled_model_path(BUNDLED[model]), BUNDLED[model].name
     else:
@@ -89,6 +98,7 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     plan: dict[str, tuple[str, ...]] = {}
     if path.is_dir():
         config, tokenizer, tensors = _open_hf_dir(path)
+        tensors = read_fp8(tensors, stored)
     elif path.is_file() and path.suffix == ".gguf":
         if packed_gguf:
             plan = _plan_packed(path)
@@ -103,6 +113,10 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
         from vivace.gpu.gguf_linear import pack_linears
 
         pack_linears(module, path, config, plan)
+    if fp8 or stored:
+        from vivace.gpu.fp8_linear import install_fp8
+
+        install_fp8(module, stored or {}, quantize_float=fp8, device=device)
     if quantization == "auto":
         # A GGUF's own format only where the native kernels run it: the torch fallback
         # dequantizes every layer on every forward (seconds a token), so float is far faster.
@@ -111,8 +125,7 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     if quantization != "none":
         quantize_model(module, quantization, path if path.suffix == ".gguf" else None)
         _return_freed_memory()  # the float weights the quantized ones replaced
-    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    weight_bytes += sum(m.weight_bytes() for m in module.modules() if hasattr(m, "weight_bytes"))
+    weight_bytes = _weight_bytes(module)
     if tokenizer_dir is not None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(Path(tokenizer_dir).expanduser())
     return LoadedModel(module.to(device), config, tokenizer, name, weight_bytes, path)
@@ -126,8 +139,9 @@ def _plan_packed(path: Path) -> dict[str, tuple[str, ...]]:
     return plan_packed(GGUFFile(path))
 
 
-def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str) -> LoadedModel:
-    """Random weights at ``model``'s shape (see ``vivace.models.dummy``), drawn on ``device``."""
+def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str, fp8: bool) -> LoadedModel:
+    """Random weights at ``model``'s shape (see ``vivace.models.dummy``), drawn on ``device``; with
+    ``fp8``, every decoder projection quantized to FP8 from them."""
     raw, directory = dummy_config(model)
     config = ModelConfig.from_hf(raw)
     tokenizer = dummy_tokenizer(directory, tokenizer_dir)
@@ -138,9 +152,19 @@ def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, devic
         module = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)(config, dtype)
     randomize_(module, device)
     module = module.to(device).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    if fp8:
+        from vivace.gpu.fp8_linear import install_fp8
+
+        install_fp8(module, {}, quantize_float=True, device=device)
+    weight_bytes = _weight_bytes(module)
     name = model if directory is None else directory.resolve().name
     return LoadedModel(module, config, tokenizer, f"{name}-dummy", weight_bytes, directory or Path(model))
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and of the quantized layers' buffers (``weight_bytes()``)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return weight_bytes + sum(m.weight_bytes() for m in module.modules() if hasattr(m, "weight_bytes"))
 
 
 def _as_ids(token_id: int | None) -> tuple[int, ...]:
