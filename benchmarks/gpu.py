@@ -112,7 +112,11 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     runner = CudaRunner(loaded, num_blocks, block_size, DTYPE, max_len, device="cuda",
                         cuda_graph_max_batch=max_batch)
     graphs = runner.graphs
+    for name, (cublas, ours, block) in runner.gemv_choices.items():
+        print(f"{preset} {weight_format or 'bf16'}: batch-1 {name}: cuBLAS {cublas:.1f} us, Triton GEMV {ours:.1f} us "
+              f"-> {'Triton' if block else 'cuBLAS'}", flush=True)
     result: dict = {"preset": preset, "format": weight_format or "bf16", "context": context, "decode": {},
+                    "gemv_choices": runner.gemv_choices,
                     "prefill_ms": {}}
 
     for batch in sorted({1, *batches}):

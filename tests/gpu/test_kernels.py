@@ -212,3 +212,20 @@ def test_gemv() -> None:
     g = torch.Generator().manual_seed(10)
     weight, x = torch.randn(19, 70, generator=g).to(DEVICE), torch.randn(70, generator=g).to(DEVICE)
     torch.testing.assert_close(kernels.gemv(weight, x, block_n=4, block_k=32), weight @ x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [None, "silu", "gelu"])
+def test_gemv_with_bias_and_the_mlp_activation_taken_as_it_loads(dtype, gated) -> None:
+    """One row ``[1, K]`` (or an MLP's ``[1, 2K]``), a bias: as ``F.linear`` after ``silu_mul`` /
+    ``gelu_tanh_mul``, whose rounding the fused activation repeats."""
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(37, 80, generator=g).to(DEVICE, dtype)
+    bias = torch.randn(37, generator=g).to(DEVICE, dtype)
+    x = torch.randn(1, 160 if gated else 80, generator=g).to(DEVICE, dtype)
+    y = x if gated is None else kernels.silu_mul(x) if gated == "silu" else kernels.gelu_tanh_mul(x)
+    want = (y.float() @ weight.float().T + bias.float()).to(dtype)
+    got = kernels.gemv(weight, x, bias, gated, block_n=8, block_k=32)
+    assert got.shape == (1, 37)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
 
 from vivace import LLM, SamplingParams  # noqa: E402
+from vivace.gpu import kernels  # noqa: E402
 from vivace.gpu.forward import GpuBatch, forward  # noqa: E402
 from vivace.gpu.runner import CudaRunner, graph_buckets  # noqa: E402
 from vivace.models import load_model  # noqa: E402
@@ -165,3 +166,24 @@ def test_graph_replay_equals_eager_across_buckets(family, request) -> None:
         for a, b in zip(ours.logprobs or [], theirs.logprobs or [], strict=True):
             assert [t for t, _, _ in a.top] == [t for t, _, _ in b.top] and abs(a.logprob - b.logprob) < 1e-3
     assert list in replayed and torch.Tensor in replayed  # graphs replayed, with ids from the host and the device
+
+
+def test_batch1_gemv_in_the_forward_keeps_greedy_tokens(family) -> None:
+    """The Triton GEMV (down projection with its activation fused) in every batch-1 projection,
+    as ``choose_gemv`` sets it where it beats cuBLAS: the same greedy tokens as the CPU runner."""
+    path, _ = family
+    config = dict(num_kv_blocks=32, block_size=4, max_model_len=64, device="cpu")
+    want = LLM(path, **config).generate(PROMPTS[1], greedy())[0].outputs[0].token_ids
+    gpu = with_cuda_runner(LLM(path, **config), path)
+    for layer in gpu.engine.runner.model.layers:
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+            module.gemv_block = 4
+        layer.mlp.down_proj.gated_gemv_block = 8
+    calls = []
+    gemv = kernels.gemv
+    kernels.gemv = lambda *args, **kwargs: calls.append(args[3] if len(args) > 3 else None) or gemv(*args, **kwargs)
+    try:
+        assert gpu.generate(PROMPTS[1], greedy())[0].outputs[0].token_ids == want
+    finally:
+        kernels.gemv = gemv
+    assert None in calls and ("silu" in calls or "gelu" in calls)

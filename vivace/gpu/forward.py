@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vivace.gpu import kernels
-from vivace.gpu.gguf_linear import linear
+from vivace.gpu.gguf_linear import gated_linear, linear
 from vivace.models.config import FULL, SLIDING
 from vivace.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
 from vivace.models.llama import Attention, DecoderLayer, LlamaForCausalLM
@@ -86,7 +86,7 @@ def _llama_layer(layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Te
     """After the attention: ``(MLP output, residual stream)``, as ``llama.DecoderLayer`` computes them."""
     h, residual = kernels.rms_norm(attn_out, layer.post_attention_layernorm.weight, eps, residual)
     mlp = layer.mlp
-    return linear(mlp.down_proj, kernels.silu_mul(linear(mlp.gate_up_proj, h))), residual
+    return gated_linear(mlp.down_proj, linear(mlp.gate_up_proj, h)), residual
 
 
 def _gemma3_layer(layer: Gemma3DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, eps: float
@@ -96,8 +96,58 @@ def _gemma3_layer(layer: Gemma3DecoderLayer, attn_out: torch.Tensor, residual: t
     h = kernels.rms_norm(attn_out, layer.post_attention_layernorm.weight, eps)
     h, residual = kernels.rms_norm(h, layer.pre_feedforward_layernorm.weight, eps, residual)
     mlp = layer.mlp
-    x = linear(mlp.down_proj, kernels.gelu_tanh_mul(linear(mlp.gate_up_proj, h)))
+    x = gated_linear(mlp.down_proj, linear(mlp.gate_up_proj, h), gelu=True)
     return kernels.rms_norm(x, layer.post_feedforward_layernorm.weight, eps), residual
+
+
+def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), repeats: int = 20) -> dict:
+    """For each projection shape of the layers (float ``nn.Linear`` only), time a batch-1 product
+    of every layer's module in turn (as a decode step reads them, from HBM) through cuBLAS and
+    through ``kernels.gemv`` at each of ``blocks`` rows a program, and mark the modules of each
+    shape with the Triton block where it wins (``gemv_block``; the down projection, with its
+    activation, ``gated_gemv_block``). CUDA only: CUDA-event timing, median of ``repeats``.
+    Returns ``{shape name: (cuBLAS µs, best Triton µs, block or 0)}`` for the start-up log."""
+    gelu = isinstance(model, Gemma3ForCausalLM)
+    groups: dict[tuple, list[torch.nn.Module]] = {}
+    for layer in model.layers:
+        for role, module in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                             ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            if type(module) is torch.nn.Linear:
+                groups.setdefault((role, *module.weight.shape, module.bias is not None), []).append(module)
+    chosen = {}
+    for (role, n, k, _), modules in groups.items():
+        gated = ("gelu" if gelu else "silu") if role == "down" else None
+        x = torch.randn(1, 2 * k if gated else k, dtype=modules[0].weight.dtype, device=modules[0].weight.device)
+
+        def product(module: torch.nn.Linear, block: int) -> torch.Tensor:  # block 0: cuBLAS
+            if block:
+                return kernels.gemv(module.weight, x, module.bias, gated, block_n=block)
+            y = x if gated is None else kernels.gelu_tanh_mul(x) if gelu else kernels.silu_mul(x)
+            return torch.nn.functional.linear(y, module.weight, module.bias)
+
+        times = {block: _time_us(lambda block=block: [product(m, block) for m in modules], repeats) / len(modules)
+                 for block in (0, *blocks)}
+        best = min(blocks, key=times.get)
+        block = best if times[best] < 0.97 * times[0] else 0
+        for module in modules:
+            setattr(module, "gated_gemv_block" if gated else "gemv_block", block)
+        chosen[f"{role} {n}x{k}"] = (times[0], times[best], block)
+    return chosen
+
+
+def _time_us(fn, repeats: int) -> float:
+    """Median microseconds of ``fn`` on the current CUDA stream, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 _LAYER_STEPS = {LlamaForCausalLM: _llama_layer, Gemma3ForCausalLM: _gemma3_layer}

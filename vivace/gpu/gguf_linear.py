@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vivace.gpu import kernels
 from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, gguf_matmul
 from vivace.models.config import ModelConfig
 from vivace.models.dummy import random_gguf_blocks
@@ -66,11 +67,25 @@ class GgufLinear(nn.Module):
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module``'s ``x @ W^T + b``: cuBLAS for a float ``nn.Linear``, else the module's own forward
-    (GGUF blocks, ``GgufLinear``; FP8, ``vivace.gpu.fp8_linear.Fp8Linear``)."""
+    """``module``'s ``x @ W^T + b``: for a float ``nn.Linear``, cuBLAS, or at batch 1 the Triton
+    GEMV where it was measured faster at start (``gemv_block``, set by ``forward.choose_gemv``);
+    else the module's own forward (GGUF blocks, ``GgufLinear``; FP8, ``vivace.gpu.fp8_linear.Fp8Linear``)."""
     if isinstance(module, nn.Linear):
+        block = getattr(module, "gemv_block", 0)
+        if block and x.shape[0] == 1:
+            return kernels.gemv(module.weight, x, module.bias, block_n=block)
         return F.linear(x, module.weight, module.bias)
     return module(x)
+
+
+def gated_linear(module: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``linear(module, act(gate) * up)`` for an MLP's ``x = [gate | up]`` (SiLU, or GELU's tanh
+    form): at batch 1 through the Triton GEMV with the activation taken as it loads ``x`` where
+    that was measured faster (``gated_gemv_block``), else the activation kernel, then ``linear``."""
+    block = getattr(module, "gated_gemv_block", 0)
+    if block and x.shape[0] == 1 and isinstance(module, nn.Linear):
+        return kernels.gemv(module.weight, x, module.bias, "gelu" if gelu else "silu", block_n=block)
+    return linear(module, kernels.gelu_tanh_mul(x) if gelu else kernels.silu_mul(x))
 
 
 def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:

@@ -410,23 +410,27 @@ def _row_warps(block: int) -> int:
 
 
 @triton.jit
-def _gated_activation_kernel(X, OUT, stride_x, stride_o, WIDTH, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    """``act(gate) * up`` for one row's BLOCK columns: SiLU, or GELU's tanh approximation, whose
+def _gated_product(gate, up, GELU: tl.constexpr):
+    """``act(gate) * up`` in the inputs' dtype: SiLU, or GELU's tanh approximation, whose
     ``0.5 g (1 + tanh(y))`` is ``g * sigmoid(2 y)`` (no tanh needed). The activation is rounded to
-    the input dtype before the product, as torch's two ops round."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < WIDTH
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(X + row * stride_x + WIDTH + cols, mask=mask, other=0.0)
+    the input dtype before the product, and the product after it, as torch's two ops round."""
     g = gate.to(tl.float32)
     if GELU:
         act = g / (1.0 + tl.exp(-2.0 * 0.7978845608028654 * (g + 0.044715 * g * g * g)))  # sqrt(2 / pi)
     else:
         act = g / (1.0 + tl.exp(-g))
-    act = act.to(gate.dtype)
-    tl.store(OUT + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(OUT.dtype.element_ty),
-             mask=mask)
+    return (act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _gated_activation_kernel(X, OUT, stride_x, stride_o, WIDTH, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """``act(gate) * up`` (``_gated_product``) for one row's BLOCK columns."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < WIDTH
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(X + row * stride_x + WIDTH + cols, mask=mask, other=0.0)
+    tl.store(OUT + row * stride_o + cols, _gated_product(gate, up, GELU).to(OUT.dtype.element_ty), mask=mask)
 
 
 def _gated_activation(x: torch.Tensor, gelu: bool, out: torch.Tensor | None, block: int) -> torch.Tensor:
@@ -453,28 +457,44 @@ def gelu_tanh_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int =
 
 
 @triton.jit
-def _gemv_kernel(W, X, Y, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program: BLOCK_N rows of ``W`` against ``x``, K in BLOCK_K tiles, float32 accumulation."""
+def _gemv_kernel(W, X, Y, BIAS, N, K, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_N rows of ``W`` against ``x``, K in BLOCK_K tiles, float32 accumulation.
+    GATED: ``x`` is ``[gate | up]`` (2K values) and the product takes ``act(gate) * up``
+    (``_gated_product``), so an MLP's down projection needs no launch of its own for the activation."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_mask = cols < K
-        x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
-        w = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
-                    other=0.0).to(tl.float32)
+        if GATED:
+            gate = tl.load(X + cols, mask=col_mask, other=0.0)
+            up = tl.load(X + K + cols, mask=col_mask, other=0.0)
+            x = _gated_product(gate, up, GELU).to(tl.float32)
+        else:
+            x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = tl.load(W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :],
+                    mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], 1)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=row_mask)
 
 
-def gemv(weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None, block_n: int = 8,
-         block_k: int = 512) -> torch.Tensor:
-    """``weight @ x`` for ``weight`` ``[N, K]`` and ``x`` ``[K]`` (a batch-1 linear layer without
-    bias): the plain kernel the GPU issue measured against cuBLAS, not yet used by the forward."""
+def gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None, gated: str | None = None,
+         out: torch.Tensor | None = None, block_n: int = 8, block_k: int = 512) -> torch.Tensor:
+    """``x @ weight.T + bias`` for one row ``x`` (``[K]`` or ``[1, K]``; the result has its shape
+    with N for K): a batch-1 linear layer. ``gated`` "silu" or "gelu": ``x`` is an MLP's
+    ``[gate | up]`` (``[2K]``), multiplied as ``silu_mul(x)`` / ``gelu_tanh_mul(x)`` would give it.
+    The forward uses it for the projections where it beat cuBLAS at start (``forward.choose_gemv``)."""
     n, k = weight.shape
-    assert weight.stride(1) == 1 and x.is_contiguous()
-    out = torch.empty(n, dtype=x.dtype, device=x.device) if out is None else out
+    flat = x.reshape(-1)
+    assert weight.stride(1) == 1 and flat.is_contiguous() and flat.numel() == (2 * k if gated else k)
+    shape = (*x.shape[:-1], n)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     block_k = min(block_k, _pow2(k, 16))
-    _gemv_kernel[(triton.cdiv(n, block_n),)](weight, x, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](weight, flat, out, weight if bias is None else bias, n, k,
+                                            weight.stride(0), HAS_BIAS=bias is not None, GATED=gated is not None,
+                                            GELU=gated == "gelu", BLOCK_N=block_n, BLOCK_K=block_k)
     return out

@@ -29,7 +29,7 @@ from vivace.engine.pacer import PromptPath
 from vivace.engine.request import Request
 from vivace.engine.scheduler import ScheduledBatch
 from vivace.gpu import kernels
-from vivace.gpu.forward import GpuBatch, check_supported, forward
+from vivace.gpu.forward import GpuBatch, check_supported, choose_gemv, forward
 from vivace.gpu.sampler import ALL_PLANS, DeviceSampler, DeviceSamples, SamplerPlan
 from vivace.models import LoadedModel
 from vivace.models.llama import kv_cache_shape
@@ -77,6 +77,11 @@ class CudaRunner:
                           for _ in range(loaded.config.num_hidden_layers)]
         self.sampler = DeviceSampler(max(max_num_seqs, cuda_graph_max_batch), loaded.config.vocab_size, max_model_len,
                                      loaded.config.eos_token_ids, seed, self.device)
+        # Batch-1 projections through the Triton GEMV where it beats cuBLAS on this GPU (timed now).
+        self.gemv_choices = choose_gemv(self.model) if self.device.type == "cuda" else {}
+        for name, (cublas, ours, block) in self.gemv_choices.items():
+            logger.info("batch-1 %s: cuBLAS %.1f us, Triton GEMV %.1f us: %s", name, cublas, ours,
+                        f"Triton, {block} rows a program" if block else "cuBLAS")
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch:  # on a CPU device (tests), eager stand-ins for the graphs
             self.graphs = DecodeGraphs(self, cuda_graph_max_batch)
