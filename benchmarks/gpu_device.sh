@@ -13,7 +13,10 @@
 # Where one command may run 10 minutes at most, run the stages one call each (the install is
 # repeated, cheaply, by each; OUT may differ between calls):
 #
-#   benchmarks/gpu_device.sh tests OUT             # pytest -m cuda (GPU first run compiles every kernel)
+#   benchmarks/gpu_device.sh tests OUT             # pytest -m cuda but the exactness suite (GPU first run
+#                                                  # compiles every kernel)
+#   benchmarks/gpu_device.sh exact OUT             # tests/gpu/test_exactness.py: 64 greedy tokens against
+#                                                  # transformers per family, in every scheduling mode
 #   benchmarks/gpu_device.sh smoke OUT             # the dummy-weight server, a request, vivace bench
 #   benchmarks/gpu_device.sh bench OUT [ARGS...]   # benchmarks/gpu.py ARGS, e.g. --presets llama-3.1-8b
 #
@@ -52,8 +55,14 @@ setup() {  # the wheels into a private target, once per machine; the machine's d
 
 tests() {
     timeout "${TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rfE tests/gpu \
-        > "$1/pytest-cuda.txt" 2>&1
+        --ignore tests/gpu/test_exactness.py > "$1/pytest-cuda.txt" 2>&1
     tail -30 "$1/pytest-cuda.txt"
+}
+
+exact() {
+    timeout "${TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rfE \
+        tests/gpu/test_exactness.py > "$1/pytest-exactness.txt" 2>&1
+    tail -30 "$1/pytest-exactness.txt"
 }
 
 bench() {
@@ -66,6 +75,7 @@ run() {
     local out=${1:-gpu-results}
     setup "$out"
     tests "$out"
+    exact "$out"
     smoke "$out"
     bench "$out"
 }
@@ -101,7 +111,7 @@ PY
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    tests|smoke) setup "${2:?OUT}"; "$1" "$2" ;;
+    tests|exact|smoke) setup "${2:?OUT}"; "$1" "$2" ;;
     bench) setup "${2:?OUT}"; out=$2; shift 2; bench "$out" "$@" ;;
-    *) echo "usage: $0 prepare | run [OUT] | tests OUT | smoke OUT | bench OUT [ARGS...]" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare | run [OUT] | tests OUT | exact OUT | smoke OUT | bench OUT [ARGS...]" >&2; exit 2 ;;
 esac
