@@ -38,8 +38,9 @@ def engine(path: str, blocks: int, weights: torch.dtype = torch.float32, **confi
     llm = LLM(path, num_kv_blocks=blocks, block_size=4, max_model_len=128, device="cpu", max_num_seqs=64,
               **config)
     loaded = load_model(path, weights, device=DEVICE)
+    spec = int(config.get("num_speculative_tokens", 0))
     llm.engine.runner = CudaRunner(loaded, blocks, 4, weights, 128, device=DEVICE, cuda_graph_max_batch=64,
-                                   max_num_seqs=64)
+                                   max_num_seqs=64, verify_batch=4 if spec else 0, verify_tokens=spec)
     return llm
 
 

@@ -120,6 +120,23 @@ def test_ngram_verification_rows_keep_greedy_tokens(tiny_model_dir) -> None:
     assert spec.engine.spec_stats.num_steps > 0
 
 
+def test_verification_graphs_keep_greedy_tokens(tiny_model_dir) -> None:
+    """n-gram proposals verified by graphs of (sequences, proposals) buckets (eager stand-ins on
+    CPU): the tokens of plain greedy decoding, and the graphs did replay."""
+    config = dict(num_kv_blocks=32, block_size=4, max_model_len=64, device="cpu")
+    prompts = [PROMPTS[0], PROMPTS[0][2:]]
+    plain = [o.outputs[0].token_ids for o in LLM(str(tiny_model_dir), **config).generate(prompts, greedy())]
+    spec = LLM(str(tiny_model_dir), speculative="ngram", num_speculative_tokens=2, **config)
+    loaded = load_model(str(tiny_model_dir), torch.float32, device=DEVICE)
+    runner = spec.engine.runner = CudaRunner(loaded, 32, 4, torch.float32, 64, device=DEVICE,
+                                             cuda_graph_max_batch=2, verify_batch=2, verify_tokens=2)
+    replayed = []
+    replay_verify = runner.graphs.replay_verify
+    runner.graphs.replay_verify = lambda rows, *rest: replayed.append(len(rows)) or replay_verify(rows, *rest)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy())] == plain
+    assert replayed and spec.engine.spec_stats.num_steps > 0
+
+
 def test_seeded_device_sampling_reproduces_across_runs_and_batches(tiny_model_dir) -> None:
     config = dict(num_kv_blocks=32, block_size=4, max_model_len=64, device="cpu")
     gpu = with_cuda_runner(LLM(str(tiny_model_dir), **config), str(tiny_model_dir))

@@ -59,11 +59,13 @@ def graph_buckets(max_batch: int) -> list[int]:
 class CudaRunner:
     """Owns the device KV pool (one tensor per layer, one scratch block past the pool's blocks,
     where padding rows write) and turns a scheduled batch into sampled tokens (or float32 logits)
-    on the host. ``max_num_seqs`` sizes the device sampler; ``seed`` seeds its unseeded draws."""
+    on the host. ``max_num_seqs`` sizes the device sampler; ``seed`` seeds its unseeded draws.
+    With graphs, batches of up to ``verify_batch`` sequences verifying 1 to ``verify_tokens``
+    speculative proposals each replay graphs of their own (``DecodeGraphs.replay_verify``)."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  max_model_len: int, device: str = "cuda", cuda_graph_max_batch: int = 0,
-                 max_num_seqs: int = 256, seed: int = 0) -> None:
+                 max_num_seqs: int = 256, seed: int = 0, verify_batch: int = 0, verify_tokens: int = 0) -> None:
         check_supported(loaded.model)
         self.model = loaded.model
         self.config = loaded.config
@@ -84,7 +86,8 @@ class CudaRunner:
                         f"Triton, {block} rows a program" if block else "cuBLAS")
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch:  # on a CPU device (tests), eager stand-ins for the graphs
-            self.graphs = DecodeGraphs(self, cuda_graph_max_batch)
+            self.graphs = DecodeGraphs(self, cuda_graph_max_batch, min(verify_batch, cuda_graph_max_batch),
+                                       verify_tokens)
 
     @property
     def compiled_rows(self) -> int:
@@ -169,6 +172,9 @@ class CudaRunner:
         if self.path(batch) is PromptPath.ROWS:
             logits = self.graphs.replay(*self._decode_inputs(batch, kv))
             return logits[logit_indices].float().cpu() if logit_indices else None
+        verify = self._verify_inputs(batch, kv)
+        if verify is not None:  # the graph's rows are the batch's, in order
+            return self.graphs.replay_verify(*verify)[logit_indices].float().cpu()
         logits = self._logits(batch, kv, logit_indices)
         return None if logits is None else logits.float().cpu()
 
@@ -240,6 +246,22 @@ class CudaRunner:
             launched.copied.synchronize()
         return self.sampler.read(launched.host, list(range(len(launched.requests))), launched.requests)
 
+    def _verify_inputs(self, batch: ScheduledBatch, kv: KVCacheManager
+                       ) -> tuple[list[list[int]], list[int], list[list[int]]] | None:
+        """A verification batch's rows (each sequence's last token and its K proposals), first
+        positions and block tables, when a verify graph replays it: every request checks the
+        same K proposals (1 <= K <= the graphs' most) and there are few enough; else None."""
+        graphs = self.graphs
+        if graphs is None or not graphs.verify_buckets or len(batch.requests) > graphs.verify_buckets[-1]:
+            return None
+        k = len(batch.requests[0].spec_token_ids)
+        if not 1 <= k <= graphs.verify_tokens or any(
+                len(r.spec_token_ids) != k or n != k + 1 or r.num_tokens - r.num_computed_tokens != 1
+                for r, n in zip(batch.requests, batch.num_new_tokens)):
+            return None
+        return ([[r.token_ids[-1], *r.spec_token_ids] for r in batch.requests],
+                [r.num_computed_tokens for r in batch.requests], [kv.block_ids(r.request_id) for r in batch.requests])
+
     def _decode_inputs(self, batch: ScheduledBatch, kv: KVCacheManager
                        ) -> tuple[list[int], list[int], list[list[int]]]:
         """A decode batch's new token ids, their positions and the block tables, for a graph."""
@@ -265,10 +287,24 @@ class DecodeGraphs:
     the scratch block and sample greedily. Split-K is fixed per bucket (the kernel sizes each split
     from the row's own length, so a short sequence leaves most splits empty)."""
 
-    def __init__(self, runner: CudaRunner, max_batch: int) -> None:
+    def __init__(self, runner: CudaRunner, max_batch: int, verify_batch: int = 0, verify_tokens: int = 0) -> None:
         self.runner = runner
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
+        # Speculative verification: sequences of K + 1 rows (the last token, K proposals) through
+        # the prefill attention, one graph per (bucket, K).
+        self.verify_buckets = graph_buckets(verify_batch) if verify_tokens else []
+        self.verify_tokens = verify_tokens
+        rows = max(self.verify_buckets or [0]) * (verify_tokens + 1)
+        self.v_ids = torch.zeros(rows, dtype=torch.long, device=runner.device)
+        self.v_positions = torch.zeros(rows, dtype=torch.long, device=runner.device)
+        self.v_slots = torch.zeros(rows, dtype=torch.long, device=runner.device)
+        self.v_tables = torch.full((max(self.verify_buckets or [0]), runner.max_blocks_per_seq), runner.scratch_block,
+                                   dtype=torch.int32, device=runner.device)
+        self.v_seq_lens = torch.ones(max(self.verify_buckets or [0]), dtype=torch.int32, device=runner.device)
+        self.v_starts = {(size, k): torch.arange(0, size * (k + 1) + 1, k + 1, dtype=torch.int32, device=runner.device)
+                         for size in self.verify_buckets for k in range(1, verify_tokens + 1)}
+        self.verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | EagerGraph, torch.Tensor]] = {}
         device, width = runner.device, runner.max_blocks_per_seq
         self.ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
@@ -280,6 +316,12 @@ class DecodeGraphs:
         self.cuda = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._capture_all()
+
+    def _verify_step(self, size: int, k: int) -> torch.Tensor:
+        n = size * (k + 1)
+        batch = GpuBatch(self.v_ids[:n], self.v_positions[:n], self.v_slots[:n], self.v_tables[:size],
+                         self.v_seq_lens[:size], self.v_starts[size, k], k + 1)
+        return self.runner.model.compute_logits(forward(self.runner.model, batch, self.runner.kv_caches))
 
     def _step(self, size: int) -> torch.Tensor:
         runner = self.runner
@@ -300,6 +342,9 @@ class DecodeGraphs:
                     logits = self._step(size)
                     for plan in ALL_PLANS:
                         sampler.sample(logits, plan)
+                for size, k in self.v_starts:
+                    self._pad_verify(size, k)
+                    self._verify_step(size, k)
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
         for size in reversed(self.buckets):  # largest first: the others reuse its memory
@@ -308,6 +353,9 @@ class DecodeGraphs:
             logits = self.graphs[size][1]
             for plan in ALL_PLANS:
                 self.sampler_graphs[size, plan] = self._capture(partial(sampler.sample, logits, plan))
+        for size, k in self.v_starts:
+            self._pad_verify(size, k)
+            self.verify_graphs[size, k] = self._capture(partial(self._verify_step, size, k))
         if self.cuda:
             torch.cuda.synchronize()
         logger.info("%s for decode batches %s", "CUDA graphs captured" if self.cuda else "eager graph stand-ins",
@@ -348,6 +396,41 @@ class DecodeGraphs:
             padded_ids[:n] = ids
             self.ids[:size].copy_(self._host(padded_ids), non_blocking=True)
         graph, logits = self.graphs[size]
+        graph.replay()
+        return logits
+
+    def _pad_verify(self, size: int, k: int) -> None:
+        """Every sequence of a verify bucket as padding: rows at positions 0..k in the scratch block."""
+        self._stage_verify(size, k, [], [], [])
+
+    def _stage_verify(self, size: int, k: int, rows: list[list[int]], starts: list[int],
+                      tables: list[list[int]]) -> None:
+        runner, q = self.runner, k + 1
+        n = len(starts)
+        block_tables = np.full((size, runner.max_blocks_per_seq), runner.scratch_block, dtype=np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, :len(table)] = table
+        first = np.zeros(size, dtype=np.int64)
+        first[:n] = starts
+        pos = (first[:, None] + np.arange(q)).reshape(-1)
+        seq_of_row = np.repeat(np.arange(size), q)
+        slots = block_tables[seq_of_row, pos // runner.block_size].astype(np.int64) * runner.block_size
+        slots += pos % runner.block_size
+        ids = np.zeros(size * q, dtype=np.int64)
+        ids[:n * q] = np.array(rows, dtype=np.int64).reshape(-1) if rows else []
+        seq_lens = (first + q).astype(np.int32)
+        for buffer, array in ((self.v_ids, ids), (self.v_positions, pos), (self.v_slots, slots),
+                              (self.v_tables, block_tables), (self.v_seq_lens, seq_lens)):
+            buffer[:len(array)].copy_(self._host(array), non_blocking=True)
+
+    def replay_verify(self, rows: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Logits ``[bucket * (K + 1), vocab]`` of a verification step: sequence i's rows
+        ``rows[i]`` (its last token, then K proposals) at positions ``starts[i]`` on; the batch's
+        rows come first, in order, padding sequences after them."""
+        k = len(rows[0]) - 1
+        size = next(s for s in self.verify_buckets if s >= len(rows))
+        self._stage_verify(size, k, rows, starts, tables)
+        graph, logits = self.verify_graphs[size, k]
         graph.replay()
         return logits
 
