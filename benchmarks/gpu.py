@@ -5,6 +5,7 @@ the same model with its projections in GGUF formats (kept as blocks, ``vivace.gp
     python benchmarks/gpu.py [--presets smollm2-135m,llama-3.2-1b,llama-3.1-8b] [--context 512]
                              [--batches 8,32,64] [--prompts 128,512,2048] [--no-hf]
                              [--gguf-types Q8_0,Q4_0,Q4_K] [--gguf-batches ""] [--out FILE.json]
+                             [--kv-dtypes bfloat16,fp8 [--kv-contexts 512,4096] [--kv-batches 64] [--kv-only]]
 
 Needs a GPU (exits 2 without one). Per preset: the HBM floor (bytes one step reads / the copy
 bandwidth measured in this run), vivace's decode step (a CUDA graph replay, median of 200; and
@@ -16,7 +17,10 @@ times over the difference of their tokens), batch 8/32/64 steps, and prompt pref
 projection, the untied LM head included; embedding and norms bf16): the floor of its packed bytes,
 the batch-1 step (and ``--gguf-batches``) and the prefill times; and per type at the 8B shape's
 matrices, the GGUF kernel's batch-1 GEMV (packed TB/s) and 512-row GEMM (TFLOP/s) beside cuBLAS
-on bf16. Prints a table per preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
+on bf16. With ``--kv-dtypes``, per preset: the decode step of many streams (``--kv-batches``) at
+each of ``--kv-contexts`` with the KV cache in each dtype (``fp8``: float8 e4m3, one byte a value),
+tokens/s and the ratio to the first dtype; ``--kv-only`` runs only these. Prints a table per
+preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def timed(fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def bytes_read_per_step(loaded, batch: int, context: int) -> tuple[int, int]:
+def bytes_read_per_step(loaded, batch: int, context: int, kv_dtype: torch.dtype = DTYPE) -> tuple[int, int]:
     """(weight bytes, KV bytes) one decode step reads: every weight (GGUF blocks as packed) but the
     embedding table (one row a token), unless it doubles as the LM head; every cached token of
     each sequence."""
@@ -77,7 +81,51 @@ def bytes_read_per_step(loaded, batch: int, context: int) -> tuple[int, int]:
     weights += sum(m.weight_bytes() for m in model.modules() if isinstance(m, GgufLinear))
     if model.lm_head is not None:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return weights, batch * context * kv_bytes_per_token(loaded.config, DTYPE)
+    return weights, batch * context * kv_bytes_per_token(loaded.config, kv_dtype)
+
+
+def kv_dtype_rows(preset: str, kv_dtype: str, contexts: list[int], batches: list[int]) -> dict:
+    """Decode steps (graph replay, median of 50) of ``preset`` in bf16 with its KV cache in
+    ``kv_dtype`` (a ``--kv-cache-dtype`` name), every sequence ``context`` tokens long, for each
+    context and batch: milliseconds, tokens/s and the bytes the step reads."""
+    from vivace.config import EngineConfig
+    from vivace.gpu.runner import CudaRunner
+    from vivace.models import load_model
+
+    torch_kv = EngineConfig(dtype="bfloat16", kv_cache_dtype=kv_dtype, device="cuda").kv_torch_dtype
+    loaded = load_model(preset, DTYPE, load_format="dummy", device="cuda")
+    block_size, max_batch, max_len = 16, max(batches), max(contexts) + 1
+    per_seq = -(-max_len // block_size)
+    runner = CudaRunner(loaded, max_batch * per_seq, block_size, torch_kv, max_len, device="cuda",
+                        cuda_graph_max_batch=max_batch)
+    result: dict = {"preset": preset, "kv_dtype": kv_dtype, "steps": []}
+    for context in contexts:
+        for batch in batches:
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+            runner.graphs.replay([1] * batch, [context] * batch, tables)  # stage the inputs once
+            graph, _ = runner.graphs.graphs[next(s for s in runner.graphs.buckets if s >= batch)]
+            replay = timed(graph.replay, 50)
+            weights, kv = bytes_read_per_step(loaded, batch, context, torch_kv)
+            result["steps"].append({"context": context, "batch": batch, "replay_ms": replay * 1e3,
+                                    "tokens_per_s": batch / replay, "weight_bytes": weights, "kv_bytes": kv})
+    del runner, loaded
+    torch.cuda.empty_cache()
+    return result
+
+
+def print_kv_dtype_rows(preset: str, rows: list[dict], bandwidth: float) -> None:
+    """One table per preset: each KV dtype's decode steps, tokens/s and their ratio to the first dtype's."""
+    print(f"\n## {preset}, bf16 weights, KV cache dtypes\n")
+    print("| KV cache | context | streams | KV bytes | floor (weights + KV) | graph replay | tokens/s | vs first |")
+    print("|---|---|---|---|---|---|---|---|")
+    first = {(d["context"], d["batch"]): d["tokens_per_s"] for d in rows[0]["steps"]} if rows else {}
+    for row in rows:
+        for d in row["steps"]:
+            d["floor_ms"] = (d["weight_bytes"] + d["kv_bytes"]) / bandwidth * 1e3
+            ratio = d["tokens_per_s"] / first[d["context"], d["batch"]]
+            print(f"| {row['kv_dtype']} | {d['context']} | {d['batch']} | {d['kv_bytes'] / 1e9:.2f} GB | "
+                  f"{d['floor_ms']:.3f} ms | {d['replay_ms']:.3f} ms | {d['tokens_per_s']:.0f} | {ratio:.2f}x |")
+    sys.stdout.flush()
 
 
 def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int],
@@ -238,6 +286,22 @@ def print_gguf_rows(preset: str, context: int, rows: list[dict], bandwidth: floa
     sys.stdout.flush()
 
 
+def kv_comparison(preset: str, kv_dtypes: list[str], args: argparse.Namespace, bandwidth: float) -> dict:
+    """``kv_dtype_rows`` of each of ``kv_dtypes``, printed; a dtype that fails is reported and skipped."""
+    contexts = [int(c) for c in args.kv_contexts.split(",") if c]
+    batches = [int(b) for b in args.kv_batches.split(",") if b]
+    rows = []
+    for kv_dtype in kv_dtypes:
+        try:
+            rows.append(kv_dtype_rows(preset, kv_dtype, contexts, batches))
+        except Exception as exc:
+            print(f"\n{preset} with a {kv_dtype} KV cache: vivace failed: {exc!r}", flush=True)
+            rows.append({"preset": preset, "kv_dtype": kv_dtype, "error": repr(exc)})
+            torch.cuda.empty_cache()
+    print_kv_dtype_rows(preset, [r for r in rows if "error" not in r], bandwidth)
+    return {"preset": preset, "kv_dtypes": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
@@ -248,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-types", default="Q8_0,Q4_0,Q4_K",
                         help="GGUF formats to run the presets in too (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; '' none)")
     parser.add_argument("--gguf-batches", default="", help="decode batches of the GGUF runs besides 1")
+    parser.add_argument("--kv-dtypes", default="", help="KV cache dtypes to compare many streams in "
+                        "(e.g. bfloat16,fp8; '' none)")
+    parser.add_argument("--kv-contexts", default="512,4096", help="tokens per stream of the --kv-dtypes rows")
+    parser.add_argument("--kv-batches", default="64", help="streams of the --kv-dtypes rows")
+    parser.add_argument("--kv-only", action="store_true", help="run only the --kv-dtypes rows")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -259,6 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['device']}, torch {torch.__version__}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     batches = [int(b) for b in args.batches.split(",") if b]
     prompts = [int(p) for p in args.prompts.split(",") if p]
+    kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
+    if args.kv_only:
+        for preset in args.presets.split(","):
+            report["presets"].append(kv_comparison(preset, kv_dtypes, args, bandwidth))
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(report, f, indent=1)
+        return 0
     try:
         report["gemv"] = gemv_rows()
     except Exception as exc:
@@ -325,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         row["gguf"] = gguf_rows
         print_gguf_rows(preset, args.context, [r for r in gguf_rows if "error" not in r], bandwidth)
+        if kv_dtypes:
+            row["kv_dtypes"] = kv_comparison(preset, kv_dtypes, args, bandwidth)["kv_dtypes"]
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)

@@ -26,7 +26,7 @@ from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.pacer import PromptPath
 from vivace.engine.request import Request
 from vivace.engine.scheduler import ScheduledBatch
-from vivace.gpu import kernels
+from vivace.gpu import kernels, kv_fp8
 from vivace.gpu.forward import GpuBatch, check_supported, forward
 from vivace.gpu.sampler import ALL_PLANS, DeviceSampler, DeviceSamples, SamplerPlan
 from vivace.models import LoadedModel
@@ -43,7 +43,7 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 class CudaRunner:
     """Owns the device KV pool (one tensor per layer, one scratch block past the pool's blocks,
-    where padding rows write) and turns a scheduled batch into sampled tokens (or float32 logits)
+    where padding rows write; a float8 pool's scales beside it, ``vivace.gpu.kv_fp8``) and turns a scheduled batch into sampled tokens (or float32 logits)
     on the host. ``max_num_seqs`` sizes the device sampler; ``seed`` seeds its unseeded draws."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
@@ -60,6 +60,9 @@ class CudaRunner:
         shape = kv_cache_shape(loaded.config, num_blocks + 1, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                           for _ in range(loaded.config.num_hidden_layers)]
+        # float8 (e4m3) caches: per layer, float32 [2, num_kv_heads] scales of keys and values
+        self.kv_scales = kv_fp8.kv_scales(loaded, block_size, max_model_len, self.device) \
+            if kv_dtype == kernels.FP8_KV else None
         self.sampler = DeviceSampler(max(max_num_seqs, cuda_graph_max_batch), loaded.config.vocab_size, max_model_len,
                                      loaded.config.eos_token_ids, seed, self.device)
         self.graphs: DecodeGraphs | None = None
@@ -76,7 +79,8 @@ class CudaRunner:
         if block_ids:
             index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
             for cache in self.kv_caches:
-                cache.index_fill_(1, index, 0.0)
+                # float8 through its bytes: torch has no index_fill_ for it, and byte 0 is +0.0
+                (cache.view(torch.uint8) if cache.dtype == kernels.FP8_KV else cache).index_fill_(1, index, 0)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
@@ -161,7 +165,7 @@ class CudaRunner:
     def _logits(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
         """The eager forward of any batch: logits ``[len(logit_indices), vocab]`` on the device."""
         gpu, _ = self.build_batch(batch, kv)
-        hidden = forward(self.model, gpu, self.kv_caches)
+        hidden = forward(self.model, gpu, self.kv_caches, self.kv_scales)
         if not logit_indices:
             return None
         rows = torch.tensor(logit_indices, dtype=torch.long, device=self.device)
@@ -197,7 +201,7 @@ class DecodeGraphs:
         splits = kernels.decode_splits(runner.max_model_len, size, runner.config.num_key_value_heads)
         batch = GpuBatch(self.ids[:size], self.positions[:size], self.slots[:size], self.tables[:size],
                          self.seq_lens[:size], None, 1, splits)
-        return runner.model.compute_logits(forward(runner.model, batch, runner.kv_caches))
+        return runner.model.compute_logits(forward(runner.model, batch, runner.kv_caches, runner.kv_scales))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
