@@ -7,6 +7,7 @@ and in FP8 (``vivace.gpu.fp8_linear``).
                              [--batches 8,32,64] [--prompts 128,512,2048] [--no-hf]
                              [--gguf-types Q8_0,Q4_0,Q4_K] [--gguf-batches ""]
                              [--fp8] [--fp8-batches 64] [--no-engine] [--tokenizer DIR] [--out FILE.json]
+                             [--kv-dtypes bfloat16,fp8 [--kv-contexts 512,4096] [--kv-batches 64] [--kv-only]]
 
 Needs a GPU (exits 2 without one). Per preset: the HBM floor (bytes one step reads / the copy
 bandwidth measured in this run), vivace's decode step (a CUDA graph replay, median of 200; and
@@ -23,7 +24,10 @@ matrices, the GGUF kernel's batch-1 GEMV (packed TB/s) and 512-row GEMM (TFLOP/s
 on bf16. With ``--fp8``, the same for FP8 projections (e4m3 quantized at load from the random
 bf16 weights; the LM head stays bf16): batch 1 and ``--fp8-batches``; its matrix rows are the FP8
 GEMV and ``torch._scaled_mm`` with per-token activation scales (the quantization included).
-Prints a table per preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
+With ``--kv-dtypes``, per preset: the decode step of many streams (``--kv-batches``) at
+each of ``--kv-contexts`` with the KV cache in each dtype (``fp8``: float8 e4m3, one byte a value),
+tokens/s and the ratio to the first dtype; ``--kv-only`` runs only these. Prints a table per
+preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def timed(fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def bytes_read_per_step(loaded, batch: int, context: int) -> tuple[int, int]:
+def bytes_read_per_step(loaded, batch: int, context: int, kv_dtype: torch.dtype = DTYPE) -> tuple[int, int]:
     """(weight bytes, KV bytes) one decode step reads: every weight (GGUF blocks as packed, FP8
     codes and scales) but the embedding table (one row a token), unless it doubles as the LM head;
     every cached token of each sequence."""
@@ -85,7 +89,51 @@ def bytes_read_per_step(loaded, batch: int, context: int) -> tuple[int, int]:
     weights += sum(m.weight_bytes() for m in model.modules() if hasattr(m, "weight_bytes"))
     if model.lm_head is not None:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return weights, batch * context * kv_bytes_per_token(loaded.config, DTYPE)
+    return weights, batch * context * kv_bytes_per_token(loaded.config, kv_dtype)
+
+
+def kv_dtype_rows(preset: str, kv_dtype: str, contexts: list[int], batches: list[int]) -> dict:
+    """Decode steps (graph replay, median of 50) of ``preset`` in bf16 with its KV cache in
+    ``kv_dtype`` (a ``--kv-cache-dtype`` name), every sequence ``context`` tokens long, for each
+    context and batch: milliseconds, tokens/s and the bytes the step reads."""
+    from vivace.config import EngineConfig
+    from vivace.gpu.runner import CudaRunner
+    from vivace.models import load_model
+
+    torch_kv = EngineConfig(dtype="bfloat16", kv_cache_dtype=kv_dtype, device="cuda").kv_torch_dtype
+    loaded = load_model(preset, DTYPE, load_format="dummy", device="cuda")
+    block_size, max_batch, max_len = 16, max(batches), max(contexts) + 1
+    per_seq = -(-max_len // block_size)
+    runner = CudaRunner(loaded, max_batch * per_seq, block_size, torch_kv, max_len, device="cuda",
+                        cuda_graph_max_batch=max_batch)
+    result: dict = {"preset": preset, "kv_dtype": kv_dtype, "steps": []}
+    for context in contexts:
+        for batch in batches:
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+            runner.graphs.replay([1] * batch, [context] * batch, tables)  # stage the inputs once
+            graph, _ = runner.graphs.graphs[next(s for s in runner.graphs.buckets if s >= batch)]
+            replay = timed(graph.replay, 50)
+            weights, kv = bytes_read_per_step(loaded, batch, context, torch_kv)
+            result["steps"].append({"context": context, "batch": batch, "replay_ms": replay * 1e3,
+                                    "tokens_per_s": batch / replay, "weight_bytes": weights, "kv_bytes": kv})
+    del runner, loaded
+    torch.cuda.empty_cache()
+    return result
+
+
+def print_kv_dtype_rows(preset: str, rows: list[dict], bandwidth: float) -> None:
+    """One table per preset: each KV dtype's decode steps, tokens/s and their ratio to the first dtype's."""
+    print(f"\n## {preset}, bf16 weights, KV cache dtypes\n")
+    print("| KV cache | context | streams | KV bytes | floor (weights + KV) | graph replay | tokens/s | vs first |")
+    print("|---|---|---|---|---|---|---|---|")
+    first = {(d["context"], d["batch"]): d["tokens_per_s"] for d in rows[0]["steps"]} if rows else {}
+    for row in rows:
+        for d in row["steps"]:
+            d["floor_ms"] = (d["weight_bytes"] + d["kv_bytes"]) / bandwidth * 1e3
+            ratio = d["tokens_per_s"] / first[d["context"], d["batch"]]
+            print(f"| {row['kv_dtype']} | {d['context']} | {d['batch']} | {d['kv_bytes'] / 1e9:.2f} GB | "
+                  f"{d['floor_ms']:.3f} ms | {d['replay_ms']:.3f} ms | {d['tokens_per_s']:.0f} | {ratio:.2f}x |")
+    sys.stdout.flush()
 
 
 def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int],
@@ -146,7 +194,7 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
                          torch.tensor([0, length], dtype=torch.int32, device="cuda"), length)
 
         def prefill() -> None:
-            hidden = forward(loaded.model, batch, runner.kv_caches)
+            hidden = forward(loaded.model, batch, runner.kv_caches, runner.kv_scales)
             loaded.model.compute_logits(hidden[-1:])
 
         result["prefill_ms"][length] = timed(prefill, 5) * 1e3
@@ -295,6 +343,22 @@ def print_format_rows(preset: str, context: int, rows: list[dict], bandwidth: fl
     sys.stdout.flush()
 
 
+def kv_comparison(preset: str, kv_dtypes: list[str], args: argparse.Namespace, bandwidth: float) -> dict:
+    """``kv_dtype_rows`` of each of ``kv_dtypes``, printed; a dtype that fails is reported and skipped."""
+    contexts = [int(c) for c in args.kv_contexts.split(",") if c]
+    batches = [int(b) for b in args.kv_batches.split(",") if b]
+    rows = []
+    for kv_dtype in kv_dtypes:
+        try:
+            rows.append(kv_dtype_rows(preset, kv_dtype, contexts, batches))
+        except Exception as exc:
+            print(f"\n{preset} with a {kv_dtype} KV cache: vivace failed: {exc!r}", flush=True)
+            rows.append({"preset": preset, "kv_dtype": kv_dtype, "error": repr(exc)})
+            torch.cuda.empty_cache()
+    print_kv_dtype_rows(preset, [r for r in rows if "error" not in r], bandwidth)
+    return {"preset": preset, "kv_dtypes": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
@@ -311,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-loop ITL rows")
     parser.add_argument("--fp8", action="store_true", help="run the presets with FP8 projections too")
     parser.add_argument("--fp8-batches", default="64", help="decode batches of the FP8 runs besides 1")
+    parser.add_argument("--kv-dtypes", default="", help="KV cache dtypes to compare many streams in "
+                        "(e.g. bfloat16,fp8; '' none)")
+    parser.add_argument("--kv-contexts", default="512,4096", help="tokens per stream of the --kv-dtypes rows")
+    parser.add_argument("--kv-batches", default="64", help="streams of the --kv-dtypes rows")
+    parser.add_argument("--kv-only", action="store_true", help="run only the --kv-dtypes rows")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -322,6 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['device']}, torch {torch.__version__}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     batches = [int(b) for b in args.batches.split(",") if b]
     prompts = [int(p) for p in args.prompts.split(",") if p]
+    kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
+    if args.kv_only:
+        for preset in args.presets.split(","):
+            report["presets"].append(kv_comparison(preset, kv_dtypes, args, bandwidth))
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(report, f, indent=1)
+        return 0
     try:
         report["gemv"] = gemv_rows()
     except Exception as exc:
@@ -401,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         row["formats"] = format_rows
         print_format_rows(preset, args.context, [r for r in format_rows if "error" not in r], bandwidth)
+        if kv_dtypes:
+            row["kv_dtypes"] = kv_comparison(preset, kv_dtypes, args, bandwidth)["kv_dtypes"]
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)

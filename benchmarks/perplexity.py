@@ -2,6 +2,7 @@
 
     python benchmarks/perplexity.py [--model gemma-3-270m] [--quantizations none gguf fp8] [--text FILE]
                                     [--kv-dtypes float32 float16] [--dtype bfloat16] [--llama-ctx N]
+                                    [--device cuda --dtype bfloat16 --kv-dtypes bfloat16 fp8]
 
 Each quantization loads the same file ("none": the GGUF's values dequantized to float32; "gguf":
 its own formats through the native kernels, int8 activations included; "fp8": every decoder
@@ -13,6 +14,10 @@ often the two agree on the top-1 next token; with several ``--kv-dtypes``, every
 with its KV cache in each (the prompt's attention reads its keys and values back from the cache,
 as serving does). The default text is the English passage the
 quantization tests use (tests/data/quant_text.txt).
+
+``--device cuda`` scores through the CUDA backend's forward (``vivace.gpu``: Triton attention over
+a paged cache, GGUF projections kept packed with "gguf"), with weights in ``--dtype``; there the KV
+cache may also be ``fp8`` (float8 e4m3 with the per-head scales the CUDA runner calibrates).
 
 ``--llama-ctx N`` scores the text as llama.cpp's ``llama-perplexity -c N -b N`` does, so that the
 two figures compare: the tokens in chunks of N (the rest dropped), each chunk's first token
@@ -34,13 +39,17 @@ from vivace.models.llama import kv_cache_shape
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quant_text.txt"
 BLOCK_SIZE = 16
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "fp8": torch.float8_e4m3fn}
 
 
 def text_logits(model_name: str, quantization: str, text: str, kv_dtype: torch.dtype = torch.float32,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, float32 logits at every position) of one prefill over ``text``, weights in ``dtype``."""
-    loaded = load_model(model_name, dtype, quantization)
+                device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, float32 logits at every position) of one prefill over ``text`` on ``device``."""
+    loaded = load_model(model_name, dtype, quantization, device=device)
     ids = torch.tensor(loaded.tokenizer(text)["input_ids"])
+    if device == "cuda":
+        return ids, gpu_prefill_logits(loaded, ids, kv_dtype)
     return ids, prefill_logits(loaded, ids, kv_dtype)
 
 
@@ -70,17 +79,39 @@ def prefill_logits(loaded: LoadedModel, ids: torch.Tensor, kv_dtype: torch.dtype
     return loaded.model.compute_logits(hidden)
 
 
+@torch.inference_mode()
+def gpu_prefill_logits(loaded: LoadedModel, ids: torch.Tensor, kv_dtype: torch.dtype, device: str = "cuda"
+                       ) -> torch.Tensor:
+    """``prefill_logits`` through the CUDA backend's forward (on ``device``: a CPU one runs it under
+    Triton's interpreter); a float8 cache with the scales the CUDA runner would use."""
+    from vivace.gpu import kv_fp8
+    from vivace.gpu.forward import forward, prompt_batch
+
+    blocks = -(-len(ids) // BLOCK_SIZE)
+    caches = [torch.zeros(kv_cache_shape(loaded.config, blocks, BLOCK_SIZE), dtype=kv_dtype, device=device)
+              for _ in range(loaded.config.num_hidden_layers)]
+    scales = None
+    if kv_dtype == torch.float8_e4m3fn:
+        scales = kv_fp8.kv_scales(loaded, BLOCK_SIZE, kv_fp8.CALIBRATION_TOKENS, device)
+    batch = prompt_batch(ids.to(device), BLOCK_SIZE)
+    return loaded.model.compute_logits(forward(loaded.model, batch, caches, scales)).float().cpu()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma-3-270m")
     parser.add_argument("--quantizations", nargs="+", default=["none", "gguf"])
     parser.add_argument("--text", type=Path, default=TEXT)
-    parser.add_argument("--kv-dtypes", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="the model's dtype (not with --llama-ctx)")
+    parser.add_argument("--kv-dtypes", nargs="+", default=["float32"],
+                        choices=["float32", "float16", "bfloat16", "fp8"], help="fp8: --device cuda only")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="weights and activations (float32 on the CPU)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-ctx", type=int, help="score as llama-perplexity -c N does (module docstring)")
     args = parser.parse_args()
+    if "fp8" in args.kv_dtypes and args.device != "cuda":
+        parser.error("--kv-dtypes fp8 needs --device cuda")
     torch.set_num_threads(args.threads)
     text = args.text.read_text()
     if args.llama_ctx:
@@ -93,7 +124,7 @@ def main() -> None:
     print("| quantization | KV cache | tokens | perplexity | vs first | top-1 agreement |\n|---|---|---|---|---|---|")
     for quantization in args.quantizations:
         for kv_dtype in args.kv_dtypes:
-            ids, logits = text_logits(args.model, quantization, text, getattr(torch, kv_dtype),
+            ids, logits = text_logits(args.model, quantization, text, KV_DTYPES[kv_dtype], args.device,
                                       getattr(torch, args.dtype))
             ppl = math.exp(F.cross_entropy(logits[:-1], ids[1:]).item())
             top1 = logits.argmax(-1)

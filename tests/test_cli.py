@@ -7,8 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from vivace.cli import engine_config, main, parse_args
+from vivace.config import EngineConfig
 
 
 def test_env_twin_sets_a_flag_and_the_command_line_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,6 +114,23 @@ def test_device_flag_and_its_env_twin(monkeypatch: pytest.MonkeyPatch) -> None:
                                      "--load-format", "dummy"])).enforce_eager is True
     with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda"):
         engine_config(parse_args(["serve", "--device", "tpu"]))
+
+
+def test_fp8_kv_cache_dtype_and_its_alias() -> None:
+    for name in ("fp8", "fp8_e4m3"):  # EngineConfig itself: the command line checks for a GPU
+        assert EngineConfig(kv_cache_dtype=name, device="cuda").kv_torch_dtype == torch.float8_e4m3fn
+    assert parse_args(["serve", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*'fp8', 'fp8_e4m3'"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2", device="cuda")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_fp8_kv_cache_on_the_cpu_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hi", "--kv-cache-dtype", "fp8", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype fp8 runs on the CUDA backend only" in err
+    assert main(["serve", "--kv-cache-dtype", "fp8_e4m3", "--port", "1"]) == 2  # --device auto: the CPU here
+    assert "--kv-cache-dtype fp8_e4m3 runs on the CUDA backend only" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")

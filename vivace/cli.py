@@ -49,7 +49,8 @@ MODEL_FLAG = Flag("model", "default", "a Hugging Face model directory, a .gguf f
                   "base Q4_K_M from its four chunk packages)")
 ENGINE_FLAGS = (
     Flag("--dtype", "float32", "weights and activations dtype: float32, bfloat16, float16, auto"),
-    Flag("--kv-cache-dtype", "auto", "KV cache dtype: float32, bfloat16, float16, or auto (float16 "
+    Flag("--kv-cache-dtype", "auto", "KV cache dtype: float32, bfloat16, float16, fp8 (alias fp8_e4m3: "
+         "float8 e4m3 with per-head scales, twice the tokens of bfloat16; CUDA only), or auto (float16 "
          "where the model computes in float32 on the CPU, else the model's dtype)"),
     Flag("--quantization", "auto", "quantized linear layers: int8, int4 (CPU), fp8 (CUDA, compute capability "
          "8.9+), none, or auto (a quantized GGUF file in its own formats, K-quants included, as llama.cpp runs "

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float8 e4m3 with per-(layer, KV head) scales, CUDA only (vivace.gpu.kv_fp8); vLLM's names
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
+_KV_DTYPES = {**_DTYPES, **{name: torch.float8_e4m3fn for name in FP8_KV_DTYPES}}
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
@@ -60,7 +63,8 @@ class EngineConfig:
     dtype: str = "float32"
     # KV cache dtype: float32, bfloat16, float16, or "auto": float16 where the model computes in
     # float32 on the CPU (half the bytes every decode step reads, as llama.cpp's default f16
-    # cache), else the model's dtype. Attention always computes in float32.
+    # cache), else the model's dtype. Attention always computes in float32. "fp8" (or
+    # "fp8_e4m3"): float8 e4m3 with per-head scales, one byte a value, on the CUDA backend only.
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     # Default: room for one max_model_len sequence. Pages are committed as blocks are first used,
@@ -116,8 +120,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in _DTYPES and self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(_DTYPES) + ['auto']}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in _KV_DTYPES and self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_DTYPES) + ['auto']}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype in FP8_KV_DTYPES and self.device != "cuda" and resolve_device(self.device) == "cpu":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs on the CUDA backend only (the CPU "
+                             "attention reads float32, bfloat16 or float16 caches); here the device is cpu")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -151,7 +159,7 @@ class EngineConfig:
     def kv_torch_dtype(self) -> torch.dtype:
         """The KV cache's dtype (``kv_cache_dtype`` resolved)."""
         if self.kv_cache_dtype != "auto":
-            return _DTYPES[self.kv_cache_dtype]
+            return _KV_DTYPES[self.kv_cache_dtype]
         if self.torch_dtype == torch.float32 and resolve_device(self.device) == "cpu":
             return torch.float16
         return self.torch_dtype

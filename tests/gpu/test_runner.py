@@ -38,12 +38,12 @@ def seeded(seed: int) -> SamplingParams:
                           logprobs=2)
 
 
-def with_cuda_runner(llm: LLM, model_dir: str) -> LLM:
+def with_cuda_runner(llm: LLM, model_dir: str, kv_dtype: torch.dtype = torch.float32) -> LLM:
     """``llm`` with its runner replaced by a CudaRunner on DEVICE over a fresh copy of the weights
-    (the CPU engine repacks its own for the native GEMM)."""
+    (the CPU engine repacks its own for the native GEMM), its KV cache in ``kv_dtype``."""
     engine = llm.engine
     loaded = load_model(model_dir, torch.float32, device=DEVICE)
-    engine.runner = CudaRunner(loaded, len(engine.kv.blocks), engine.kv.block_size, torch.float32,
+    engine.runner = CudaRunner(loaded, len(engine.kv.blocks), engine.kv.block_size, kv_dtype,
                                engine.max_model_len, device=DEVICE)
     return llm
 

@@ -40,44 +40,58 @@ class GpuBatch:
     num_splits: int = 1
 
 
+def prompt_batch(ids: torch.Tensor, block_size: int) -> GpuBatch:
+    """A batch of one whole prompt ``ids`` (on the device), its K/V in blocks 0, 1, 2, ..."""
+    n, device = len(ids), ids.device
+    positions = torch.arange(n, device=device)
+    return GpuBatch(ids, positions, positions.clone(),
+                    torch.arange(-(-n // block_size), dtype=torch.int32, device=device).view(1, -1),
+                    torch.tensor([n], dtype=torch.int32, device=device),
+                    torch.tensor([0, n], dtype=torch.int32, device=device), n)
+
+
 def check_supported(model: torch.nn.Module) -> None:
     """Raise ValueError for a model this forward does not run."""
     if type(model) not in _LAYER_STEPS:
         raise ValueError(f"--device cuda runs the Llama family and Gemma 3; not {model.config.architecture}")
 
 
-def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-    """Hidden states ``[num_tokens, hidden]`` after the final norm; writes the batch's K/V."""
+def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tensor],
+            kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Hidden states ``[num_tokens, hidden]`` after the final norm; writes the batch's K/V.
+    Float8 caches need their ``kv_scales`` (one ``[2, num_kv_heads]`` tensor a layer)."""
     tables = {FULL: (model.rotary.cos, model.rotary.sin)}
     if model.local_rotary is not None:
         tables[SLIDING] = (model.local_rotary.cos, model.local_rotary.sin)
     layer_step = _LAYER_STEPS[type(model)]
     eps = model.config.rms_norm_eps
     x, residual = model.embed(batch.input_ids), None  # Gemma scales its embeddings there
-    for layer, cache in zip(model.layers, kv_caches, strict=True):
+    scales = kv_scales or [None] * len(kv_caches)
+    for layer, cache, scale in zip(model.layers, kv_caches, scales, strict=True):
         if residual is None:
             residual, h = x, kernels.rms_norm(x, layer.input_layernorm.weight, eps)
         else:
             h, residual = kernels.rms_norm(x, layer.input_layernorm.weight, eps, residual)
-        x, residual = layer_step(layer, _attention(layer.self_attn, h, tables, batch, cache), residual, eps)
+        x, residual = layer_step(layer, _attention(layer.self_attn, h, tables, batch, cache, scale), residual, eps)
     return kernels.rms_norm(x, model.norm.weight, eps, residual)[0]
 
 
 def _attention(attn: Attention, h: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
-               batch: GpuBatch, cache: torch.Tensor) -> torch.Tensor:
+               batch: GpuBatch, cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
     """The attention block's output projection ``[num_tokens, hidden]`` for normed input ``h``;
-    writes the batch's K/V into ``cache``."""
+    writes the batch's K/V into ``cache`` (float8 with its ``kv_scale``)."""
     qkv = linear(attn.qkv_proj, h)
     cos, sin = tables[attn.rope_type]
     norms = {} if attn.q_norm is None else dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
                                                   eps=attn.q_norm.eps)
-    q = kernels.rotary_kv_write(qkv, cos, sin, batch.positions, batch.slot_mapping, cache, attn.num_heads, **norms)
+    q = kernels.rotary_kv_write(qkv, cos, sin, batch.positions, batch.slot_mapping, cache, attn.num_heads,
+                                kv_scale=kv_scale, **norms)
     if batch.query_start is None:
         o = kernels.paged_decode_attention(q, cache, batch.block_tables, batch.seq_lens, attn.scale, attn.window,
-                                           batch.num_splits)
+                                           batch.num_splits, kv_scale=kv_scale)
     else:
         o = kernels.paged_prefill_attention(q, cache, batch.block_tables, batch.query_start, batch.seq_lens,
-                                            batch.max_query_len, attn.scale, attn.window)
+                                            batch.max_query_len, attn.scale, attn.window, kv_scale=kv_scale)
     return linear(attn.o_proj, o.view(o.shape[0], -1))
 
 

@@ -5,6 +5,9 @@ head_dim]`` (0 keys, 1 values); a token's slot is ``block * block_size + offset`
 block table lists its blocks in order. Only API present in Triton 3.6 is used. Every kernel
 accumulates in float32 and rounds where the Hugging Face formulation rounds, so float32 inputs
 give float32 results equal to the torch reference up to summation order.
+
+A float8 (e4m3) cache comes with its scales, float32 ``[2, num_kv_heads]`` per layer (keys', then
+values'): a stored value is the real one divided by its head's scale (``vivace.gpu.kv_fp8``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ NO_WINDOW = 1 << 30  # a window no sequence reaches
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 DOT_F32 = INTERPRETED
 LOG2E = 1.4426950408889634
+FP8_KV = torch.float8_e4m3fn
+E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value: the write clamps to it, never NaN
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -51,12 +56,23 @@ def attention_launch(rows: int, block_d: int, block_n: int, itemsize: int) -> di
 
 def _dot_f32(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether attention multiplies in float32: under the interpreter, and where the queries and
-    the cache differ in dtype (``tl.dot`` takes operands of one dtype)."""
-    return DOT_F32 or q.dtype != kv_cache.dtype
+    the cache differ in dtype (``tl.dot`` takes operands of one dtype). A float8 cache's tiles are
+    converted to the queries' dtype, exactly (e4m3 values are bfloat16, float16 and float32 values)."""
+    return DOT_F32 or (q.dtype != kv_cache.dtype and kv_cache.dtype != FP8_KV)
 
 
 def _dot_itemsize(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
-    return 4 if _dot_f32(q, kv_cache) else kv_cache.dtype.itemsize
+    return 4 if _dot_f32(q, kv_cache) else q.dtype.itemsize
+
+
+def _kv_fp8(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+    """Whether ``kv_cache`` is float8; asserts that it comes with its ``[2, num_kv_heads]`` float32
+    scales, and only it."""
+    fp8 = kv_cache.dtype == FP8_KV
+    assert fp8 == (kv_scale is not None), "a float8 KV cache needs its scales, and only a float8 one"
+    assert not fp8 or (kv_scale.dtype == torch.float32 and kv_scale.shape == (2, kv_cache.shape[3])
+                       and kv_scale.is_contiguous()), kv_scale
+    return fp8
 
 
 # --- attention ------------------------------------------------------------------------------
@@ -73,6 +89,19 @@ def _paged_kv_tile(CACHE, TABLE, n, n_mask, d, d_mask, kvh, stride_kv, stride_cb
     k = tl.load(CACHE + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(CACHE + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _head_scales(KV_SCALE, kvh, stride_sk, scale_log2, KV_FP8: tl.constexpr):
+    """``(scores' factor, output's factor)`` of KV head ``kvh``. A float8 tile enters ``tl.dot`` as
+    stored (converted exactly), so its head's key scale joins the softmax scale and its value scale
+    multiplies the output: one multiply a program instead of one an element, and no rounding of
+    ``value * scale`` to the queries' dtype."""
+    v_scale = 1.0
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(KV_SCALE + kvh)
+        v_scale = tl.load(KV_SCALE + stride_sk + kvh)
+    return scale_log2, v_scale
 
 
 @triton.jit
@@ -98,17 +127,19 @@ def _online_softmax_step(q, k, v, visible, m, l, acc, scale_log2, DOT_F32: tl.co
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, CACHE, BLOCK_TABLES, SEQ_LENS, OUT, M_OUT, L_OUT,
+    Q, CACHE, KV_SCALE, BLOCK_TABLES, SEQ_LENS, OUT, M_OUT, L_OUT,
     scale_log2, window,
-    stride_qb, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_qb, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_sk, stride_bt,
     stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One program: one sequence, one KV head with its GROUP query heads, one split of the keys."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    scale_log2, v_scale = _head_scales(KV_SCALE, kvh, stride_sk, scale_log2, KV_FP8)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
     start = tl.maximum(seq_len - window, 0)
     per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -131,8 +162,12 @@ def _decode_attention_kernel(
         n_mask = n < hi
         k, v = _paged_kv_tile(CACHE, BLOCK_TABLES + b * stride_bt, n, n_mask, d, d_mask, kvh,
                               stride_kv, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        if KV_FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         m, l, acc = _online_softmax_step(q, k, v, n_mask[None, :], m, l, acc, scale_log2, DOT_F32)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     o_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
@@ -174,32 +209,35 @@ def decode_splits(max_len: int, num_seqs: int, num_kv_heads: int, block_n: int =
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None = None,
-                           num_splits: int = 1, out: torch.Tensor | None = None, block_n: int = 64
-                           ) -> torch.Tensor:
+                           num_splits: int = 1, out: torch.Tensor | None = None, block_n: int = 64,
+                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query per sequence ``q`` ``[num_seqs, num_heads, head_dim]`` over the
     first ``seq_lens[i]`` cached tokens of sequence i (its own K/V already written), the last
     ``window`` only when given. Query heads sharing a KV head go in one program; with
     ``num_splits`` > 1 the keys are split among programs and combined (flash-decoding). The
-    grid depends on shapes and ``num_splits`` only, never on the lengths: a CUDA graph holds it."""
+    grid depends on shapes and ``num_splits`` only, never on the lengths: a CUDA graph holds it.
+    A float8 ``kv_cache`` needs its ``kv_scale``."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
+    fp8 = _kv_fp8(kv_cache, kv_scale)
     block_d, block_g = _pow2(head_dim, 16), _pow2(group, 16)  # the query heads padded to tl.dot's 16 rows
     consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                  BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q, kv_cache),
+                  BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8,
                   **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)))
     args = (float(scale) * LOG2E, int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0),
-            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0))
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads, block_tables.stride(0))
+    scales = kv_scale if fp8 else q
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
-        _decode_attention_kernel[grid](q, kv_cache, block_tables, seq_lens, out, out, out, *args,
+        _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, out, out, out, *args,
                                        out.stride(0), out.stride(1), 0, 0, 0, **consts)
         return out
     partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    _decode_attention_kernel[grid](q, kv_cache, block_tables, seq_lens, partial, m, l, *args,
+    _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, partial, m, l, *args,
                                    partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0),
                                    m.stride(1), **consts)
     _combine_splits_kernel[(num_seqs, num_heads)](
@@ -211,17 +249,18 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
 @triton.jit
 def _prefill_attention_kernel(
-    Q, CACHE, BLOCK_TABLES, QUERY_START, SEQ_LENS, OUT,
+    Q, CACHE, KV_SCALE, BLOCK_TABLES, QUERY_START, SEQ_LENS, OUT,
     scale_log2, window,
-    stride_qt, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_sk, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One program: BLOCK_M consecutive queries of one sequence, one query head."""
     seq = tl.program_id(0)
     mblk = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // GROUP
+    scale_log2, v_scale = _head_scales(KV_SCALE, kvh, stride_sk, scale_log2, KV_FP8)
     q_start = tl.load(QUERY_START + seq).to(tl.int32)
     q_len = tl.load(QUERY_START + seq + 1).to(tl.int32) - q_start
     seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
@@ -248,9 +287,13 @@ def _prefill_attention_kernel(
         n_mask = n < hi
         k, v = _paged_kv_tile(CACHE, BLOCK_TABLES + seq * stride_bt, n, n_mask, d, d_mask, kvh,
                               stride_kv, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        if KV_FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         visible = n_mask[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
         m, l, acc = _online_softmax_step(q, k, v, visible, m, l, acc, scale_log2, DOT_F32)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     tl.store(OUT + tokens[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
              mask=row_mask[:, None] & d_mask[None, :])
 
@@ -258,23 +301,25 @@ def _prefill_attention_kernel(
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                             window: int | None = None, out: torch.Tensor | None = None, block_m: int = 64,
-                            block_n: int = 64) -> torch.Tensor:
+                            block_n: int = 64, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a flat batch of chunks: sequence i's ``query_start[i+1] - query_start[i]``
     queries ``q`` ``[num_tokens, num_heads, head_dim]`` are the last of its ``seq_lens[i]``
     tokens, whose K/V (this chunk's included) are in the cache; each query attends the tokens up
     to its own position (the last ``window`` of them when given). A chunk of one query is a decode,
-    so this serves mixed batches, chunked prefill and prefix-cache hits alike."""
+    so this serves mixed batches, chunked prefill and prefix-cache hits alike. A float8 ``kv_cache``
+    needs its ``kv_scale``."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(q) if out is None else out
+    fp8 = _kv_fp8(kv_cache, kv_scale)
     block_m, block_d = min(block_m, _pow2(max_query_len, 16)), _pow2(head_dim, 16)
     grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_attention_kernel[grid](
-        q, kv_cache, block_tables, query_start, seq_lens, out, float(scale) * LOG2E, int(window or NO_WINDOW),
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        q, kv_cache, kv_scale if fp8 else q, block_tables, query_start, seq_lens, out, float(scale) * LOG2E,
+        int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2), kv_cache.stride(3), num_kv_heads, block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_dot_f32(q, kv_cache),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8,
         **attention_launch(block_m, block_d, block_n, _dot_itemsize(q, kv_cache)))
     return out
 
@@ -293,15 +338,36 @@ def _head_rms_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.conste
 
 
 @triton.jit
+def _round_e4m3(x):
+    """``x`` (float32, within +-448) rounded to the nearest float8 e4m3 value, ties to even, in
+    float32 arithmetic, so that the cast that follows is exact on a GPU and under the interpreter
+    alike (Triton 3.9's interpreter rounds without carrying into the exponent: 31.8 became 16)."""
+    exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormal below 2^-6
+    step = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3): 3 mantissa bits
+    magic = step * 12582912.0  # 1.5 * 2^23 steps: the sum's last bit is worth one step
+    return (x + magic) - magic
+
+
+@triton.jit
+def _store_kv(dst, x, mask, SCALE, KV_FP8: tl.constexpr):
+    """Store float32 ``x`` into the cache at ``dst``: rounded to its dtype, or, float8, divided by
+    the head's scale at ``SCALE``, clamped to +-448 (saturating, never NaN), rounded to e4m3."""
+    if KV_FP8:
+        x = tl.math.div_rn(x, tl.load(SCALE))
+        x = _round_e4m3(tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX))
+    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_kv_write_kernel(
-    QKV, COS, SIN, POSITIONS, SLOTS, Q_OUT, CACHE, Q_NORM, K_NORM, eps,
+    QKV, COS, SIN, POSITIONS, SLOTS, Q_OUT, CACHE, KV_SCALE, Q_NORM, K_NORM, eps,
     stride_t, stride_cos, stride_qt, stride_qh, stride_kv, stride_slot, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One program: one token, one head of q or k (k's program also stores v): with QK_NORM the
     head's RMSNorm (q's or k's weight) first, then the rotation of pairs (i, i + HEAD_DIM/2) by the
-    token's position; q to Q_OUT, k and v to the token's slot."""
+    token's position; q to Q_OUT, k and v to the token's slot (quantized with KV_FP8)."""
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     i = tl.arange(0, BLOCK_HALF)
@@ -329,25 +395,27 @@ def _rotary_kv_write_kernel(
         kvh = head - NUM_HEADS
         slot = tl.load(SLOTS + t).to(tl.int64)
         dst = CACHE + slot * stride_slot + kvh * stride_ch
-        tl.store(dst + i, o1.to(CACHE.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF + i, o2.to(CACHE.dtype.element_ty), mask=mask)
+        _store_kv(dst + i, o1, mask, KV_SCALE + kvh, KV_FP8)
+        _store_kv(dst + HALF + i, o2, mask, KV_SCALE + kvh, KV_FP8)
         v_src = src + NUM_KV_HEADS * HEAD_DIM
-        v1 = tl.load(v_src + i, mask=mask, other=0.0)
-        v2 = tl.load(v_src + HALF + i, mask=mask, other=0.0)
-        tl.store(dst + stride_kv + i, v1.to(CACHE.dtype.element_ty), mask=mask)
-        tl.store(dst + stride_kv + HALF + i, v2.to(CACHE.dtype.element_ty), mask=mask)
+        v1 = tl.load(v_src + i, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(v_src + HALF + i, mask=mask, other=0.0).to(tl.float32)
+        _store_kv(dst + stride_kv + i, v1, mask, KV_SCALE + NUM_KV_HEADS + kvh, KV_FP8)
+        _store_kv(dst + stride_kv + HALF + i, v2, mask, KV_SCALE + NUM_KV_HEADS + kvh, KV_FP8)
 
 
 def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                     slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
                     q_out: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
-                    k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                    k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                    kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """From ``qkv`` ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]`` (q, k, v heads in
     that order, as vivace's fused projection gives them): the rotated q ``[num_tokens, num_heads,
     head_dim]`` returned; rotated k and v stored at each token's slot of ``kv_cache``. ``cos``,
     ``sin``: ``[max_positions, head_dim // 2]`` tables (``RotaryEmbedding``'s). With ``q_norm`` and
     ``k_norm`` (``[head_dim]`` weights, Qwen3's and Gemma 3's), each q and k head is RMS-normed
-    (``eps``) before its rotation. One launch."""
+    (``eps``) before its rotation. A float8 ``kv_cache`` needs its ``kv_scale``: k and v are
+    stored divided by their head's scale, clamped to +-448, rounded to nearest even. One launch."""
     num_tokens = qkv.shape[0]
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and kv_cache.is_contiguous()
@@ -356,11 +424,13 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
         q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2
     norm = q_norm is not None
+    fp8 = _kv_fp8(kv_cache, kv_scale)
     _rotary_kv_write_kernel[(num_tokens, num_heads + num_kv_heads)](
-        qkv, cos, sin, positions, slot_mapping, q_out, kv_cache, q_norm if norm else qkv, k_norm if norm else qkv,
-        eps, qkv.stride(0), cos.stride(0), q_out.stride(0), q_out.stride(1), kv_cache.stride(0), kv_cache.stride(2),
-        kv_cache.stride(3), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        BLOCK_HALF=_pow2(half), QK_NORM=norm, num_warps=1)  # a program is one head: 64 pairs for head_dim 128
+        qkv, cos, sin, positions, slot_mapping, q_out, kv_cache, kv_scale if fp8 else qkv,
+        q_norm if norm else qkv, k_norm if norm else qkv, eps, qkv.stride(0), cos.stride(0), q_out.stride(0),
+        q_out.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=_pow2(half), QK_NORM=norm,
+        KV_FP8=fp8, num_warps=1)  # a program is one head: 64 pairs for head_dim 128
     return q_out
 
 

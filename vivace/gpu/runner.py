@@ -28,7 +28,7 @@ from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.pacer import PromptPath
 from vivace.engine.request import Request
 from vivace.engine.scheduler import ScheduledBatch
-from vivace.gpu import kernels
+from vivace.gpu import kernels, kv_fp8
 from vivace.gpu.forward import GpuBatch, check_supported, choose_gemv, forward
 from vivace.gpu.sampler import ALL_PLANS, DeviceSampler, DeviceSamples, SamplerPlan
 from vivace.models import LoadedModel
@@ -58,10 +58,11 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 class CudaRunner:
     """Owns the device KV pool (one tensor per layer, one scratch block past the pool's blocks,
-    where padding rows write) and turns a scheduled batch into sampled tokens (or float32 logits)
-    on the host. ``max_num_seqs`` sizes the device sampler; ``seed`` seeds its unseeded draws.
-    With graphs, batches of up to ``verify_batch`` sequences verifying 1 to ``verify_tokens``
-    speculative proposals each replay graphs of their own (``DecodeGraphs.replay_verify``)."""
+    where padding rows write; a float8 pool's scales beside it, ``vivace.gpu.kv_fp8``) and turns a
+    scheduled batch into sampled tokens (or float32 logits) on the host. ``max_num_seqs`` sizes the
+    device sampler; ``seed`` seeds its unseeded draws. With graphs, batches of up to
+    ``verify_batch`` sequences verifying 1 to ``verify_tokens`` speculative proposals each replay
+    graphs of their own (``DecodeGraphs.replay_verify``)."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  max_model_len: int, device: str = "cuda", cuda_graph_max_batch: int = 0,
@@ -77,6 +78,9 @@ class CudaRunner:
         shape = kv_cache_shape(loaded.config, num_blocks + 1, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                           for _ in range(loaded.config.num_hidden_layers)]
+        # float8 (e4m3) caches: per layer, float32 [2, num_kv_heads] scales of keys and values
+        self.kv_scales = kv_fp8.kv_scales(loaded, block_size, max_model_len, self.device) \
+            if kv_dtype == kernels.FP8_KV else None
         self.sampler = DeviceSampler(max(max_num_seqs, cuda_graph_max_batch), loaded.config.vocab_size, max_model_len,
                                      loaded.config.eos_token_ids, seed, self.device)
         # Batch-1 projections through the Triton GEMV where it beats cuBLAS on this GPU (timed now).
@@ -113,7 +117,8 @@ class CudaRunner:
         if block_ids:
             index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
             for cache in self.kv_caches:
-                cache.index_fill_(1, index, 0.0)
+                # float8 through its bytes: torch has no index_fill_ for it, and byte 0 is +0.0
+                (cache.view(torch.uint8) if cache.dtype == kernels.FP8_KV else cache).index_fill_(1, index, 0)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
@@ -227,7 +232,7 @@ class CudaRunner:
             gpu = GpuBatch(ids.long(), *map(self._tensor, arrays), None, 1,
                            kernels.decode_splits(max(positions) + 1, len(requests), self.config.num_key_value_heads)
                            if self.device.type == "cuda" else 1)
-            logits = self.model.compute_logits(forward(self.model, gpu, self.kv_caches))
+            logits = self.model.compute_logits(forward(self.model, gpu, self.kv_caches, self.kv_scales))
             packed = self.sampler.sample(logits, self.sampler.stage(list(requests), ahead=1))
         return self._launched(packed[:len(requests)], requests)
 
@@ -271,7 +276,7 @@ class CudaRunner:
     def _logits(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
         """The eager forward of any batch: logits ``[len(logit_indices), vocab]`` on the device."""
         gpu, _ = self.build_batch(batch, kv)
-        hidden = forward(self.model, gpu, self.kv_caches)
+        hidden = forward(self.model, gpu, self.kv_caches, self.kv_scales)
         if not logit_indices:
             return None
         rows = torch.tensor(logit_indices, dtype=torch.long, device=self.device)
@@ -321,14 +326,15 @@ class DecodeGraphs:
         n = size * (k + 1)
         batch = GpuBatch(self.v_ids[:n], self.v_positions[:n], self.v_slots[:n], self.v_tables[:size],
                          self.v_seq_lens[:size], self.v_starts[size, k], k + 1)
-        return self.runner.model.compute_logits(forward(self.runner.model, batch, self.runner.kv_caches))
+        return self.runner.model.compute_logits(forward(self.runner.model, batch, self.runner.kv_caches,
+                                                                  self.runner.kv_scales))
 
     def _step(self, size: int) -> torch.Tensor:
         runner = self.runner
         splits = kernels.decode_splits(runner.max_model_len, size, runner.config.num_key_value_heads)
         batch = GpuBatch(self.ids[:size], self.positions[:size], self.slots[:size], self.tables[:size],
                          self.seq_lens[:size], None, 1, splits)
-        return runner.model.compute_logits(forward(runner.model, batch, runner.kv_caches))
+        return runner.model.compute_logits(forward(runner.model, batch, runner.kv_caches, runner.kv_scales))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -204,16 +204,20 @@ def build_model(config: ModelConfig, dtype: torch.dtype,
     return model.eval()
 
 
+_DROPPED = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale")
+
+
 def fuse_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
                     tied: bool) -> dict[str, torch.Tensor]:
     """vivace's state dict from HF-named tensors: ``model.`` prefix dropped, q/k/v and gate/up
     concatenated (rows, in that order), each tensor converted to ``dtype`` as it arrives.
-    Drops tensors vivace computes or shares (rotary ``inv_freq``; ``lm_head`` when ``tied``)."""
+    Drops tensors vivace computes or shares (rotary ``inv_freq``; ``lm_head`` when ``tied``) and
+    FP8 KV scales (``self_attn.k_scale``/``v_scale``: ``vivace.gpu.kv_fp8`` reads them)."""
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}
     for hf_name, tensor in tensors:
         key, index, count = vivace_name(hf_name)
-        if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
+        if key.endswith(_DROPPED) or (tied and key == "lm_head.weight"):
             continue
         if count == 1:
             state[key] = tensor.to(dtype)
