@@ -220,7 +220,7 @@ class LLMEngine:
         path = self.runner.path(batch)
         if self._overlaps and masks is None and len(plan) == len(batch.requests) and self._samples_on_device(plan):
             try:
-                launched = self.runner.launch(batch, self.kv, [request for request, _, _ in plan])
+                launched = self.runner.launch(batch, self.kv, logit_indices, [request for request, _, _ in plan])
             except Exception as exc:
                 return self._fail_step(batch.requests, exc)
             return self._finish_launched(launched, (batch, path), marks)

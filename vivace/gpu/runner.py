@@ -189,27 +189,22 @@ class CudaRunner:
         """Run the batch (writing its K/V) and draw ``requests[i]``'s next token from the logits at
         flat token index ``logit_indices[i]`` on the device; only the tokens (and logprobs) come
         back. ``samples_on_device(requests)`` must hold."""
+        return self.collect(self.launch(batch, kv, logit_indices, requests))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int],
+               requests: list[Request]) -> Launched:
+        """``execute_sampled`` without waiting for the tokens: the batch's forward and sampling
+        are queued on the device and the packed tokens start for the host; ``collect`` reads
+        them."""
         if self.path(batch) is PromptPath.ROWS:
             rows: list[Request | None] = [None] * len(batch.requests)
             for index, request in zip(logit_indices, requests):
                 rows[index] = request
-            packed = self.graphs.replay_sampled(*self._decode_inputs(batch, kv), rows)
-            return self.sampler.read(packed, logit_indices, requests)
-        return self.sampler.run(self._logits(batch, kv, logit_indices), requests)
-
-    @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, kv: KVCacheManager, requests: list[Request]) -> Launched:
-        """``execute_sampled`` without waiting for the tokens: the batch's forward and sampling
-        are queued on the device and the packed tokens start for the host; ``collect`` reads
-        them. Every request of ``batch`` samples one row (``requests`` are its requests, in
-        order), and ``samples_on_device(requests)`` holds."""
-        if self.path(batch) is PromptPath.ROWS:
-            packed = self.graphs.replay_sampled(*self._decode_inputs(batch, kv), list(requests))
+            packed = self._rows(self.graphs.replay_sampled(*self._decode_inputs(batch, kv), rows), logit_indices)
         else:
-            logit_indices = np.cumsum(batch.num_new_tokens) - 1
-            logits = self._logits(batch, kv, logit_indices.tolist())
-            packed = self.sampler.sample(logits, self.sampler.stage(list(requests)))
-        return self._launched(packed[:len(requests)], requests)
+            packed = self.sampler.sample(self._logits(batch, kv, logit_indices), self.sampler.stage(list(requests)))
+        return self._launched(packed, requests)
 
     @torch.inference_mode()
     def launch_next(self, previous: Launched, requests: list[Request], kv: KVCacheManager) -> Launched:
@@ -217,24 +212,26 @@ class CudaRunner:
         ``requests`` (each one of ``previous``'s, its K/V slots allocated for one more token)
         decodes the token ``previous`` drew for it, read on the device, at position
         ``num_tokens`` (the host has not appended that token yet), and draws the one after."""
-        rows = [previous.requests.index(request) for request in requests]
-        if rows == list(range(len(rows))):
-            ids = previous.tokens[:len(rows)]
-        else:
-            ids = previous.tokens[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        ids = self._rows(previous.tokens, [previous.requests.index(request) for request in requests])
         positions = [request.num_tokens for request in requests]
         tables = [kv.block_ids(request.request_id) for request in requests]
         if self.graphs is not None and len(requests) <= self.graphs.max_batch:
             packed = self.graphs.replay_sampled(ids, positions, tables, list(requests), ahead=1)
         else:
-            arrays = decode_arrays(positions, tables, len(requests), max(map(len, tables)), self.scratch_block,
-                                   self.block_size)
+            arrays = paged_arrays(positions, 1, tables, len(requests), max(map(len, tables)), self.scratch_block,
+                                  self.block_size)
             gpu = GpuBatch(ids.long(), *map(self._tensor, arrays), None, 1,
                            kernels.decode_splits(max(positions) + 1, len(requests), self.config.num_key_value_heads)
                            if self.device.type == "cuda" else 1)
             logits = self.model.compute_logits(forward(self.model, gpu, self.kv_caches, self.kv_scales))
             packed = self.sampler.sample(logits, self.sampler.stage(list(requests), ahead=1))
         return self._launched(packed[:len(requests)], requests)
+
+    def _rows(self, tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``tensor[rows]``: a view when they are its first rows in order, else a gather on the device."""
+        if rows == list(range(len(rows))):
+            return tensor[:len(rows)]
+        return tensor[torch.tensor(rows, dtype=torch.long, device=self.device)]
 
     def _launched(self, packed: torch.Tensor, requests: list[Request]) -> Launched:
         if self.device.type != "cuda":
@@ -298,22 +295,18 @@ class DecodeGraphs:
         self.max_batch = self.buckets[-1]
         # Speculative verification: sequences of K + 1 rows (the last token, K proposals) through
         # the prefill attention, one graph per (bucket, K).
+        # A verify bucket holds at most max_batch sequences (the runner caps verify_batch).
         self.verify_buckets = graph_buckets(verify_batch) if verify_tokens else []
         self.verify_tokens = verify_tokens
-        rows = max(self.verify_buckets or [0]) * (verify_tokens + 1)
-        self.v_ids = torch.zeros(rows, dtype=torch.long, device=runner.device)
-        self.v_positions = torch.zeros(rows, dtype=torch.long, device=runner.device)
-        self.v_slots = torch.zeros(rows, dtype=torch.long, device=runner.device)
-        self.v_tables = torch.full((max(self.verify_buckets or [0]), runner.max_blocks_per_seq), runner.scratch_block,
-                                   dtype=torch.int32, device=runner.device)
-        self.v_seq_lens = torch.ones(max(self.verify_buckets or [0]), dtype=torch.int32, device=runner.device)
-        self.v_starts = {(size, k): torch.arange(0, size * (k + 1) + 1, k + 1, dtype=torch.int32, device=runner.device)
+        device, width = runner.device, runner.max_blocks_per_seq
+        self.v_starts = {(size, k): torch.arange(0, size * (k + 1) + 1, k + 1, dtype=torch.int32, device=device)
                          for size in self.verify_buckets for k in range(1, verify_tokens + 1)}
         self.verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | EagerGraph, torch.Tensor]] = {}
-        device, width = runner.device, runner.max_blocks_per_seq
-        self.ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-        self.slots = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        # Static inputs of every graph (one replays at a time): a row per token, a table per sequence.
+        rows = max(self.max_batch, max(self.verify_buckets or [0]) * (verify_tokens + 1))
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=device)
         self.tables = torch.full((self.max_batch, width), runner.scratch_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerGraph, torch.Tensor]] = {}
@@ -324,8 +317,8 @@ class DecodeGraphs:
 
     def _verify_step(self, size: int, k: int) -> torch.Tensor:
         n = size * (k + 1)
-        batch = GpuBatch(self.v_ids[:n], self.v_positions[:n], self.v_slots[:n], self.v_tables[:size],
-                         self.v_seq_lens[:size], self.v_starts[size, k], k + 1)
+        batch = GpuBatch(self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:size], self.seq_lens[:size],
+                         self.v_starts[size, k], k + 1)
         return self.runner.model.compute_logits(forward(self.runner.model, batch, self.runner.kv_caches,
                                                                   self.runner.kv_scales))
 
@@ -389,11 +382,7 @@ class DecodeGraphs:
         ``ids`` may be on the device already (a step launched before its input ids reached the host)."""
         n = len(ids)
         size = next(s for s in self.buckets if s >= n)
-        runner = self.runner
-        arrays = decode_arrays(positions, tables, size, runner.max_blocks_per_seq, runner.scratch_block,
-                               runner.block_size)
-        for buffer, array in zip((self.positions, self.slots, self.tables, self.seq_lens), arrays):
-            buffer[:size].copy_(self._host(array), non_blocking=True)
+        self._stage(positions, 1, tables, size)
         if isinstance(ids, torch.Tensor):
             self.ids[:n].copy_(ids)
             self.ids[n:size].zero_()
@@ -411,22 +400,18 @@ class DecodeGraphs:
 
     def _stage_verify(self, size: int, k: int, rows: list[list[int]], starts: list[int],
                       tables: list[list[int]]) -> None:
-        runner, q = self.runner, k + 1
-        n = len(starts)
-        block_tables = np.full((size, runner.max_blocks_per_seq), runner.scratch_block, dtype=np.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, :len(table)] = table
-        first = np.zeros(size, dtype=np.int64)
-        first[:n] = starts
-        pos = (first[:, None] + np.arange(q)).reshape(-1)
-        seq_of_row = np.repeat(np.arange(size), q)
-        slots = block_tables[seq_of_row, pos // runner.block_size].astype(np.int64) * runner.block_size
-        slots += pos % runner.block_size
-        ids = np.zeros(size * q, dtype=np.int64)
-        ids[:n * q] = np.array(rows, dtype=np.int64).reshape(-1) if rows else []
-        seq_lens = (first + q).astype(np.int32)
-        for buffer, array in ((self.v_ids, ids), (self.v_positions, pos), (self.v_slots, slots),
-                              (self.v_tables, block_tables), (self.v_seq_lens, seq_lens)):
+        ids = np.zeros(size * (k + 1), dtype=np.int64)
+        ids[:len(rows) * (k + 1)] = np.array(rows, dtype=np.int64).reshape(-1) if rows else []
+        self.ids[:len(ids)].copy_(self._host(ids), non_blocking=True)
+        self._stage(starts, k + 1, tables, size)
+
+    def _stage(self, starts: list[int], query_len: int, tables: list[list[int]], size: int) -> None:
+        """Positions, slots, block tables and lengths of ``size`` sequences of ``query_len`` rows
+        (``paged_arrays``) into the static buffers."""
+        runner = self.runner
+        arrays = paged_arrays(starts, query_len, tables, size, runner.max_blocks_per_seq, runner.scratch_block,
+                              runner.block_size)
+        for buffer, array in zip((self.positions, self.slots, self.tables, self.seq_lens), arrays):
             buffer[:len(array)].copy_(self._host(array), non_blocking=True)
 
     def replay_verify(self, rows: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
@@ -472,20 +457,19 @@ class EagerGraph:
         self.output.copy_(self.step())
 
 
-def decode_arrays(positions: list[int], tables: list[list[int]], size: int, width: int, scratch_block: int,
-                  block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A decode step's positions, K/V slots, block tables ``[size, width]`` and sequence lengths,
-    for ``len(positions)`` sequences padded to ``size`` rows (padding rows: position 0, the
-    scratch block, length 1)."""
-    n = len(positions)
+def paged_arrays(starts: list[int], query_len: int, tables: list[list[int]], size: int, width: int,
+                 scratch_block: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Positions and K/V slots (``size * query_len``, sequence by sequence), block tables ``[size,
+    width]`` and lengths of ``len(starts)`` sequences whose ``query_len`` rows start at ``starts[i]``
+    (a decode: one row), padded to ``size`` sequences: padding rows at positions 0 on in the
+    scratch block."""
+    n = len(starts)
     block_tables = np.full((size, width), scratch_block, dtype=np.int32)
     for row, table in enumerate(tables):
         block_tables[row, :len(table)] = table
-    pos = np.zeros(size, dtype=np.int64)
-    pos[:n] = positions
-    slots = np.full(size, scratch_block * block_size, dtype=np.int64)
-    slots[:n] = block_tables[np.arange(n), pos[:n] // block_size].astype(np.int64) * block_size
-    slots[:n] += pos[:n] % block_size
-    seq_lens = np.ones(size, dtype=np.int32)
-    seq_lens[:n] = pos[:n] + 1
-    return pos, slots, block_tables, seq_lens
+    first = np.zeros(size, dtype=np.int64)
+    first[:n] = starts
+    pos = (first[:, None] + np.arange(query_len)).reshape(-1)
+    slots = block_tables[np.repeat(np.arange(size), query_len), pos // block_size].astype(np.int64) * block_size
+    slots += pos % block_size
+    return pos, slots, block_tables, (first + query_len).astype(np.int32)
