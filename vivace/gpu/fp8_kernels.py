@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vivace.gpu.gguf_kernels import gemv_splits, num_sms, store_gemv_rows, sum_splits_kernel
-from vivace.gpu.kernels import DOT_F32
+from vivace.gpu.gguf_kernels import gemv_splits, num_sms, store_gemv_rows, sum_splits
+from vivace.gpu.kernels import DOT_F32, round_e4m3
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -95,16 +95,6 @@ def _gemm_kernel(W, SCALE, X, Y, BIAS, M, N, K, stride_xm, stride_ym,
 
 
 @triton.jit
-def _round_to_e4m3(x):
-    """``x`` (float32, |x| <= 448) rounded to e4m3's 3 mantissa bits, ties to even, in float32, so that
-    converting it has nothing left to round: Triton's interpreter rounds without carrying into the
-    exponent (124.3 became 64, not 128)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _quantize_rows_kernel(X, Q, S, K, stride_xm, BLOCK: tl.constexpr):
     """One program per row: ``S[row] = max|x| / 448`` and ``Q[row] = x / S[row]`` in e4m3 (clamped
     first: the conversion of an out-of-range value is not saturating everywhere)."""
@@ -119,7 +109,7 @@ def _quantize_rows_kernel(X, Q, S, K, stride_xm, BLOCK: tl.constexpr):
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32) / scale
-        x = _round_to_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
+        x = round_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
         tl.store(Q + row * K + k, x.to(Q.dtype.element_ty), mask=k < K)
 
 
@@ -212,7 +202,5 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torc
                                          BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, HAS_BIAS=has_bias,
                                          SPLIT=splits > 1, num_warps=4)
     if splits > 1:
-        block = 1024
-        sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, bias, n, m * n, SPLITS=splits, BLOCK=block,
-                                                        HAS_BIAS=has_bias)
+        sum_splits(target, out, bias, has_bias)
     return out

@@ -337,7 +337,13 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
                                          BLOCK_N=GEMV_BLOCK_N, NU=nu, BLOCK_K=nu * layout.unit_cols,
                                          HAS_BIAS=has_bias, SPLIT=splits > 1, num_warps=4)
     if splits > 1:
-        block = 1024
-        sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, bias, n, m * n, SPLITS=splits, BLOCK=block,
-                                                         HAS_BIAS=has_bias)
+        sum_splits(target, out, bias, has_bias)
     return out
+
+
+def sum_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor, has_bias: bool) -> None:
+    """``out = sum(partials) (+ bias)`` over a split-K GEMV's float32 partial sums ``[splits, M, N]``."""
+    splits, m, n = partials.shape
+    block = 1024
+    sum_splits_kernel[(triton.cdiv(m * n, block),)](partials, out, bias, n, m * n, SPLITS=splits, BLOCK=block,
+                                                     HAS_BIAS=has_bias)

@@ -338,7 +338,7 @@ def _head_rms_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.conste
 
 
 @triton.jit
-def _round_e4m3(x):
+def round_e4m3(x):
     """``x`` (float32, within +-448) rounded to the nearest float8 e4m3 value, ties to even, in
     float32 arithmetic, so that the cast that follows is exact on a GPU and under the interpreter
     alike (Triton 3.9's interpreter rounds without carrying into the exponent: 31.8 became 16)."""
@@ -354,7 +354,7 @@ def _store_kv(dst, x, mask, SCALE, KV_FP8: tl.constexpr):
     the head's scale at ``SCALE``, clamped to +-448 (saturating, never NaN), rounded to e4m3."""
     if KV_FP8:
         x = tl.math.div_rn(x, tl.load(SCALE))
-        x = _round_e4m3(tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX))
+        x = round_e4m3(tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX))
     tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
 
