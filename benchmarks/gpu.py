@@ -140,7 +140,7 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
                 weight_format: str | None = None) -> dict:
     """Decode steps and prefill times of ``preset`` in bf16, or with its projections random blocks
     of a GGUF type (``weight_format``, e.g. "Q4_K") or in FP8 (``weight_format`` "fp8")."""
-    from vivace.gpu.forward import GpuBatch, forward
+    from vivace.gpu.forward import forward, prompt_batch
     from vivace.engine.request import Request
     from vivace.engine.sampling_params import SamplingParams
     from vivace.gpu.gguf_linear import randomize_packed
@@ -187,11 +187,7 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
                                    "weight_bytes": weights, "kv_bytes": kv}
 
     for length in prompts:
-        tables = torch.arange(per_seq, dtype=torch.int32, device="cuda").view(1, -1)
-        positions = torch.arange(length, device="cuda")
-        batch = GpuBatch(torch.ones(length, dtype=torch.long, device="cuda"), positions,
-                         positions.clone(), tables, torch.tensor([length], dtype=torch.int32, device="cuda"),
-                         torch.tensor([0, length], dtype=torch.int32, device="cuda"), length)
+        batch = prompt_batch(torch.ones(length, dtype=torch.long, device="cuda"), block_size)
 
         def prefill() -> None:
             hidden = forward(loaded.model, batch, runner.kv_caches, runner.kv_scales)

@@ -130,21 +130,19 @@ def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), r
                 groups.setdefault((role, *module.weight.shape, module.bias is not None), []).append(module)
     chosen = {}
     for (role, n, k, _), modules in groups.items():
-        gated = ("gelu" if gelu else "silu") if role == "down" else None
-        x = torch.randn(1, 2 * k if gated else k, dtype=modules[0].weight.dtype, device=modules[0].weight.device)
-
-        def product(module: torch.nn.Linear, block: int) -> torch.Tensor:  # block 0: cuBLAS
-            if block:
-                return kernels.gemv(module.weight, x, module.bias, gated, block_n=block)
-            y = x if gated is None else kernels.gelu_tanh_mul(x) if gelu else kernels.silu_mul(x)
-            return torch.nn.functional.linear(y, module.weight, module.bias)
-
-        times = {block: _time_us(lambda block=block: [product(m, block) for m in modules], repeats) / len(modules)
-                 for block in (0, *blocks)}
+        down = role == "down"
+        attribute = "gated_gemv_block" if down else "gemv_block"
+        x = torch.randn(1, 2 * k if down else k, dtype=modules[0].weight.dtype, device=modules[0].weight.device)
+        times = {}
+        for block in (0, *blocks):  # block 0: cuBLAS; each timed through the forward's own dispatch
+            for module in modules:
+                setattr(module, attribute, block)
+            times[block] = _time_us(lambda: [gated_linear(m, x, gelu) if down else linear(m, x) for m in modules],
+                                    repeats) / len(modules)
         best = min(blocks, key=times.get)
         block = best if times[best] < 0.97 * times[0] else 0
         for module in modules:
-            setattr(module, "gated_gemv_block" if gated else "gemv_block", block)
+            setattr(module, attribute, block)
         chosen[f"{role} {n}x{k}"] = (times[0], times[best], block)
     return chosen
 
