@@ -83,10 +83,10 @@ def bytes_read_per_step(loaded, batch: int, context: int, kv_dtype: torch.dtype 
     codes and scales) but the embedding table (one row a token), unless it doubles as the LM head;
     every cached token of each sequence."""
     from vivace.models.llama import kv_bytes_per_token
+    from vivace.models.loader import module_weight_bytes
 
     model = loaded.model
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights += sum(m.weight_bytes() for m in model.modules() if hasattr(m, "weight_bytes"))
+    weights = module_weight_bytes(model)
     if model.lm_head is not None:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return weights, batch * context * kv_bytes_per_token(loaded.config, kv_dtype)

@@ -125,7 +125,7 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     if quantization != "none":
         quantize_model(module, quantization, path if path.suffix == ".gguf" else None)
         _return_freed_memory()  # the float weights the quantized ones replaced
-    weight_bytes = _weight_bytes(module)
+    weight_bytes = module_weight_bytes(module)
     if tokenizer_dir is not None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(Path(tokenizer_dir).expanduser())
     return LoadedModel(module.to(device), config, tokenizer, name, weight_bytes, path)
@@ -156,12 +156,12 @@ def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, devic
         from vivace.gpu.fp8_linear import install_fp8
 
         install_fp8(module, {}, quantize_float=True, device=device)
-    weight_bytes = _weight_bytes(module)
+    weight_bytes = module_weight_bytes(module)
     name = model if directory is None else directory.resolve().name
     return LoadedModel(module, config, tokenizer, f"{name}-dummy", weight_bytes, directory or Path(model))
 
 
-def _weight_bytes(module: nn.Module) -> int:
+def module_weight_bytes(module: nn.Module) -> int:
     """Bytes of ``module``'s parameters and of the quantized layers' buffers (``weight_bytes()``)."""
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     return weight_bytes + sum(m.weight_bytes() for m in module.modules() if hasattr(m, "weight_bytes"))
