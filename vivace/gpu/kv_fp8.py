@@ -21,7 +21,6 @@ the scale exact. The same weights always get the same scales, whatever the reque
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from safetensors import safe_open
 from vivace.gpu.forward import forward, prompt_batch
 from vivace.models import LoadedModel
 from vivace.models.llama import kv_cache_shape
+from vivace.models.loader import safetensors_files
 
 CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0
@@ -58,7 +58,10 @@ def checkpoint_kv_scales(source: Path, num_layers: int, num_kv_heads: int) -> li
     """The ``k_scale``/``v_scale`` of every layer in the safetensors files of the model directory
     ``source``, each broadcast to ``[2, num_kv_heads]`` float32 on the CPU; None when it has none.
     Raises ValueError when only some layers have them, or one is not positive and finite."""
-    files = _safetensors_files(source)
+    try:
+        files = safetensors_files(source) if source.is_dir() else []
+    except FileNotFoundError:  # a dummy model's directory: its config.json, no weights
+        files = []
     found: dict[tuple[int, int], torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as reader:
@@ -82,16 +85,6 @@ def checkpoint_kv_scales(source: Path, num_layers: int, num_kv_heads: int) -> li
             raise ValueError(f"{source}: layer {layer}'s KV scales must be positive and finite, got {scale.tolist()}")
         scales.append(scale.contiguous())
     return scales
-
-
-def _safetensors_files(source: Path) -> list[Path]:
-    """The safetensors files of a model directory (those its index lists, when it has one)."""
-    if not source.is_dir():
-        return []
-    index = source / "model.safetensors.index.json"
-    if index.is_file():
-        return [source / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return sorted(source.glob("*.safetensors"))
 
 
 def _scale_key(name: str) -> tuple[int, int] | None:

@@ -251,7 +251,7 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokeni
     config = ModelConfig.from_hf(raw)
     config = dataclasses.replace(config, eos_token_ids=_eos_token_ids(path, config))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    return config, tokenizer, _read_safetensors(_safetensors_files(path))
+    return config, tokenizer, _read_safetensors(safetensors_files(path))
 
 
 def _eos_token_ids(path: Path, config: ModelConfig) -> tuple[int, ...]:
@@ -262,7 +262,9 @@ def _eos_token_ids(path: Path, config: ModelConfig) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of the model directory ``path`` (those its index lists, when it has
+    one); FileNotFoundError when there are none, or a listed one is missing."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
