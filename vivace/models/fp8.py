@@ -7,9 +7,9 @@ tensor (``[]``, ``[1]``) or one per output channel (``[out, 1]``, ``[out]``); th
 ``read_fp8`` pairs each such weight with its scale and either dequantizes it (the CPU backend, and
 a GPU that cannot run FP8) or keeps the codes for ``vivace.gpu.fp8_linear``. Activation scales
 (a static ``input_scale``, fbgemm's ``input_scale_ub``) are dropped: the GPU quantizes each token's
-activations with its own scale as they come, which is at least as fine. So are KV-cache scales
-(``k_scale``, ``v_scale``): the KV cache holds ``--kv-cache-dtype``. Block-wise scales (DeepSeek's
-``weight_scale_inv``) are not read.
+activations with its own scale as they come, which is at least as fine. KV-cache scales
+(``k_scale``, ``v_scale``) pass on to the loader, which leaves them to ``vivace.gpu.kv_fp8``.
+Block-wise scales (DeepSeek's ``weight_scale_inv``) are not read.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 FP8 = torch.float8_e4m3fn
-_DROPPED = (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale")
+_DROPPED = (".input_scale", ".input_scale_ub")
 
 
 def read_fp8(tensors: Iterable[tuple[str, torch.Tensor]],
