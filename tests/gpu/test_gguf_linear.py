@@ -41,7 +41,7 @@ TYPES = {
               "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "output": T.Q6_K},
 }
 PROMPTS = [[5, 90, 31, 242, 77, 12, 5, 90, 31, 242, 77, 12], [8, 100, 200, 7]]
-NEW = 4
+NEW = 3
 CONFIG = dict(num_kv_blocks=16, block_size=4, max_model_len=32, device="cpu", quantization="none")
 
 
@@ -49,7 +49,7 @@ CONFIG = dict(num_kv_blocks=16, block_size=4, max_model_len=32, device="cpu", qu
 def gguf_model(request, tmp_path_factory):
     """(GGUF path, its part types): 256 wide, K-quant rows of one super-block or more."""
     torch.manual_seed(0)
-    config = tiny_config("llama", hidden_size=256, intermediate_size=512, initializer_range=0.1)
+    config = tiny_config("llama", hidden_size=256, intermediate_size=256, initializer_range=0.1)
     hf = transformers.LlamaForCausalLM(config).eval()
     types = TYPES[request.param]
     return write_gguf(hf, tmp_path_factory.mktemp("gguf") / "tiny.gguf", types=types), types
