@@ -8,12 +8,18 @@ Each quantization loads the same file ("none": the GGUF's values dequantized to 
 its own formats through the native kernels, int8 activations included; "fp8": every decoder
 projection in e4m3 with per-channel scales, ``vivace.gpu.fp8_linear``: at ``--dtype bfloat16`` its
 prefill quantizes the activations per token too, as the GPU's prefill does; at float32 it is
-weight-only, as the GPU's decode GEMV is), scores
+weight-only, as the GPU's decode GEMV is; "fp8-ref": the same arithmetic in float32 torch ops, fast on
+a CPU, where the FP8 kernels run under Triton's interpreter: weights rounded to e4m3 per output row
+by ``quantize_weight``, the layers ``float_layers`` names kept in float, and a prefill's
+activations rounded per token as ``quantize_rows`` rounds them before ``torch._scaled_mm``;
+"fp8-ref-all": with every decoder layer in FP8), scores
 the whole text in one prefill and prints its perplexity, the change from the first quantization listed, and how
 often the two agree on the top-1 next token; with several ``--kv-dtypes``, every quantization runs
 with its KV cache in each (the prompt's attention reads its keys and values back from the cache,
 as serving does). The default text is the English passage the
-quantization tests use (tests/data/quant_text.txt).
+quantization tests use (tests/data/quant_text.txt, 517 tokens of the default model); a longer one,
+public-domain prose, is tests/data/moby_dick_loomings.txt (chapter 1 of Melville's Moby-Dick, 2,859
+tokens).
 
 ``--device cuda`` scores through the CUDA backend's forward (``vivace.gpu``: Triton attention over
 a paged cache, GGUF projections kept packed with "gguf"), with weights in ``--dtype``; there the KV
@@ -32,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from vivace.layers.attention import AttentionMetadata
 from vivace.models import LoadedModel, load_model
@@ -46,11 +53,39 @@ KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": tor
 def text_logits(model_name: str, quantization: str, text: str, kv_dtype: torch.dtype = torch.float32,
                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, float32 logits at every position) of one prefill over ``text`` on ``device``."""
-    loaded = load_model(model_name, dtype, quantization, device=device)
+    if quantization.startswith("fp8-ref"):
+        loaded = fp8_reference(model_name, keep_float_layers=quantization == "fp8-ref")
+    else:
+        loaded = load_model(model_name, dtype, quantization, device=device)
     ids = torch.tensor(loaded.tokenizer(text)["input_ids"])
     if device == "cuda":
         return ids, gpu_prefill_logits(loaded, ids, kv_dtype)
     return ids, prefill_logits(loaded, ids, kv_dtype)
+
+
+def fp8_reference(model_name: str, keep_float_layers: bool = True) -> LoadedModel:
+    """``model_name`` in float32 with ``--quantization fp8``'s rounding done by torch ops ("fp8-ref",
+    module docstring)."""
+    from vivace.gpu.fp8_kernels import GEMV_MAX_ROWS, quantize_weight
+    from vivace.gpu.fp8_linear import float_layers
+
+    def round_rows(module: nn.Module, args: tuple) -> tuple | None:
+        rows = args[0].reshape(-1, args[0].shape[-1])
+        if len(rows) <= GEMV_MAX_ROWS:  # the decode GEMV: weight-only
+            return None
+        codes, scale = quantize_weight(rows)
+        return ((codes.float() * scale[:, None]).view_as(args[0]), *args[1:])
+
+    loaded = load_model(model_name, torch.float32, "none")
+    kept = float_layers(len(loaded.model.layers)) if keep_float_layers else set()
+    with torch.no_grad():
+        for index, layer in enumerate(loaded.model.layers):
+            for module in layer.modules() if index not in kept else ():
+                if isinstance(module, nn.Linear):
+                    codes, scale = quantize_weight(module.weight)
+                    module.weight.copy_(codes.float() * scale[:, None])
+                    module.register_forward_pre_hook(round_rows)
+    return loaded
 
 
 def llama_perplexity(model_name: str, quantization: str, text: str, n_ctx: int) -> tuple[float, int]:

@@ -21,7 +21,7 @@ from models.tiny import save_hf_dir, tiny_model  # noqa: E402  (tests/ is on sys
 from vivace import LLM, SamplingParams  # noqa: E402
 from vivace.config import EngineConfig, check_quantization  # noqa: E402
 from vivace.gpu.fp8_kernels import FP8, quantize_weight  # noqa: E402
-from vivace.gpu.fp8_linear import Fp8Linear  # noqa: E402
+from vivace.gpu.fp8_linear import Fp8Linear, float_layers  # noqa: E402
 from vivace.gpu.forward import GpuBatch, forward  # noqa: E402
 from vivace.gpu.runner import CudaRunner  # noqa: E402
 from vivace.models import load_model  # noqa: E402
@@ -166,6 +166,20 @@ def test_read_fp8_refuses_what_it_cannot_pair() -> None:
     stored = {}
     assert [(n, t.device.type) for n, t in read_fp8(plain, stored)] == [("norm.weight", "cpu"), ("a.weight", "meta")]
     assert torch.equal(stored["a.weight"][1], torch.full((4,), 2.0))
+
+
+def test_the_first_and_last_layers_stay_float_in_deeper_models(tmp_path) -> None:
+    """From 8 decoder layers, layers 0 and N - 1 keep float projections (the most sensitive to e4m3);
+    the 2-layer models above have every projection in FP8."""
+    assert float_layers(2) == float_layers(7) == set() and float_layers(8) == {0, 7} and float_layers(30) == {0, 29}
+    path = save_hf_dir(tiny_model("llama", num_hidden_layers=8), tmp_path / "deep")
+    loaded = load_model(str(path), torch.float32, "fp8", device=DEVICE)
+    for index, layer in enumerate(loaded.model.layers):
+        parts = [getattr(part, name) for part in (layer.self_attn, layer.mlp) for name in PROJECTIONS if hasattr(part, name)]
+        want = nn.Linear if index in (0, 7) else Fp8Linear
+        assert len(parts) == 4 and all(type(m) is want for m in parts), (index, [type(m) for m in parts])
+    dummy = load_model(str(path), torch.float32, "fp8", load_format="dummy", device=DEVICE)
+    assert [type(layer.mlp.down_proj) for layer in dummy.model.layers] == [nn.Linear] + [Fp8Linear] * 6 + [nn.Linear]
 
 
 def test_dummy_weights_in_fp8(tiny_model_dir) -> None:
