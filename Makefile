@@ -35,9 +35,11 @@ browser:
 	@test -x $(CHROMIUM) || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium-headless-shell; } \
 		|| echo "could not install chromium-headless-shell: the browser tests will be skipped"
 
-# The whole suite, slow tests included (CI runs them).
+# The whole suite, slow tests included (CI runs them). Bytecode is written even where the
+# environment says PYTHONDONTWRITEBYTECODE: the suite starts dozens of Python processes (servers,
+# Ray workers), each of which would compile vivace's sources again (about 1 s a process).
 test: $(INSTALLED) browser
-	$(PY) -m pytest -q --durations=25
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=25
 
 bench-peers: $(INSTALLED)
 	$(PY) benchmarks/peers.py
