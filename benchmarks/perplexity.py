@@ -5,9 +5,9 @@
                                     [--device cuda --dtype bfloat16 --kv-dtypes bfloat16 fp8]
 
 Each quantization loads the same file ("none": the GGUF's values dequantized to float32; "gguf":
-its own formats through the native kernels, int8 activations included; "fp8": every decoder
-projection in e4m3 with per-channel scales, ``vivace.gpu.fp8_linear``: at ``--dtype bfloat16`` its
-prefill quantizes the activations per token too, as the GPU's prefill does; at float32 it is
+its own formats through the native kernels, int8 activations included; "fp8": the decoder
+projections in e4m3 with per-channel scales but those of ``float_layers``,
+``vivace.gpu.fp8_linear``: at ``--dtype bfloat16`` its prefill quantizes the activations per token too, as the GPU's prefill does; at float32 it is
 weight-only, as the GPU's decode GEMV is; "fp8-ref": the same arithmetic in float32 torch ops, fast on
 a CPU, where the FP8 kernels run under Triton's interpreter: weights rounded to e4m3 per output row
 by ``quantize_weight``, the layers ``float_layers`` names kept in float, and a prefill's

@@ -141,7 +141,7 @@ def _plan_packed(path: Path) -> dict[str, tuple[str, ...]]:
 
 def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str, fp8: bool) -> LoadedModel:
     """Random weights at ``model``'s shape (see ``vivace.models.dummy``), drawn on ``device``; with
-    ``fp8``, every decoder projection quantized to FP8 from them."""
+    ``fp8``, the decoder projections quantized to FP8 from them (``install_fp8``)."""
     raw, directory = dummy_config(model)
     config = ModelConfig.from_hf(raw)
     tokenizer = dummy_tokenizer(directory, tokenizer_dir)
