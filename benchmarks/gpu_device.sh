@@ -135,6 +135,7 @@ run() {
     exact "$out"
     smoke "$out"
     bench "$out"
+    quality "$out"
 }
 
 smoke() {  # a dummy-weight 1B-shape server on the GPU, one streamed and one plain request
