@@ -29,12 +29,11 @@ from safetensors import safe_open
 from vivace.gpu.forward import forward, prompt_batch
 from vivace.models import LoadedModel
 from vivace.models.llama import kv_cache_shape
-from vivace.models.loader import safetensors_files
+from vivace.models.loader import KV_SCALE_NAMES, safetensors_files
 
 CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0
 SCALE_TARGET = 32.0  # a calibrated head's largest |value| is stored in (16, 32]
-_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale")
 
 
 def kv_scales(loaded: LoadedModel, block_size: int, max_model_len: int, device: torch.device
@@ -73,7 +72,7 @@ def checkpoint_kv_scales(source: Path, num_layers: int, num_kv_heads: int) -> li
         return None
     scales = []
     for layer in range(num_layers):
-        missing = [_SCALE_NAMES[kv] for kv in (0, 1) if (layer, kv) not in found]
+        missing = [KV_SCALE_NAMES[kv] for kv in (0, 1) if (layer, kv) not in found]
         if missing:
             raise ValueError(f"{source}: layer {layer} lacks {', '.join(missing)} while other layers have "
                              "FP8 KV scales")
@@ -91,7 +90,7 @@ def _scale_key(name: str) -> tuple[int, int] | None:
     """``(layer, 0 keys / 1 values)`` of a checkpoint tensor named ``...layers.N.self_attn.k_scale``
     (or ``v_scale``), else None."""
     parts = name.split(".")
-    for kv, suffix in enumerate(_SCALE_NAMES):
+    for kv, suffix in enumerate(KV_SCALE_NAMES):
         if name.endswith("." + suffix) and "layers" in parts[:-3]:
             return int(parts[parts.index("layers") + 1]), kv
     return None

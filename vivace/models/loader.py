@@ -204,7 +204,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype,
     return model.eval()
 
 
-_DROPPED = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale")
+# An FP8 KV cache's scales in a checkpoint (keys, values): vivace.gpu.kv_fp8 reads them from the files.
+KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale")
+_DROPPED = ("rotary_emb.inv_freq", *KV_SCALE_NAMES)
 
 
 def fuse_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
