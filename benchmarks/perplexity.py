@@ -7,17 +7,17 @@
 Each quantization loads the same file ("none": the GGUF's values dequantized to float32; "gguf":
 its own formats through the native kernels, int8 activations included; "fp8": the decoder
 projections in e4m3 with per-channel scales but those of ``float_layers``,
-``vivace.gpu.fp8_linear``: at ``--dtype bfloat16`` its prefill quantizes the activations per token too, as the GPU's prefill does; at float32 it is
-weight-only, as the GPU's decode GEMV is; "fp8-ref": the same arithmetic in float32 torch ops, fast on
-a CPU, where the FP8 kernels run under Triton's interpreter: weights rounded to e4m3 per output row
-by ``quantize_weight``, the layers ``float_layers`` names kept in float, and a prefill's
-activations rounded per token as ``quantize_rows`` rounds them before ``torch._scaled_mm``;
-"fp8-ref-all": with every decoder layer in FP8), scores
-the whole text in one prefill and prints its perplexity, the change from the first quantization listed, and how
-often the two agree on the top-1 next token; with several ``--kv-dtypes``, every quantization runs
-with its KV cache in each (the prompt's attention reads its keys and values back from the cache,
-as serving does). The default text is the English passage the
-quantization tests use (tests/data/quant_text.txt, 517 tokens of the default model); a longer one,
+``vivace.gpu.fp8_linear``: at ``--dtype bfloat16`` its prefill quantizes the activations per token
+too, as the GPU's prefill does; at float32 it is weight-only, as the GPU's decode GEMV is;
+"fp8-ref": the same arithmetic in float32 torch ops, fast on a CPU, where the FP8 kernels run
+under Triton's interpreter: weights rounded to e4m3 per output row by ``quantize_weight``, the
+layers ``float_layers`` names kept in float, and a prefill's activations rounded per token as
+``quantize_rows`` rounds them before ``torch._scaled_mm``; "fp8-ref-all": with every decoder layer
+in FP8), scores the whole text in one prefill and prints its perplexity, the change from the
+first quantization listed, and how often the two agree on the top-1 next token; with several
+``--kv-dtypes``, every quantization runs with its KV cache in each (the prompt's attention reads
+its keys and values back from the cache, as serving does). The default text is the English passage
+the quantization tests use (tests/data/quant_text.txt, 517 tokens of the default model); a longer one,
 public-domain prose, is tests/data/moby_dick_loomings.txt (chapter 1 of Melville's Moby-Dick, 2,859
 tokens).
 
@@ -69,21 +69,25 @@ def fp8_reference(model_name: str, keep_float_layers: bool = True) -> LoadedMode
     from vivace.gpu.fp8_kernels import GEMV_MAX_ROWS, quantize_weight
     from vivace.gpu.fp8_linear import float_layers
 
+    def rounded(rows: torch.Tensor) -> torch.Tensor:  # each row to e4m3 with its own scale, and back
+        codes, scale = quantize_weight(rows)
+        return codes.float() * scale[:, None]
+
     def round_rows(module: nn.Module, args: tuple) -> tuple | None:
         rows = args[0].reshape(-1, args[0].shape[-1])
         if len(rows) <= GEMV_MAX_ROWS:  # the decode GEMV: weight-only
             return None
-        codes, scale = quantize_weight(rows)
-        return ((codes.float() * scale[:, None]).view_as(args[0]), *args[1:])
+        return (rounded(rows).view_as(args[0]), *args[1:])
 
     loaded = load_model(model_name, torch.float32, "none")
     kept = float_layers(len(loaded.model.layers)) if keep_float_layers else set()
     with torch.no_grad():
         for index, layer in enumerate(loaded.model.layers):
-            for module in layer.modules() if index not in kept else ():
+            if index in kept:
+                continue
+            for module in layer.modules():
                 if isinstance(module, nn.Linear):
-                    codes, scale = quantize_weight(module.weight)
-                    module.weight.copy_(codes.float() * scale[:, None])
+                    module.weight.copy_(rounded(module.weight))
                     module.register_forward_pre_hook(round_rows)
     return loaded
 

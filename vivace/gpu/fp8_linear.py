@@ -84,8 +84,8 @@ def install_fp8(model: nn.Module, stored: dict[str, tuple[torch.Tensor, torch.Te
     """Make ``model``'s projections ``Fp8Linear`` on ``device``: those of ``stored`` (Hugging Face
     weight name -> ``(codes, scale [out])``, as ``vivace.models.fp8.read_fp8`` kept them; q/k/v and
     gate/up parts stacked in order) as they are; with ``quantize_float``, every other decoder
-    projection quantized from its float weight but those of ``float_layers``. Raises ValueError for a stored weight that is not a
-    linear layer of ``model``."""
+    projection quantized from its float weight but those of ``float_layers``. Raises ValueError
+    for a stored weight that is not a linear layer of ``model``."""
     parts: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
     for hf_name, codes_and_scale in stored.items():
         name, index, _ = vivace_name(hf_name)
