@@ -178,9 +178,10 @@ class AOTDecoder:
         missing = set(loader.get_constant_fqns()) - set(constants)
         if missing:
             raise RuntimeError(f"the package expects tensors the model lacks: {sorted(missing)[:4]}")
-        # user_managed: the package reads the model's own tensors, no copy.
+        # user_managed: the package reads the model's own tensors, no copy. By keyword: torch
+        # 2.13 added a fifth argument (allow_h2d_copy) that 2.11 lacks.
         loader.load_constants({name: constants[name] for name in loader.get_constant_fqns()},
-                              False, True, True, False)
+                              use_inactive=False, check_full_update=True, user_managed=True)
         return loader
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

@@ -387,21 +387,23 @@ def _rotary_kv_write_kernel(
                                 QKV.dtype.element_ty)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
+    # A name bound in both branches of a runtime `if` must have one type when compiled (the
+    # interpreter does not check): q's and the cache's pointers get names of their own.
     if head < NUM_HEADS:
-        dst = Q_OUT + t * stride_qt + head * stride_qh
-        tl.store(dst + i, o1.to(Q_OUT.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF + i, o2.to(Q_OUT.dtype.element_ty), mask=mask)
+        q_dst = Q_OUT + t * stride_qt + head * stride_qh
+        tl.store(q_dst + i, o1.to(Q_OUT.dtype.element_ty), mask=mask)
+        tl.store(q_dst + HALF + i, o2.to(Q_OUT.dtype.element_ty), mask=mask)
     else:
         kvh = head - NUM_HEADS
         slot = tl.load(SLOTS + t).to(tl.int64)
-        dst = CACHE + slot * stride_slot + kvh * stride_ch
-        _store_kv(dst + i, o1, mask, KV_SCALE + kvh, KV_FP8)
-        _store_kv(dst + HALF + i, o2, mask, KV_SCALE + kvh, KV_FP8)
+        kv_dst = CACHE + slot * stride_slot + kvh * stride_ch
+        _store_kv(kv_dst + i, o1, mask, KV_SCALE + kvh, KV_FP8)
+        _store_kv(kv_dst + HALF + i, o2, mask, KV_SCALE + kvh, KV_FP8)
         v_src = src + NUM_KV_HEADS * HEAD_DIM
         v1 = tl.load(v_src + i, mask=mask, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + HALF + i, mask=mask, other=0.0).to(tl.float32)
-        _store_kv(dst + stride_kv + i, v1, mask, KV_SCALE + NUM_KV_HEADS + kvh, KV_FP8)
-        _store_kv(dst + stride_kv + HALF + i, v2, mask, KV_SCALE + NUM_KV_HEADS + kvh, KV_FP8)
+        _store_kv(kv_dst + stride_kv + i, v1, mask, KV_SCALE + NUM_KV_HEADS + kvh, KV_FP8)
+        _store_kv(kv_dst + stride_kv + HALF + i, v2, mask, KV_SCALE + NUM_KV_HEADS + kvh, KV_FP8)
 
 
 def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
