@@ -4,12 +4,12 @@ dtypes, too much shared memory, spilled registers) shows here, before any GPU ti
 
     python benchmarks/triton_sm90.py [--presets smollm2-135m,llama-3.2-1b,llama-3.1-8b] [--layers 1]
         [--formats bf16,fp8,Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K] [--models default,gemma-3-270m]
-        [--kv-dtypes bfloat16,float8_e4m3fn] [--arch 90] [--jobs 2] [--out FILE.json]
+        [--kv-dtypes bfloat16,float8_e4m3fn] [--max-batch 64] [--arch 90] [--jobs 2] [--out FILE.json]
 
 Two phases, each in its own process. Recording: the CUDA runner runs on CPU tensors under
 Triton's interpreter with every launch recorded and not run, the interpreter's workarounds off
 (float32 dots, whole-row sampling programs) so that each launch is the one a GPU gets: per preset (random weights, ``--layers`` decoder layers, its widths real) and
-weight format, the decode graphs of every batch bucket up to 64 with their device-sampler graphs
+weight format, the decode graphs of every batch bucket up to ``--max-batch`` with their device-sampler graphs
 and speculative verification graphs, the batch-1 GEMV candidates of ``choose_gemv``, and a
 512-token prefill; per ``--models`` entry (a preset-free model: the default GGUF, Gemma 3) the
 same with its weights as stored. Compiling: each distinct launch (kernel, argument dtypes and
@@ -87,7 +87,7 @@ def install_recorder(launches: dict[str, dict]) -> None:
     InterpretedFunction.run = record
 
 
-def exercise(loaded, label: str, kv_dtype, launches: dict[str, dict], prompt_len: int = 512) -> None:
+def exercise(loaded, label: str, kv_dtype, launches: dict[str, dict], max_batch: int, prompt_len: int = 512) -> None:
     """Run ``loaded``'s CUDA runner on CPU as serving would launch its kernels (see the module doc)."""
     import torch
 
@@ -97,8 +97,8 @@ def exercise(loaded, label: str, kv_dtype, launches: dict[str, dict], prompt_len
 
     before = len(launches)
     block_size, max_len = 16, 2048
-    runner = CudaRunner(loaded, 64 * (max_len // block_size), block_size, kv_dtype, max_len, device="cpu",
-                        cuda_graph_max_batch=64, verify_batch=8, verify_tokens=4)
+    runner = CudaRunner(loaded, max_batch * (max_len // block_size), block_size, kv_dtype, max_len, device="cpu",
+                        cuda_graph_max_batch=max_batch, verify_batch=min(8, max_batch), verify_tokens=4)
     timer = gpu_forward._time_us
     gpu_forward._time_us = lambda fn, repeats: (fn(), 1.0)[1]  # each candidate launched once, no timing
     try:
@@ -140,10 +140,11 @@ def record(args: argparse.Namespace) -> list[dict]:
                         except ValueError as exc:  # K-quants need rows of multiples of 256
                             print(f"{preset} {weight_format}: skipped ({exc})", flush=True)
                             break
-                    exercise(loaded, f"{preset} ({args.layers} layers) {weight_format}", kv_dtype, launches)
+                    exercise(loaded, f"{preset} ({args.layers} layers) {weight_format}", kv_dtype, launches,
+                             args.max_batch)
         for model in filter(None, args.models.split(",")):
             for kv_dtype in kv_dtypes:
-                exercise(load_model(model, torch.bfloat16, device="cpu"), model, kv_dtype, launches)
+                exercise(load_model(model, torch.bfloat16, device="cpu"), model, kv_dtype, launches, args.max_batch)
     return list(launches.values())
 
 
@@ -251,6 +252,7 @@ def main() -> int:
     parser.add_argument("--formats", default=DEFAULT_FORMATS, help="bf16, fp8, GGUF types")
     parser.add_argument("--models", default="default,gemma-3-270m", help="models loaded as stored")
     parser.add_argument("--kv-dtypes", default="bfloat16,float8_e4m3fn")
+    parser.add_argument("--max-batch", type=int, default=64, help="the largest decode graph bucket")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--out", help="write every launch's result as JSON")
