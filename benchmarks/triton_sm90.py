@@ -8,10 +8,11 @@ dtypes, too much shared memory, spilled registers) shows here, before any GPU ti
 
 Two phases, each in its own process. Recording: the CUDA runner runs on CPU tensors under
 Triton's interpreter with every launch recorded and not run, the interpreter's workarounds off
-(float32 dots, whole-row sampling programs) so that each launch is the one a GPU gets: per preset (random weights, ``--layers`` decoder layers, its widths real) and
-weight format, the decode graphs of every batch bucket up to ``--max-batch`` with their device-sampler graphs
-and speculative verification graphs, the batch-1 GEMV candidates of ``choose_gemv``, and a
-512-token prefill; per ``--models`` entry (a preset-free model: the default GGUF, Gemma 3) the
+(float32 dots, whole-row sampling programs) so that each launch is the one a GPU gets: per
+preset (random weights, ``--layers`` decoder layers, its widths real), weight format and KV
+dtype, the decode graphs of every batch bucket up to ``--max-batch`` with their device-sampler
+graphs and speculative verification graphs, the batch-1 GEMV candidates of ``choose_gemv``, and
+a 512-token prefill; per ``--models`` entry (a preset-free model: the default GGUF, Gemma 3) the
 same with its weights as stored. Compiling: each distinct launch (kernel, argument dtypes and
 constexprs, num_warps/num_stages) through ``triton.compile`` for ``GPUTarget("cuda", arch, 32)``
 with the installed Triton and its ptxas, then its registers, stack and spill bytes
@@ -130,21 +131,21 @@ def record(args: argparse.Namespace) -> list[dict]:
             config = dict(PRESETS[preset], num_hidden_layers=args.layers)
             (config_dir / "config.json").write_text(json.dumps(config))
             for weight_format in filter(None, args.formats.split(",")):
-                for kv_dtype in kv_dtypes:
-                    quantization = "fp8" if weight_format == "fp8" else "none"
-                    loaded = load_model(str(config_dir), torch.bfloat16, quantization, load_format="dummy",
-                                        device="cpu")
-                    if weight_format not in ("bf16", "fp8"):
-                        try:
-                            randomize_packed(loaded.model, gguf.GGMLQuantizationType[weight_format])
-                        except ValueError as exc:  # K-quants need rows of multiples of 256
-                            print(f"{preset} {weight_format}: skipped ({exc})", flush=True)
-                            break
+                quantization = "fp8" if weight_format == "fp8" else "none"
+                loaded = load_model(str(config_dir), torch.bfloat16, quantization, load_format="dummy", device="cpu")
+                if weight_format not in ("bf16", "fp8"):
+                    try:
+                        randomize_packed(loaded.model, gguf.GGMLQuantizationType[weight_format])
+                    except ValueError as exc:  # K-quants need rows of multiples of 256
+                        print(f"{preset} {weight_format}: skipped ({exc})", flush=True)
+                        continue
+                for kv_dtype in kv_dtypes:  # a runner per KV dtype over the same weights
                     exercise(loaded, f"{preset} ({args.layers} layers) {weight_format}", kv_dtype, launches,
                              args.max_batch)
         for model in filter(None, args.models.split(",")):
+            loaded = load_model(model, torch.bfloat16, device="cpu")
             for kv_dtype in kv_dtypes:
-                exercise(load_model(model, torch.bfloat16, device="cpu"), model, kv_dtype, launches, args.max_batch)
+                exercise(loaded, model, kv_dtype, launches, args.max_batch)
     return list(launches.values())
 
 
