@@ -92,7 +92,8 @@ def bytes_read_per_step(loaded, batch: int, context: int, kv_dtype: torch.dtype 
     return weights, batch * context * kv_bytes_per_token(loaded.config, kv_dtype)
 
 
-def kv_dtype_rows(preset: str, kv_dtype: str, contexts: list[int], batches: list[int]) -> dict:
+def kv_dtype_rows(preset: str, kv_dtype: str, contexts: list[int], batches: list[int],
+                  tokenizer: str | None = None) -> dict:
     """Decode steps (graph replay, median of 50) of ``preset`` in bf16 with its KV cache in
     ``kv_dtype`` (a ``--kv-cache-dtype`` name), every sequence ``context`` tokens long, for each
     context and batch: milliseconds, tokens/s and the bytes the step reads."""
@@ -101,7 +102,7 @@ def kv_dtype_rows(preset: str, kv_dtype: str, contexts: list[int], batches: list
     from vivace.models import load_model
 
     torch_kv = EngineConfig(dtype="bfloat16", kv_cache_dtype=kv_dtype, device="cuda").kv_torch_dtype
-    loaded = load_model(preset, DTYPE, load_format="dummy", device="cuda")
+    loaded = load_model(preset, DTYPE, load_format="dummy", device="cuda", tokenizer=tokenizer)
     block_size, max_batch, max_len = 16, max(batches), max(contexts) + 1
     per_seq = -(-max_len // block_size)
     runner = CudaRunner(loaded, max_batch * per_seq, block_size, torch_kv, max_len, device="cuda",
@@ -137,7 +138,7 @@ def print_kv_dtype_rows(preset: str, rows: list[dict], bandwidth: float) -> None
 
 
 def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int],
-                weight_format: str | None = None) -> dict:
+                weight_format: str | None = None, tokenizer: str | None = None) -> dict:
     """Decode steps and prefill times of ``preset`` in bf16, or with its projections random blocks
     of a GGUF type (``weight_format``, e.g. "Q4_K") or in FP8 (``weight_format`` "fp8")."""
     from vivace.gpu.forward import forward, prompt_batch
@@ -148,7 +149,8 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     from vivace.models import load_model
 
     fp8 = weight_format == "fp8"
-    loaded = load_model(preset, DTYPE, "fp8" if fp8 else "none", load_format="dummy", device="cuda")
+    loaded = load_model(preset, DTYPE, "fp8" if fp8 else "none", load_format="dummy", device="cuda",
+                        tokenizer=tokenizer)
     if weight_format is not None and not fp8:
         randomize_packed(loaded.model, gguf.GGMLQuantizationType[weight_format])
         torch.cuda.empty_cache()
@@ -261,16 +263,18 @@ GEMV_SHAPES = {"gate+up 28672x4096": (28672, 4096), "down 4096x14336": (4096, 14
 
 def gemv_rows() -> dict:
     """TB/s of cuBLAS ``torch.mv`` and vivace's Triton GEMV at the 8B shape's matrices, bf16,
-    weights rotated through copies larger than L2 so that each call reads HBM."""
+    weights rotated through copies larger than L2 so that each call reads HBM, replayed from a CUDA
+    graph as in the decode step (no launch cost)."""
     from vivace.gpu import kernels
+    from vivace.gpu.forward import _time_us
 
     rows = {}
     for name, (n, k) in GEMV_SHAPES.items():
         copies = max(2, -(-(256 << 20) // (n * k * 2)))
         weights = [torch.randn(n, k, dtype=DTYPE, device="cuda") for _ in range(copies)]
         x = torch.randn(k, dtype=DTYPE, device="cuda")
-        ours = timed(lambda: [kernels.gemv(w, x) for w in weights], 20) / copies
-        theirs = timed(lambda: [torch.mv(w, x) for w in weights], 20) / copies
+        ours = _time_us(lambda: [kernels.gemv(w, x) for w in weights], 20) / 1e6 / copies
+        theirs = _time_us(lambda: [torch.mv(w, x) for w in weights], 20) / 1e6 / copies
         rows[name] = {"cublas_tb_s": n * k * 2 / theirs / 1e12, "triton_tb_s": n * k * 2 / ours / 1e12}
         del weights
     torch.cuda.empty_cache()
@@ -296,8 +300,11 @@ def random_format_weight(weight_format: str, n: int, k: int, seed: int) -> tuple
 def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
     """Per 8B matrix: cuBLAS's ``prefill_rows``-row GEMM on bf16 (TFLOP/s) and, per format (GGUF
     types, "fp8"), vivace's batch-1 GEMV (TB/s of the format's bytes, weights rotated through
-    copies larger than L2) and ``prefill_rows``-row GEMM (TFLOP/s), launch costs included."""
+    copies larger than L2, replayed from a CUDA graph) and ``prefill_rows``-row GEMM (TFLOP/s,
+    launch costs included)."""
     import torch.nn.functional as F
+
+    from vivace.gpu.forward import _time_us
 
     rows = {}
     for name, (n, k) in GEMV_SHAPES.items():
@@ -311,7 +318,7 @@ def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
             nbytes, first = random_format_weight(weight_format, n, k, 0)
             copies = max(2, -(-(256 << 20) // nbytes))
             weights = [first] + [random_format_weight(weight_format, n, k, seed)[1] for seed in range(1, copies)]
-            gemv = timed(lambda: [matmul(x1) for matmul in weights], 20) / copies
+            gemv = _time_us(lambda: [matmul(x1) for matmul in weights], 20) / 1e6 / copies
             gemm = timed(lambda: first(xm), 10)
             row[weight_format] = {"gemv_us": gemv * 1e6, "gemv_tb_s": nbytes / gemv / 1e12,
                                   "gemm_ms": gemm * 1e3, "gemm_tflop_s": flops / gemm / 1e12}
@@ -346,7 +353,7 @@ def kv_comparison(preset: str, kv_dtypes: list[str], args: argparse.Namespace, b
     rows = []
     for kv_dtype in kv_dtypes:
         try:
-            rows.append(kv_dtype_rows(preset, kv_dtype, contexts, batches))
+            rows.append(kv_dtype_rows(preset, kv_dtype, contexts, batches, args.tokenizer))
         except Exception as exc:
             print(f"\n{preset} with a {kv_dtype} KV cache: vivace failed: {exc!r}", flush=True)
             rows.append({"preset": preset, "kv_dtype": kv_dtype, "error": repr(exc)})
@@ -400,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         report["gemv"] = {}
         print(f"GEMV comparison failed: {exc!r}", flush=True)
-    print("\n| matrix (bf16) | cuBLAS torch.mv | Triton GEMV (host loop, launch cost included) |\n|---|---|---|")
+    print("\n| matrix (bf16) | cuBLAS torch.mv (graph replay) | Triton GEMV (graph replay) |\n|---|---|---|")
     for name, g in report["gemv"].items():
         print(f"| {name} | {g['cublas_tb_s']:.2f} TB/s | {g['triton_tb_s']:.2f} TB/s |")
     # Weight format -> its decode batches besides 1.
@@ -422,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {g['cublas_gemm_tflop_s']:.0f} TFLOP/s | {cells} |")
     for preset in args.presets.split(","):
         try:
-            row = vivace_rows(preset, args.context, batches, prompts)
+            row = vivace_rows(preset, args.context, batches, prompts, tokenizer=args.tokenizer)
         except Exception as exc:  # one preset's failure must not lose the others' figures
             print(f"\n## {preset}: vivace failed: {exc!r}", flush=True)
             report["presets"].append({"preset": preset, "error": repr(exc)})
@@ -467,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         format_rows = []
         for weight_format, format_batches in formats.items():
             try:
-                format_rows.append(vivace_rows(preset, args.context, format_batches, prompts, weight_format))
+                format_rows.append(vivace_rows(preset, args.context, format_batches, prompts, weight_format,
+                                                 args.tokenizer))
             except Exception as exc:
                 print(f"\n{preset} in {weight_format}: vivace failed: {exc!r}", flush=True)
                 format_rows.append({"preset": preset, "format": weight_format, "error": repr(exc)})

@@ -33,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions
         opentelemetry-api importlib-metadata zipp gguf openai httpx2 httpcore2 truststore idna anyio sniffio
-        distro jiter tqdm h11 pytest-asyncio)
+        distro jiter tqdm h11 pytest-asyncio llguidance)
 PYTHON=${PYTHON:-python3}
 
 prepare() {
@@ -80,20 +80,26 @@ setup() {  # the wheels into a private target, once per machine; the machine's d
     mkdir -p "$out"
     [ -d "$site/fastapi" ] || "$PYTHON" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl \
         > "$out/pip.txt" 2>&1
-    export PYTHONPATH="$site:$PWD" VIVACE_TEST_TOKENIZER="$PWD/.whl/tokenizer"
+    export PYTHONPATH="$site:$PWD" VIVACE_TEST_TOKENIZER="$PWD/.whl/tokenizer" PYTHONUNBUFFERED=1
     stash_model
     { nvidia-smi; "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
         > "$out/machine.txt" 2>&1
 }
 
+xdist() {  # pytest-xdist's workers where it is installed (XDIST=N, default 8): the first run compiles in parallel
+    "$PYTHON" -c "import xdist" 2>/dev/null && [ "${XDIST:-8}" -gt 0 ] && echo "-n ${XDIST:-8}"
+}
+
 tests() {
-    timeout "${TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rfE tests/gpu \
+    # shellcheck disable=SC2046
+    timeout "${TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rfE $(xdist) tests/gpu \
         --ignore tests/gpu/test_exactness.py > "$1/pytest-cuda.txt" 2>&1
     tail -30 "$1/pytest-cuda.txt"
 }
 
 exact() {
-    timeout "${TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rfE \
+    # shellcheck disable=SC2046
+    timeout "${TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rfE $(xdist) \
         tests/gpu/test_exactness.py > "$1/pytest-exactness.txt" 2>&1
     tail -30 "$1/pytest-exactness.txt"
 }
@@ -167,10 +173,56 @@ PY
     head -c 600 "$out/smoke.json"; echo
 }
 
+served() {  # issue 17's served figures: the 8B shape behind the HTTP server, measured by vivace bench
+    local out=$1 port=8766 preset=${SERVED_PRESET:-llama-3.1-8b}
+    timeout "${SERVED_TIMEOUT:-400}" "$PYTHON" -m vivace.cli serve "$preset" --device "${SERVED_DEVICE:-cuda}" --load-format dummy \
+        --dtype bfloat16 --tokenizer .whl/tokenizer --max-model-len 4096 --port $port > "$out/served-server.txt" 2>&1 &
+    local pid=$! started=$SECONDS
+    until "$PYTHON" -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code != 200)" \
+            2>/dev/null; do
+        kill -0 "$pid" 2>/dev/null && [ $((SECONDS - started)) -lt 240 ] || { echo "the server did not start"; \
+            tail -20 "$out/served-server.txt"; kill "$pid" 2>/dev/null; return 1; }
+        sleep 1
+    done
+    echo "$preset served after $((SECONDS - started)) s"
+    # 1 stream: ITL against the in-process step; then 16 and 64 streams' tokens/s and p99 ITL.
+    for streams in ${SERVED_STREAMS:-1 16 64}; do
+        local n=$((streams == 1 ? 8 : streams * 2))
+        timeout 120 "$PYTHON" -m vivace.cli bench --base-url http://127.0.0.1:$port --tokenizer .whl/tokenizer \
+            --input-len 512 --output-len 128 --num-requests $n --warmup $((streams == 1 ? 2 : streams)) \
+            --concurrency $streams --output-control ignore_eos --no-progress --output-json "$out/served-$streams.json" \
+            > "$out/served-$streams.txt" 2>&1
+        echo "== $streams streams"; grep -E -i "throughput|tok/s|time to first|inter-token|^ *(median|p99)" \
+            "$out/served-$streams.txt" | head -12
+    done
+    kill "$pid"; wait "$pid" 2>/dev/null
+    grep -E "KV cache|graph" "$out/served-server.txt" | head -5
+}
+
+session() {  # one device call: the stage groups in $STAGES in order ('tests+exact' runs both at once), bench with
+    # $BENCH_ARGS; every result packed into OUT/results.tgz after each group (a call returns few files)
+    local out=$1 work=/tmp/vivace-results group stage pids
+    mkdir -p "$out" "$work"
+    setup "$work"
+    for group in ${STAGES:-tests+exact bench served quality}; do
+        pids=()
+        for stage in ${group//+/ }; do
+            echo "== $stage (at $SECONDS s)"
+            # shellcheck disable=SC2086
+            if [ "$stage" = bench ]; then bench "$work" ${BENCH_ARGS:-}; else "$stage" "$work"; fi &
+            pids+=($!)
+        done
+        wait "${pids[@]}"
+        tar czf "$out/results.tgz" -C "$work" .
+    done
+    echo "== done at $SECONDS s"
+}
+
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    tests|exact|smoke|quality) setup "${2:?OUT}"; "$1" "$2" ;;
+    tests|exact|smoke|quality|served) setup "${2:?OUT}"; "$1" "$2" ;;
+    session) session "${2:?OUT}" ;;
     bench) setup "${2:?OUT}"; out=$2; shift 2; bench "$out" "$@" ;;
-    *) echo "usage: $0 prepare | run [OUT] | tests OUT | exact OUT | smoke OUT | quality OUT | bench OUT [ARGS...]" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare | run [OUT] | session OUT | tests OUT | exact OUT | smoke OUT | served OUT | quality OUT | bench OUT [ARGS...]" >&2; exit 2 ;;
 esac

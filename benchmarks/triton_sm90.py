@@ -132,7 +132,8 @@ def record(args: argparse.Namespace) -> list[dict]:
             (config_dir / "config.json").write_text(json.dumps(config))
             for weight_format in filter(None, args.formats.split(",")):
                 quantization = "fp8" if weight_format == "fp8" else "none"
-                loaded = load_model(str(config_dir), torch.bfloat16, quantization, load_format="dummy", device="cpu")
+                loaded = load_model(str(config_dir), torch.bfloat16, quantization, load_format="dummy", device="cpu",
+                                    tokenizer=os.environ.get("VIVACE_TEST_TOKENIZER"))
                 if weight_format not in ("bf16", "fp8"):
                     try:
                         randomize_packed(loaded.model, gguf.GGMLQuantizationType[weight_format])

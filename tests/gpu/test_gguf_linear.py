@@ -62,8 +62,8 @@ def expected_blocks(module: nn.Module, ggml_type: T) -> tuple[int, int]:
 
 def test_projections_stay_packed_and_multiply_as_dequantized(gguf_model) -> None:
     path, types = gguf_model
-    packed = load_model(str(path), torch.float32, "auto", packed_gguf=True).model
-    dense = load_model(str(path), torch.float32, "none", packed_gguf=True).model  # "none": all dequantized
+    packed = load_model(str(path), torch.float32, "auto", device=DEVICE, packed_gguf=True).model
+    dense = load_model(str(path), torch.float32, "none", device=DEVICE, packed_gguf=True).model  # all dequantized
     assert not any(isinstance(m, GgufLinear) for m in dense.modules())
     attn, mlp = packed.layers[0].self_attn, packed.layers[0].mlp
     fused_qkv = len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1
@@ -77,7 +77,7 @@ def test_projections_stay_packed_and_multiply_as_dequantized(gguf_model) -> None
         assert isinstance(module, GgufLinear) and module.ggml_type == ggml_type
         assert module.blocks.dtype == torch.uint8 and tuple(module.blocks.shape) == expected_blocks(module, ggml_type)
     # Same products as the dequantized model's, q/k rows included (llama.cpp permutes them).
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     dense_attn = dense.layers[0].self_attn
     for ours, theirs in ((attn.qkv_proj, dense_attn.qkv_proj), (packed.lm_head, dense.lm_head)):
         torch.testing.assert_close(linear(ours, x), F.linear(x, theirs.weight), rtol=1e-4, atol=1e-4)

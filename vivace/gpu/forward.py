@@ -119,7 +119,8 @@ def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), r
     of every layer's module in turn (as a decode step reads them, from HBM) through cuBLAS and
     through ``kernels.gemv`` at each of ``blocks`` rows a program, and mark the modules of each
     shape with the Triton block where it wins (``gemv_block``; the down projection, with its
-    activation, ``gated_gemv_block``). CUDA only: CUDA-event timing, median of ``repeats``.
+    activation, ``gated_gemv_block``). CUDA only: graph replays timed by CUDA events, median of
+    ``repeats``.
     Returns ``{shape name: (cuBLAS µs, best Triton µs, block or 0)}`` for the start-up log."""
     gelu = isinstance(model, Gemma3ForCausalLM)
     groups: dict[tuple, list[torch.nn.Module]] = {}
@@ -148,17 +149,29 @@ def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), r
 
 
 def _time_us(fn, repeats: int) -> float:
-    """Median microseconds of ``fn`` on the current CUDA stream, after two warm-up calls."""
-    for _ in range(2):
+    """Median microseconds of ``fn``'s kernels replayed from a CUDA graph, as the decode step runs
+    them, after two warm-up calls (compiles, cuBLAS handles) on a side stream. Not a Python loop of
+    launches: Triton's launch from Python costs ~50 µs on an H200 with Triton 3.6, more than a
+    small GEMV's kernel, so a loop timed the launch and ranked the candidates by it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
+    graph.replay()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
+    del graph
     return sorted(times)[len(times) // 2]
 
 
