@@ -1,5 +1,5 @@
 """The GGUF-block matmuls of ``vivace.gpu.gguf_kernels`` against ``gguf``'s dequantize, then a
-float32 matmul: every type, GEMV (M <= 8) and GEMM (M > 8) paths, several K, bfloat16 and float32
+float32 matmul: every type, GEMV (M <= 8), GEMM (M <= 64) and dequantize + cuBLAS (more rows) paths, several K, bfloat16 and float32
 activations, split K and bias. Blocks are random bytes with modest float16 scales, as
 ``tests/layers/gguf_random.py`` makes them (``gguf`` cannot quantize to every type)."""
 
@@ -40,7 +40,7 @@ def columns(ggml_type) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 3, 20], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("m", [1, 3, 20, 70], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("ggml_type", GPU_TYPES, ids=lambda t: t.name)
 def test_matmul_equals_dequantize_then_matmul(ggml_type, m: int, dtype: torch.dtype) -> None:
     for k in columns(ggml_type):
@@ -51,7 +51,7 @@ def test_matmul_equals_dequantize_then_matmul(ggml_type, m: int, dtype: torch.dt
         assert_close(y, reference(x, blocks, ggml_type))
 
 
-@pytest.mark.parametrize("m", [2, 24], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("m", [2, 24, 70], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q6_K], ids=lambda t: t.name)
 def test_bias_and_split_k(ggml_type, m: int) -> None:
     k = 8 * LAYOUTS[ggml_type].block_cols
@@ -69,6 +69,18 @@ def test_non_contiguous_rows_of_x() -> None:
     blocks = random_blocks(T.Q8_0, N, k)
     x = torch.randn(3, 2 * k)[:, :k]  # row stride 2k
     assert_close(gguf_matmul(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), T.Q8_0), reference(x, blocks, T.Q8_0))
+
+
+def test_many_rows_dequantize_in_slices(monkeypatch) -> None:
+    """A weight larger than a slice is dequantized and multiplied a slice of rows at a time."""
+    k = 2 * LAYOUTS[T.Q4_K].block_cols
+    monkeypatch.setattr(gguf_kernels, "DEQUANT_SLICE_BYTES", 64 * k * 4)  # 64 rows of float32 a slice: 3 slices
+    blocks = random_blocks(T.Q4_K, 150, k, seed=8)
+    g = torch.Generator().manual_seed(9)
+    x, bias = torch.randn(70, k, generator=g), torch.randn(150, generator=g)
+    y = gguf_matmul(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), T.Q4_K, bias.to(DEVICE))
+    assert y.shape == (70, 150)
+    assert_close(y, reference(x, blocks, T.Q4_K, bias))
 
 
 def test_gemv_splits_fill_the_gpu_only_when_k_is_long() -> None:

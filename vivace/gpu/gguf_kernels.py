@@ -3,8 +3,8 @@ blocks, bytes as they are in the file: ``uint8 [out_features, bytes_per_row]``, 
 own run of blocks. Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K (layouts: ggml's ``block_*`` structs, and
 ``gguf.quants``' reference dequantizers, against which the tests check every kernel).
 
-Each kernel reads a tile of packed blocks, dequantizes it in registers to float32 and multiplies
-it there: no float copy of a weight is ever written. A tile is a run of *units* of one row
+The decode-path kernels read a tile of packed blocks, dequantize it in registers to float32 and
+multiply it there: no float copy of a weight is written. A tile is a run of *units* of one row
 (a block, or for the K-quants a quarter of a 256-wide super-block: 32 or 64 columns), decoded into
 planes that are interleaved (``tl.interleave``) rather than put back in column order; the columns
 of ``x`` are gathered in the same order, which costs nothing (``x`` sits in L1/L2).
@@ -13,11 +13,13 @@ of ``x`` are gathered in the same order, which costs nothing (``x`` sits in L1/L
   with every row of ``x``, K in tiles, float32 multiply-add; K is split among programs (partial
   sums in float32, added by a second small kernel) when the rows alone give too few programs to
   fill the GPU (a 4096-row down projection at batch 1 gives 256).
-- Larger batches (prefill): a tiled GEMM, ``tl.dot`` of ``x``'s tile and the dequantized weight
-  tile rounded to ``x``'s dtype, float32 accumulation; programs that share a weight tile run
-  next to each other, so the weight is read from HBM about once. Chosen over dequantizing into a
-  scratch bf16 weight + cuBLAS, which writes and reads 2 bytes a weight per call (more than the
-  packed weight itself); the GPU benchmark shows what it costs against cuBLAS on bf16.
+- Decode batches (``M <= GEMM_MAX_ROWS``): a tiled GEMM, ``tl.dot`` of ``x``'s tile and the
+  dequantized weight tile rounded to ``x``'s dtype, float32 accumulation; one row tile of ``x``,
+  so each weight tile is decoded once.
+- Prefill (more rows): the weight dequantized into ``x``'s dtype by ``_dequantize_kernel``, in
+  slices of at most ``DEQUANT_SLICE_BYTES``, then cuBLAS (llama.cpp's way for large batches). The
+  tiled GEMM decoded each weight tile once per 64 rows and ran at ~22 TFLOP/s on an H200: the
+  dequantizing pass writes and reads 2 bytes a weight, which a 512-row product repays many times.
 
 Activations are read in their dtype (bf16, fp16, fp32), results written in it. Grids and
 scratch sizes depend on shapes only, never on values: CUDA-graph capturable. Only Triton API of
@@ -38,6 +40,14 @@ from vivace.gpu.kernels import DOT_F32
 
 T = gguf.GGMLQuantizationType
 GEMV_MAX_ROWS = 8  # above it, the tensor-core GEMM
+# Above this many rows, the weight is dequantized to x's dtype once, in slices of at most
+# DEQUANT_SLICE_BYTES, and multiplied by cuBLAS (llama.cpp's way for large batches). The fused GEMM
+# decodes each weight tile once per 64 rows of x: on an H200 (Triton 3.6) it ran at ~22 TFLOP/s, so
+# a 512-token prefill of the 8B shape in Q4_0 took 320 ms against 23 ms in bf16 (docs/benchmarks.md).
+# Up to 64 rows the GEMM decodes each tile once, as a dequantizing pass would, and keeps its bytes.
+GEMM_MAX_ROWS = 64
+DEQUANT_SLICE_BYTES = 256 << 20
+DEQUANT_BLOCK_N = 64
 GEMV_BLOCK_N = 16  # output rows per GEMV program
 GEMV_TILE = 4096  # weights x rows of x a GEMV program holds per step (registers)
 GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 128
@@ -210,6 +220,20 @@ def _dequant_tile(row, u, mask, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLO
 
 
 @triton.jit
+def _dequantize_kernel(W, OUT, N, K, row_bytes, units, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       NU: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: rows [BLOCK_N] x units [NU] of the blocks at W, decoded into OUT ``[N, K]`` (OUT's
+    dtype, row-major)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    u = tl.program_id(1) * NU + tl.arange(0, NU)
+    w, cols = _dequant_tile(W + n.to(tl.int64)[:, None] * row_bytes, u, n_mask[:, None] & (u < units)[None, :],
+                            FORMAT, BLOCK_N, BLOCK_K)
+    tl.store(OUT + n.to(tl.int64)[:, None] * K + cols[None, :], w.to(OUT.dtype.element_ty),
+             mask=n_mask[:, None] & (cols < K)[None, :])
+
+
+@triton.jit
 def _gemv_kernel(W, X, Y, BIAS, M, N, K, row_bytes, units, units_per_split, stride_xm, stride_ym, stride_ys,
                  FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
@@ -316,6 +340,15 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     bias = out if bias is None else bias
+    if m > GEMM_MAX_ROWS:
+        rows = max(DEQUANT_BLOCK_N, DEQUANT_SLICE_BYTES // (k * x.element_size()) // DEQUANT_BLOCK_N * DEQUANT_BLOCK_N)
+        for start in range(0, n, rows):
+            weight = dequantize(blocks[start:start + rows], ggml_type, k, x.dtype)
+            part = torch.nn.functional.linear(x, weight, bias[start:start + rows].to(x.dtype) if has_bias else None)
+            if rows >= n:
+                return part
+            out[:, start:start + rows] = part
+        return out
     if m > GEMV_MAX_ROWS:
         block_m = min(max(triton.next_power_of_2(m), 16), 64)
         nu = max(1, GEMM_BLOCK_K // layout.unit_cols)
@@ -338,6 +371,19 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
                                          HAS_BIAS=has_bias, SPLIT=splits > 1, num_warps=4)
     if splits > 1:
         sum_splits(target, out, bias, has_bias)
+    return out
+
+
+def dequantize(blocks: torch.Tensor, ggml_type: T, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, k]`` weights in ``dtype`` of ``blocks`` (``uint8 [N, row bytes]`` of ``ggml_type``)."""
+    layout = LAYOUTS[ggml_type]
+    n, row_bytes = blocks.shape
+    units = k // layout.unit_cols
+    nu = max(1, GEMM_BLOCK_K // layout.unit_cols)
+    out = torch.empty(n, k, dtype=dtype, device=blocks.device)
+    grid = (triton.cdiv(n, DEQUANT_BLOCK_N), triton.cdiv(units, nu))
+    _dequantize_kernel[grid](blocks, out, n, k, row_bytes, units, FORMAT=int(ggml_type), BLOCK_N=DEQUANT_BLOCK_N,
+                             NU=nu, BLOCK_K=nu * layout.unit_cols, num_warps=4)
     return out
 
 
