@@ -5,7 +5,7 @@ import time
 
 import httpx
 
-from vivace.bench.client import Endpoint, stream_request
+from vivace.bench.client import Endpoint, chunk_content, stream_request
 from vivace.bench.runner import probe_output_control
 
 TOLERANCE_S = 0.005
@@ -48,6 +48,16 @@ async def test_chat_stream_skips_the_role_chunk(scripted) -> None:
         result = await stream_request(client, endpoint, [{"role": "user", "content": "hi"}], 3, time.perf_counter())
     assert result.success and len(result.chunk_times) == 3
     assert server.served[0].body["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_a_token_without_text_is_an_event_the_role_and_usage_are_not() -> None:
+    assert chunk_content({"choices": [{"index": 0, "text": "", "finish_reason": None}]}) == ""
+    assert chunk_content({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]}) == ""
+    assert chunk_content({"choices": [{"index": 0, "delta": {"content": " x"}}]}) == " x"
+    assert chunk_content({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}) is None
+    assert chunk_content({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) is None
+    assert chunk_content({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}) is None
+    assert chunk_content({"choices": [], "usage": {"completion_tokens": 3}}) is None
 
 
 async def test_request_body_pins_the_output_length(scripted) -> None:

@@ -49,7 +49,7 @@ class Endpoint:
 @dataclass
 class RequestResult:
     """Timings of one request. Times are seconds; `chunk_times` are arrival offsets of
-    the content-bearing chunks from `sent_at`, so `ttft == chunk_times[0]`."""
+    the token-bearing chunks (`chunk_content`) from `sent_at`, so `ttft == chunk_times[0]`."""
 
     sent_at: float
     chunk_times: list[float] = field(default_factory=list)
@@ -90,15 +90,25 @@ def build_body(endpoint: Endpoint, prompt: str | list[dict[str, str]], max_token
     return body
 
 
-def chunk_content(chunk: dict[str, Any]) -> str:
-    """The generated text carried by one streamed chunk ('' for role or usage chunks)."""
+def chunk_content(chunk: dict[str, Any]) -> str | None:
+    """The generated text carried by one streamed chunk, or None where it carries no token (the
+    role chunk, usage, a finish without text). A token whose text is still empty (part of a
+    character, an id the tokenizer does not decode, text held back for a stop string) is an event
+    of its own on servers that send one per token (vivace, vLLM): '' here, so ITL counts it."""
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return None
     choice = choices[0]
     if "text" in choice:
-        return choice.get("text") or ""
-    return (choice.get("delta") or {}).get("content") or ""
+        text = choice.get("text")
+    else:
+        delta = choice.get("delta") or {}
+        text = delta.get("content")
+        if "role" in delta and not text:
+            return None
+    if text is None or (not text and choice.get("finish_reason")):
+        return None
+    return text
 
 
 async def stream_request(
@@ -149,7 +159,7 @@ async def _read_events(response: httpx.Response, result: RequestResult, started:
         if "error" in chunk:
             raise StreamError(str(chunk["error"])[:300])
         content = chunk_content(chunk)
-        if content:
+        if content is not None:
             result.chunk_times.append(now - started)
             pieces.append(content)
         usage = chunk.get("usage")

@@ -121,7 +121,11 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput,
         if reason is not None:
             text += parser.finish()[0]
             reason = _finish(reason, bool(parser.calls))
-    if not text and not tool_deltas and reason is None and not delta.logprobs:
+    # One event per token, even one that adds no text yet (part of a character, a possible stop
+    # string's start, an id the tokenizer lacks), as vLLM does: the stream keeps the step's cadence.
+    # Text a tool-call parser holds back sends nothing, so a call's message never gets content "".
+    silent = not (text or tool_deltas) if parser is not None else not delta.token_ids
+    if silent and reason is None and not delta.logprobs:
         return None
     message = DeltaMessage(content=text if text or not tool_deltas else None, tool_calls=[
         ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,

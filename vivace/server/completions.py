@@ -116,7 +116,7 @@ async def _chunks(jobs: list[EngineRequest], echoes: list[str], request_id: str,
     async with contextlib.aclosing(merge([_tagged(i, job) for i, job in enumerate(jobs)])) as outs:
         async for i, job, out in outs:
             choices = [_chunk_choice(job, delta, i * n) for delta in out.outputs
-                       if delta.text or delta.finish_reason or delta.logprobs]
+                       if delta.token_ids or delta.finish_reason or delta.logprobs]  # one per token
             if choices or out.finished:
                 yield chunk(choices, timings=timings_of(job) if out.finished else None)
     if include_usage:
