@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pi
 from vivace import LLM, SamplingParams  # noqa: E402
 from vivace.gpu import kernels  # noqa: E402
 from vivace.gpu.forward import GpuBatch, forward  # noqa: E402
-from vivace.gpu.runner import CudaRunner, graph_buckets  # noqa: E402
+from vivace.gpu.runner import CudaRunner, PrefillGraphs, graph_buckets, prefill_buckets  # noqa: E402
 from vivace.models import load_model  # noqa: E402
 from tests.models.tiny import save_hf_dir, tiny_model  # noqa: E402
 
@@ -109,6 +109,37 @@ def test_prompt_logits_equal_transformers(family) -> None:
     logits = loaded.model.compute_logits(forward(loaded.model, batch, caches)).cpu()
     want = hf(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
+
+
+def test_prompt_step_graphs_keep_greedy_tokens(tiny_model_dir, monkeypatch) -> None:
+    """Steps that carry prompt tokens replay the prefill graphs (eager stand-ins on CPU): whole
+    prompts, 5-token chunks beside decode rows, prefix-cache hits, padded to the bucket; a step of
+    more sequences than the graphs hold runs eagerly. The tokens are the CPU runner's."""
+    config = dict(num_kv_blocks=48, block_size=4, max_num_batched_tokens=5, max_model_len=64, device="cpu")
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][3:]]
+    plain = [o.outputs[0].token_ids for o in LLM(str(tiny_model_dir), **config).generate(prompts, greedy())]
+    llm = LLM(str(tiny_model_dir), **config)
+    engine = llm.engine
+    engine.runner = CudaRunner(load_model(str(tiny_model_dir), torch.float32, device=DEVICE), len(engine.kv.blocks),
+                               engine.kv.block_size, torch.float32, engine.max_model_len, device=DEVICE,
+                               cuda_graph_max_batch=2, prefill_graph_tokens=5)
+    graphs = engine.runner.prefill_graphs
+    assert graphs.buckets == [8] and graphs.max_seqs == 2
+    replayed: list[int] = []
+    replay = PrefillGraphs.replay
+    monkeypatch.setattr(PrefillGraphs, "replay",
+                        lambda self, host, rows: (replayed.append(len(host.seq_lens)), replay(self, host, rows))[1])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == plain
+    assert 2 in replayed  # chunks beside a decode row (steps of 3 sequences ran eagerly)
+    again = llm.generate(prompts[0], greedy())[0]  # a prompt alone, after a prefix-cache hit
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == plain[0] and replayed[-1] == 1
+    engine.check_integrity()
+
+
+def test_prefill_buckets() -> None:
+    assert prefill_buckets(5) == [8]
+    assert prefill_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert prefill_buckets(300) == [16, 32, 64, 128, 256, 512]
 
 
 def test_ngram_verification_rows_keep_greedy_tokens(tiny_model_dir) -> None:

@@ -60,13 +60,15 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_
     logger.info("KV cache: %d blocks, %d tokens, %s (%s)", num_blocks, num_blocks * config.block_size,
                 str(config.kv_torch_dtype).removeprefix("torch."), device)
     if device == "cuda":
-        from vivace.gpu.runner import CudaRunner
+        from vivace.gpu.runner import PREFILL_GRAPH_MAX_TOKENS, CudaRunner
 
         graphs = 0 if config.enforce_eager else min(config.cuda_graph_max_batch, config.max_num_seqs)
         return CudaRunner(loaded, num_blocks, config.block_size, config.kv_torch_dtype, max_model_len,
                           device="cuda", cuda_graph_max_batch=graphs, max_num_seqs=config.max_num_seqs,
                           seed=config.seed, verify_batch=config.speculative_max_batch if config.speculative else 0,
-                          verify_tokens=config.num_speculative_tokens if config.speculative else 0)
+                          verify_tokens=config.num_speculative_tokens if config.speculative else 0,
+                          prefill_graph_tokens=0 if config.enforce_eager else min(config.max_num_batched_tokens,
+                                                                                  PREFILL_GRAPH_MAX_TOKENS))
     background = config if config.background_compile and loaded_from_config else None
     return ModelRunner(loaded, num_blocks, config.block_size, config.kv_torch_dtype, max_model_len,
                        config.max_num_seqs if config.compile else 0, background)

@@ -19,7 +19,7 @@ from vivace.engine.grammar import GrammarCompiler, TokenMasks, advance
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
-from vivace.engine.pacer import PromptPath, pacer_for
+from vivace.engine.pacer import Pacer, PromptPath, pacer_for
 from vivace.engine.request import Request
 from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler
 from vivace.engine.sampling_params import SamplingParams
@@ -77,7 +77,7 @@ class LLMEngine:
         self.runner = backend.make_runner(config, self.loaded, num_blocks, self.max_model_len,
                                           loaded_from_config=loaded is None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_prefill_chunk, pacer_for(config, self.runner.compiled_rows))
+                                   config.max_prefill_chunk, self._new_pacer())
         self.timings = StepTimings()
         self.sampler = Sampler(self.loaded.config.eos_token_ids, config.seed)
         self.spec_stats = SpecStats()
@@ -110,6 +110,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
+
+    def _new_pacer(self) -> Pacer | None:
+        """The pacer for this runner's steps: where every prompt chunk runs the eager step
+        (``eager_prompt_steps``: the CUDA runner), with no rows path and that step filled."""
+        if getattr(self.runner, "eager_prompt_steps", False):
+            return pacer_for(self.config, 0, fill_eager=True)
+        return pacer_for(self.config, self.runner.compiled_rows)
 
     @property
     def _overlaps(self) -> bool:
@@ -194,8 +201,7 @@ class LLMEngine:
             return self._finish_launched(launched, None, [now, now])
         if getattr(self.runner, "pending_compile", None) is not None and self.runner.swap_in_compiled():
             # Compiled steps cost differently, and prompt chunks may now ride them: relearn.
-            self.scheduler.pacer = None if self.scheduler.pacer is None else pacer_for(self.config,
-                                                                                       self.runner.compiled_rows)
+            self.scheduler.pacer = None if self.scheduler.pacer is None else self._new_pacer()
         marks = [time.perf_counter()]
         batch = self.scheduler.schedule()
         if not batch:

@@ -22,6 +22,21 @@ more tokens in it (rows: no more than the compiled step takes), and never fewer 
 :func:`min_prompt_tokens` (4, or 16 deep into a prompt; on the path where they cost less) nor
 more than twice the step before's (a new prompt's chunks ramp up); a prompt overdue on its TTFT
 target gets twice the room; with nothing decoding, the whole step budget goes to prompts.
+
+On a device whose prompt chunks always run the eager step (``fill_eager``: the CUDA runner, whose
+graphs replay decodes alone), there is no rows path, and that step's fixed cost (eagerly ~18 ms
+of host launches for an 8B model on an H200, where a decode step is ~6 ms and a prompt token
+~0.01 ms; less where the step replays a prompt-step graph)
+breaks the target whatever chunk it carries. With the cold chunk (16 tokens) a 512-token prompt
+beside 16 streams took 32 such steps, ~0.75 s, one prompt after another; with the floor (4) it
+would take 128. So when the room holds less than the floor and the floor would run eagerly, or
+the model is cold, the step is filled: it takes the prompt tokens that cost up to
+:data:`FILL_FACTOR` times its fixed cost, so that the overhead is at most half of what a prompt
+costs the streams, and a prompt is done in a few steps. The prompt steps alone teach it: the model
+may never warm there, as the overlapped engine observes only the decode steps it schedules, not
+those it queues ahead (nearly all). Until :data:`WARM_STEPS` prompt steps were seen, the fill
+doubles each step from the cold chunk (:func:`eager_fill`). Without ``fill_eager`` (the CPU), the
+plans are as above.
 """
 
 from __future__ import annotations
@@ -68,6 +83,14 @@ OVERDUE_FACTOR = 2.0
 # fit is thin: with no cap, each 256-token arrival beside 8 streams opened with the compiled step's
 # 56 free rows at once, ~60 ms steps where 40 ms were planned, the streams' p99 gaps.
 GROWTH_FACTOR = 2
+# With fill_eager: an eager step that breaks the target anyway takes the prompt tokens costing up to
+# this many times its fixed cost (its decodes and the path's overhead), past the growth cap: the
+# fixed cost is paid whatever the chunk, and the per-token cost was learned from every prompt step.
+FILL_FACTOR = 1.0
+# Steps of each kind (decode-only, with prompt) the cost model must have seen to be warm.
+WARM_STEPS = 8
+# With fill_eager, the steps with a prompt after which the fit caps a cold model's growing fill.
+FILL_FIT_STEPS = 3
 
 
 class PromptPath(Enum):
@@ -130,7 +153,7 @@ class StepCostModel:
     @property
     def warm(self) -> bool:
         """Whether the fit rests on enough steps of both kinds to be trusted over the prior."""
-        return self.num_decode_only >= 8 and self.num_with_prompt >= 8
+        return self.num_decode_only >= WARM_STEPS and self.num_with_prompt >= WARM_STEPS
 
     def observe(self, decode_tokens: int, prompt_tokens: int, prompt_kpos: float, seconds: float,
                 path: PromptPath = PromptPath.ROWS, long_run_kpos: float | None = None) -> None:
@@ -161,6 +184,13 @@ class StepCostModel:
         short = min(self._tokens_within(seconds, start, c[2], c[3]), LONG_RUN_ROWS - 1)
         long = self._tokens_within(seconds, start, c[2], c[4])
         return max(short, long) if long >= LONG_RUN_ROWS else short
+
+    def eager_fill_tokens(self, decode_tokens: int, start: int) -> int:
+        """The most prompt tokens, from position ``start`` on, whose own cost on the prefill path is
+        at most :data:`FILL_FACTOR` times the fixed cost of that path's step beside
+        ``decode_tokens`` decodes."""
+        fixed = self.predict(decode_tokens, path=PromptPath.PREFILL)
+        return self._tokens_within(FILL_FACTOR * fixed, start, self.coefficients[6], self.coefficients[7])
 
     @staticmethod
     def _tokens_within(seconds: float, start: int, per_token: float, per_kpos: float) -> int:
@@ -194,19 +224,22 @@ class PromptPlan:
 
 def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int, step_budget: int,
                 oldest_prompt_wait: float, compiled_rows: int = 0, prompt_start: int = 0,
-                last_prompt_tokens: int | None = None) -> PromptPlan:
+                last_prompt_tokens: int | None = None, fill_eager: bool = False) -> PromptPlan:
     """The prompt tokens for a step that carries ``decode_tokens`` decode tokens and has
     ``step_budget`` tokens left, and their path, when the longest-waiting unserved prompt has
     waited ``oldest_prompt_wait`` seconds, the compiled step takes up to ``compiled_rows`` rows
     (0: no compiled step, so no rows path), the next prompt chunk starts at ``prompt_start`` and
-    the step before carried ``last_prompt_tokens`` prompt tokens (None: no growth cap).
+    the step before carried ``last_prompt_tokens`` prompt tokens (None: no growth cap);
+    ``fill_eager``: an eager step that breaks the target anyway is filled (the module's doc).
     Tokens are always within ``[min(min_prompt_tokens(prompt_start), step_budget), step_budget]``:
     however tight the target, a waiting prompt moves."""
     rows_path = PromptPath.ROWS if compiled_rows else PromptPath.PREFILL
     if decode_tokens == 0:
         return PromptPlan(step_budget, PromptPath.PREFILL)
+    fill = eager_fill(model, decode_tokens, prompt_start) if fill_eager else 0
     if not model.warm:
-        return PromptPlan(min(COLD_PROMPT_TOKENS, step_budget), rows_path)
+        tokens = max(COLD_PROMPT_TOKENS, fill) if rows_path is PromptPath.PREFILL else COLD_PROMPT_TOKENS
+        return PromptPlan(min(tokens, step_budget), rows_path)
     decode_step = model.predict(decode_tokens)
     target = targets.itl if targets.itl is not None else DEFAULT_ITL_FACTOR * decode_step
     room = target - decode_step
@@ -223,33 +256,52 @@ def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int,
         kpos = prompt_kilopositions(prompt_start, tokens)
         cheaper_as_rows = (compiled_rows and decode_tokens + tokens <= compiled_rows and model.predict(
             decode_tokens, tokens, kpos) <= model.predict(decode_tokens, tokens, kpos, PromptPath.PREFILL))
-        return PromptPlan(tokens, PromptPath.ROWS if cheaper_as_rows else PromptPath.PREFILL)
+        if cheaper_as_rows:
+            return PromptPlan(tokens, PromptPath.ROWS)
+        return PromptPlan(min(max(tokens, fill), step_budget), PromptPath.PREFILL)
     if rows >= prefill:
         return PromptPlan(min(rows, step_budget), PromptPath.ROWS)
     return PromptPlan(min(prefill, step_budget), PromptPath.PREFILL)
 
 
+def eager_fill(model: StepCostModel, decode_tokens: int, prompt_start: int) -> int:
+    """The prompt tokens that fill an eager step beside ``decode_tokens`` decodes, for a chunk from
+    ``prompt_start`` on: :meth:`StepCostModel.eager_fill_tokens`. While the model has seen ``n <``
+    :data:`WARM_STEPS` steps with a prompt, at most ``COLD_PROMPT_TOKENS * GROWTH_FACTOR ** n`` (and
+    that alone for ``n <`` :data:`FILL_FIT_STEPS`), so that chunks of growing sizes teach it the
+    step's fixed cost apart from its tokens': chunks all of one size cannot, and the fit they left
+    once filled 19 tokens where 500 fitted."""
+    seen = model.num_with_prompt
+    if seen >= WARM_STEPS:
+        return model.eager_fill_tokens(decode_tokens, prompt_start)
+    ramp = COLD_PROMPT_TOKENS * GROWTH_FACTOR ** seen
+    return ramp if seen < FILL_FIT_STEPS else min(ramp, model.eager_fill_tokens(decode_tokens, prompt_start))
+
+
 class Pacer:
     """The scheduler's pacer: plans each step's prompt tokens and learns from each step.
-    ``compiled_rows``: the most rows the engine's compiled step takes (0: none)."""
+    ``compiled_rows``: the most rows the engine's compiled step takes, prompt rows among them (0:
+    none); ``fill_eager``: as in :func:`plan_prompt`."""
 
-    def __init__(self, targets: PacerTargets, compiled_rows: int = 0, model: StepCostModel | None = None) -> None:
+    def __init__(self, targets: PacerTargets, compiled_rows: int = 0, model: StepCostModel | None = None,
+                 fill_eager: bool = False) -> None:
         self.targets = targets
         self.compiled_rows = compiled_rows
+        self.fill_eager = fill_eager
         self.model = model or StepCostModel()
         self.last_prompt_tokens = 0  # of the step observed last
 
     def plan(self, decode_tokens: int, step_budget: int, oldest_prompt_wait: float, prompt_start: int) -> PromptPlan:
         """:func:`plan_prompt` with this pacer's model and targets; logs its inputs at debug."""
         plan = plan_prompt(self.model, self.targets, decode_tokens, step_budget, oldest_prompt_wait,
-                           self.compiled_rows, prompt_start, self.last_prompt_tokens)
+                           self.compiled_rows, prompt_start, self.last_prompt_tokens, self.fill_eager)
         if logger.isEnabledFor(logging.DEBUG):
             terms = " ".join(f"{c * 1e3:.4f}" for c in self.model.coefficients)
             logger.debug("pacer: decode_tokens=%d step_budget=%d oldest_prompt_wait=%.3fs prompt_start=%d "
-                         "compiled_rows=%d last_prompt_tokens=%d targets=%s model_ms=(%s) warm=%s -> %d prompt "
-                         "tokens as %s", decode_tokens, step_budget, oldest_prompt_wait, prompt_start,
-                         self.compiled_rows, self.last_prompt_tokens, self.targets, terms, self.model.warm,
-                         plan.tokens, plan.path.value)
+                         "compiled_rows=%d last_prompt_tokens=%d fill_eager=%s targets=%s model_ms=(%s) warm=%s "
+                         "-> %d prompt tokens as %s", decode_tokens, step_budget, oldest_prompt_wait, prompt_start,
+                         self.compiled_rows, self.last_prompt_tokens, self.fill_eager, self.targets, terms,
+                         self.model.warm, plan.tokens, plan.path.value)
         return plan
 
     def observe(self, decode_tokens: int, prompt_tokens: int, prompt_kpos: float, seconds: float,
@@ -260,11 +312,12 @@ class Pacer:
         self.last_prompt_tokens = prompt_tokens
 
 
-def pacer_for(config: EngineConfig, compiled_rows: int) -> Pacer | None:
+def pacer_for(config: EngineConfig, compiled_rows: int, fill_eager: bool = False) -> Pacer | None:
     """The pacer ``config`` asks for (None when it fixes the prefill chunk), for an engine whose
-    compiled step takes up to ``compiled_rows`` rows (0: none)."""
+    compiled step takes up to ``compiled_rows`` rows, prompt rows among them (0: none), and which
+    fills an eager step that breaks the target anyway when ``fill_eager`` (:func:`plan_prompt`)."""
     if config.max_prefill_chunk is not None:
         return None
     itl, ttft = config.itl_target_ms, config.ttft_target_ms
     return Pacer(PacerTargets(None if itl is None else itl / 1e3, None if ttft is None else ttft / 1e3),
-                 compiled_rows)
+                 compiled_rows, fill_eager=fill_eager)

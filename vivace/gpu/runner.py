@@ -50,6 +50,18 @@ class Launched:
     copied: torch.cuda.Event | None
 
 
+@dataclass
+class HostBatch:
+    """A flat batch on the host (``CudaRunner.host_arrays``): a row per token, a table per sequence."""
+
+    ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slots: np.ndarray  # [num_tokens] int64
+    block_tables: np.ndarray  # [num_seqs, width] int32
+    seq_lens: np.ndarray  # [num_seqs] int32: tokens after this step
+    query_start: np.ndarray  # [num_seqs + 1] int32
+
+
 def graph_buckets(max_batch: int) -> list[int]:
     """Decode batch sizes that get a graph: 1, 2, 4, 8, 16, 24, 32, then every 16, up to ``max_batch``."""
     sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, max_batch + 1, 16))
@@ -64,9 +76,17 @@ class CudaRunner:
     ``verify_batch`` sequences verifying 1 to ``verify_tokens`` speculative proposals each replay
     graphs of their own (``DecodeGraphs.replay_verify``)."""
 
+    # A step with a prompt chunk never rides a decode graph's rows (``path``: PREFILL); it runs the
+    # general forward, from a prompt-step graph (``PrefillGraphs``) or eagerly, whose fixed cost
+    # (eagerly ~18 ms of host launches for an 8B model on an H200, a 6 ms decode step) outweighs
+    # its chunk's tokens: the engine's pacer offers prompts no rows path and fills that step
+    # (vivace.engine.pacer, ``fill_eager``), from the costs it measures.
+    eager_prompt_steps = True
+
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  max_model_len: int, device: str = "cuda", cuda_graph_max_batch: int = 0,
-                 max_num_seqs: int = 256, seed: int = 0, verify_batch: int = 0, verify_tokens: int = 0) -> None:
+                 max_num_seqs: int = 256, seed: int = 0, verify_batch: int = 0, verify_tokens: int = 0,
+                 prefill_graph_tokens: int = 0) -> None:
         check_supported(loaded.model)
         self.model = loaded.model
         self.config = loaded.config
@@ -92,10 +112,14 @@ class CudaRunner:
         if cuda_graph_max_batch:  # on a CPU device (tests), eager stand-ins for the graphs
             self.graphs = DecodeGraphs(self, cuda_graph_max_batch, min(verify_batch, cuda_graph_max_batch),
                                        verify_tokens)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if cuda_graph_max_batch and prefill_graph_tokens:
+            self.prefill_graphs = PrefillGraphs.capture_or_none(self, prefill_graph_tokens, cuda_graph_max_batch)
 
     @property
     def compiled_rows(self) -> int:
-        """The most rows a decode step may have and still replay a graph; 0 without graphs."""
+        """The most rows a decode step may have and still replay a graph; 0 without graphs. Prompt
+        rows never ride one (``eager_prompt_steps``)."""
         return self.graphs.max_batch if self.graphs is not None else 0
 
     def device_fault(self, exc: Exception) -> bool:
@@ -126,8 +150,8 @@ class CudaRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
-    def build_batch(self, batch: ScheduledBatch, kv: KVCacheManager) -> tuple[GpuBatch, bool]:
-        """The batch's tensors, and whether it is a decode batch (one new token per sequence)."""
+    def host_arrays(self, batch: ScheduledBatch, kv: KVCacheManager) -> HostBatch:
+        """The batch's ids, positions, K/V slots, block tables and lengths, on the host."""
         ids: list[int] = []
         positions: list[int] = []
         tables: list[list[int]] = []
@@ -148,14 +172,19 @@ class CudaRunner:
         seq_of_row = np.repeat(np.arange(len(tables)), query_lens)
         slots = block_tables[seq_of_row, pos // self.block_size].astype(np.int64) * self.block_size
         slots += pos % self.block_size
-        decode = all(n == 1 for n in query_lens)
-        query_start = None
-        if not decode:
-            query_start = self._tensor(np.cumsum([0] + query_lens, dtype=np.int32))
-        gpu = GpuBatch(self._tensor(np.array(ids, dtype=np.int64)), self._tensor(pos), self._tensor(slots),
-                       self._tensor(block_tables), self._tensor(np.array(seq_lens, dtype=np.int32)), query_start,
-                       max(query_lens), kernels.decode_splits(max(seq_lens), len(tables), self.config.num_key_value_heads)
-                       if self.device.type == "cuda" else 1)
+        return HostBatch(np.array(ids, dtype=np.int64), pos, slots, block_tables, np.array(seq_lens, dtype=np.int32),
+                         np.cumsum([0] + query_lens, dtype=np.int32))
+
+    def build_batch(self, batch: ScheduledBatch, kv: KVCacheManager) -> tuple[GpuBatch, bool]:
+        """The batch's tensors, and whether it is a decode batch (one new token per sequence)."""
+        host = self.host_arrays(batch, kv)
+        decode = all(n == 1 for n in batch.num_new_tokens)
+        query_start = None if decode else self._tensor(host.query_start)
+        gpu = GpuBatch(self._tensor(host.ids), self._tensor(host.positions), self._tensor(host.slots),
+                       self._tensor(host.block_tables), self._tensor(host.seq_lens), query_start,
+                       max(batch.num_new_tokens),
+                       kernels.decode_splits(int(host.seq_lens.max()), len(host.seq_lens),
+                                             self.config.num_key_value_heads) if self.device.type == "cuda" else 1)
         return gpu, decode
 
     def path(self, batch: ScheduledBatch) -> PromptPath:
@@ -271,7 +300,11 @@ class CudaRunner:
                 [r.num_computed_tokens for r in batch.requests], [kv.block_ids(r.request_id) for r in batch.requests])
 
     def _logits(self, batch: ScheduledBatch, kv: KVCacheManager, logit_indices: list[int]) -> torch.Tensor | None:
-        """The eager forward of any batch: logits ``[len(logit_indices), vocab]`` on the device."""
+        """The forward of any batch: logits ``[len(logit_indices), vocab]`` on the device, from a
+        prefill graph where one holds the batch, else eager."""
+        graphs = self.prefill_graphs
+        if graphs is not None and logit_indices and graphs.holds(batch, len(logit_indices)):
+            return graphs.replay(self.host_arrays(batch, kv), logit_indices)
         gpu, _ = self.build_batch(batch, kv)
         hidden = forward(self.model, gpu, self.kv_caches, self.kv_scales)
         if not logit_indices:
@@ -441,6 +474,141 @@ class DecodeGraphs:
         graph, packed = self.sampler_graphs[size, plan]
         graph.replay()
         return packed
+
+
+# Prompt steps of up to this many tokens replay graphs (vLLM captures its piecewise graphs to 512
+# tokens too); longer ones run eagerly, their launch cost spread over more compute.
+PREFILL_GRAPH_MAX_TOKENS = 512
+EMPTY_BATCH = HostBatch(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                        np.zeros((0, 1), dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int32))
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts of the prompt-step graphs: 16, 32, 64, ... below ``max_tokens``, and the power of
+    two that holds it."""
+    top = 1 << max(max_tokens - 1, 0).bit_length()
+    return [t for t in (16, 32, 64, 128, 256) if t < top] + [top]
+
+
+class PrefillGraphs:
+    """One CUDA graph per token bucket (``prefill_buckets``) of the steps that carry prompt tokens
+    (whole prompts, chunks beside decode rows, prefix-cache hits): the forward through the prefill
+    attention and the LM head of up to ``max_seqs`` rows, over static buffers. Eagerly such a step
+    launches ~10 kernels a layer from Python, and on the H200 that cost ~18 ms of host time for any
+    prompt length (docs/benchmarks.md) where the 8B shape's 512 tokens compute in ~5 ms.
+
+    A batch of ``n`` tokens in ``s <= max_seqs`` sequences replays the smallest bucket ``T >= n``.
+    The ``T - n`` padding tokens are one more sequence of token 0 at position 0, no context, its
+    K/V written into and read from the scratch block (finite values, as the decode graphs' padding
+    rows); the sequences after it have no queries, so the attention grid, sized at capture for
+    ``max_seqs + 1`` sequences of ``T`` queries, scans nothing for them. Capture failing (a kernel
+    that will not capture on some device) leaves such steps eager: logged, not fatal."""
+
+    def __init__(self, runner: CudaRunner, max_tokens: int, max_seqs: int) -> None:
+        self.runner = runner
+        self.buckets = prefill_buckets(max_tokens)
+        self.max_tokens = self.buckets[-1]
+        self.max_seqs = max_seqs
+        device, width = runner.device, runner.max_blocks_per_seq
+        tokens = self.max_tokens
+        self.ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.slots = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.tables = torch.zeros(max_seqs + 1, width, dtype=torch.int32, device=device)  # + the padding's
+        self.seq_lens = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.query_start = torch.zeros(max_seqs + 2, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(max_seqs, dtype=torch.long, device=device)  # the tokens whose logits are wanted
+        self.cuda = device.type == "cuda"
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerGraph, torch.Tensor]] = {}
+        self._capture_all()
+
+    @classmethod
+    def capture_or_none(cls, runner: CudaRunner, max_tokens: int, max_seqs: int) -> PrefillGraphs | None:
+        try:
+            return cls(runner, max_tokens, max_seqs)
+        except Exception as exc:  # noqa: BLE001 - a device-specific capture failure keeps the eager path
+            if not runner.device.type == "cuda":
+                raise
+            logger.warning("prompt steps stay eager: their CUDA graphs did not capture (%r)", exc)
+            torch.cuda.synchronize()
+            return None
+
+    def holds(self, batch: ScheduledBatch, logit_rows: int) -> bool:
+        """Whether a graph replays ``batch`` with ``logit_rows`` rows of logits (few enough tokens,
+        sequences and rows)."""
+        return (len(batch.requests) <= self.max_seqs and logit_rows <= self.max_seqs
+                and sum(batch.num_new_tokens) <= self.max_tokens)
+
+    def _step(self, tokens: int) -> torch.Tensor:
+        runner = self.runner
+        batch = GpuBatch(self.ids[:tokens], self.positions[:tokens], self.slots[:tokens], self.tables, self.seq_lens,
+                         self.query_start, tokens)
+        hidden = forward(runner.model, batch, runner.kv_caches, runner.kv_scales)
+        return runner.model.compute_logits(hidden[self.rows])
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        if not self.cuda:
+            for tokens in reversed(self.buckets):
+                self._stage(EMPTY_BATCH, [], tokens)
+                graph = EagerGraph(partial(self._step, tokens))
+                self.graphs[tokens] = graph, graph.output
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for tokens in self.buckets:  # compile every kernel variant before capturing
+                self._stage(EMPTY_BATCH, [], tokens)
+                self._step(tokens)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        for tokens in reversed(self.buckets):  # largest first: the others reuse its memory
+            self._stage(EMPTY_BATCH, [], tokens)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                output = self._step(tokens)
+            self.graphs[tokens] = graph, output
+        torch.cuda.synchronize()
+        logger.info("CUDA graphs captured for prompt steps of up to %s tokens in %d sequences", self.buckets,
+                    self.max_seqs)
+
+    def _stage(self, host: HostBatch, logit_indices: list[int], tokens: int) -> None:
+        """``host`` into the static buffers, padded to ``tokens`` rows (the padding sequence) and
+        ``max_seqs + 1`` sequences."""
+        runner = self.runner
+        n, seqs = len(host.ids), len(host.seq_lens)
+        scratch_slot = runner.scratch_block * runner.block_size
+        ids = np.zeros(tokens, dtype=np.int64)
+        ids[:n] = host.ids
+        positions = np.zeros(tokens, dtype=np.int64)
+        positions[:n] = host.positions
+        slots = np.full(tokens, scratch_slot, dtype=np.int64)
+        slots[:n] = host.slots
+        tables = np.full((self.max_seqs + 1, runner.max_blocks_per_seq), runner.scratch_block, dtype=np.int32)
+        tables[:seqs, :host.block_tables.shape[1]] = host.block_tables
+        seq_lens = np.zeros(self.max_seqs + 1, dtype=np.int32)
+        seq_lens[:seqs] = host.seq_lens
+        seq_lens[seqs] = tokens - n  # the padding sequence: its queries are its whole length
+        query_start = np.full(self.max_seqs + 2, tokens, dtype=np.int32)
+        query_start[:seqs + 1] = host.query_start
+        rows = np.zeros(self.max_seqs, dtype=np.int64)
+        rows[:len(logit_indices)] = logit_indices
+        for buffer, array in ((self.ids, ids), (self.positions, positions), (self.slots, slots),
+                              (self.tables, tables), (self.seq_lens, seq_lens), (self.query_start, query_start),
+                              (self.rows, rows)):
+            tensor = torch.from_numpy(array)
+            buffer[:len(array)].copy_(tensor.pin_memory() if self.cuda else tensor, non_blocking=True)
+
+    def replay(self, host: HostBatch, logit_indices: list[int]) -> torch.Tensor:
+        """Logits ``[len(logit_indices), vocab]`` of the batch ``host`` (``holds`` it), from the
+        tokens at flat indices ``logit_indices`` (at most ``max_seqs``)."""
+        tokens = next(t for t in self.buckets if t >= len(host.ids))
+        self._stage(host, logit_indices, tokens)
+        graph, logits = self.graphs[tokens]
+        graph.replay()
+        return logits[:len(logit_indices)]
 
 
 class EagerGraph:
