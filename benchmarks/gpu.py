@@ -33,6 +33,7 @@ preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -43,6 +44,7 @@ from collections.abc import Callable
 import gguf
 import torch
 
+from vivace.gpu import fp8_kernels, gguf_kernels
 from vivace.models.dummy import PRESETS
 
 DTYPE = torch.bfloat16
@@ -297,6 +299,17 @@ def random_format_weight(weight_format: str, n: int, k: int, seed: int) -> tuple
     return blocks.numel(), lambda x: gguf_matmul(x, blocks, ggml_type)
 
 
+@contextlib.contextmanager
+def gemv_acc_2d(value: bool):
+    """The FP8 and GGUF GEMVs with ``GEMV_ACC_2D`` set to ``value`` inside the block."""
+    saved = fp8_kernels.GEMV_ACC_2D, gguf_kernels.GEMV_ACC_2D
+    fp8_kernels.GEMV_ACC_2D = gguf_kernels.GEMV_ACC_2D = value
+    try:
+        yield
+    finally:
+        fp8_kernels.GEMV_ACC_2D, gguf_kernels.GEMV_ACC_2D = saved
+
+
 def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
     """Per 8B matrix: cuBLAS's ``prefill_rows``-row GEMM on bf16 (TFLOP/s) and, per format (GGUF
     types, "fp8"), vivace's batch-1 GEMV (TB/s of the format's bytes, weights rotated through
@@ -322,6 +335,10 @@ def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
             gemm = timed(lambda: first(xm), 10)
             row[weight_format] = {"gemv_us": gemv * 1e6, "gemv_tb_s": nbytes / gemv / 1e12,
                                   "gemm_ms": gemm * 1e3, "gemm_tflop_s": flops / gemm / 1e12}
+            # The GEMV's other accumulation (fp8_kernels.GEMV_ACC_2D), in the same run.
+            with gemv_acc_2d(not fp8_kernels.GEMV_ACC_2D):
+                other = _time_us(lambda: [matmul(x1) for matmul in weights], 20) / 1e6 / copies
+            row[weight_format]["gemv_other_acc_us"] = other * 1e6
             del weights, first
         rows[name] = row
     torch.cuda.empty_cache()
@@ -424,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
               + " | ".join(f"{t} GEMV (batch 1) | {t} GEMM (512 rows)" for t in formats) + " |")
         print("|---" * (2 + 2 * len(formats)) + "|")
         for name, g in report["format_matrices"].items():
-            cells = " | ".join(f"{g[t]['gemv_us']:.1f} us, {g[t]['gemv_tb_s']:.2f} TB/s | "
+            cells = " | ".join(f"{g[t]['gemv_us']:.1f} us, {g[t]['gemv_tb_s']:.2f} TB/s "
+                               f"({g[t]['gemv_other_acc_us']:.1f} us with ACC_2D {not fp8_kernels.GEMV_ACC_2D}) | "
                                f"{g[t]['gemm_ms']:.3f} ms, {g[t]['gemm_tflop_s']:.0f} TFLOP/s" for t in formats)
             print(f"| {name} | {g['cublas_gemm_tflop_s']:.0f} TFLOP/s | {cells} |")
     for preset in args.presets.split(","):

@@ -47,8 +47,10 @@ def test_weight_only_matmul_equals_dequantize_then_matmul(m, with_bias, dtype) -
     torch.testing.assert_close(y.float(), reference(x, codes, scale, bias), **tolerance)
 
 
+@pytest.mark.parametrize("acc_2d", [False, True], ids=["reduce_each_step", "reduce_once"])
 @pytest.mark.parametrize("m", [1, 4, 8])
-def test_gemv_split_along_k_equals_unsplit(m) -> None:
+def test_gemv_split_along_k_equals_unsplit(m, acc_2d, monkeypatch) -> None:
+    monkeypatch.setattr(fp8_kernels, "GEMV_ACC_2D", acc_2d)
     codes, scale = random_weight(N, 1024, m)
     x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(7)).to(DEVICE)

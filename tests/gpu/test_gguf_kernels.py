@@ -51,9 +51,11 @@ def test_matmul_equals_dequantize_then_matmul(ggml_type, m: int, dtype: torch.dt
         assert_close(y, reference(x, blocks, ggml_type))
 
 
+@pytest.mark.parametrize("acc_2d", [False, True], ids=["reduce_each_step", "reduce_once"])
 @pytest.mark.parametrize("m", [2, 24, 70], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q6_K], ids=lambda t: t.name)
-def test_bias_and_split_k(ggml_type, m: int) -> None:
+def test_bias_and_split_k(ggml_type, m: int, acc_2d: bool, monkeypatch) -> None:
+    monkeypatch.setattr(gguf_kernels, "GEMV_ACC_2D", acc_2d)
     k = 8 * LAYOUTS[ggml_type].block_cols
     blocks = random_blocks(ggml_type, N, k, seed=3)
     g = torch.Generator().manual_seed(4)

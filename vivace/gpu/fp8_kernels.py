@@ -20,13 +20,14 @@ Grids and scratch sizes depend on shapes only: CUDA-graph capturable.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from vivace.gpu.gguf_kernels import gemv_splits, num_sms, store_gemv_rows, sum_splits
+from vivace.gpu.gguf_kernels import gemv_accumulate, gemv_splits, num_sms, store_gemv_rows, sum_splits
 from vivace.gpu.kernels import DOT_F32, round_e4m3
 
 FP8 = torch.float8_e4m3fn
@@ -37,12 +38,17 @@ GEMV_BLOCK_N = 16  # output rows per GEMV program
 GEMV_TILE = 4096  # weights x rows of x a GEMV program holds per step (registers)
 GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 64
 QUANT_BLOCK = 1024  # columns per step of the row quantizer
+# The GEMVs (this one, the GGUF one) sum each tile's products over K inside the loop, a cross-thread
+# reduction per step; ACC_2D keeps a [rows of x, BLOCK_N, BLOCK_K] accumulator and reduces once at
+# the end (registers as the tile's). Unmeasured on a GPU: VIVACE_GEMV_ACC_2D=1 turns it on, so that
+# benchmarks/gpu.py can time both in one device call; the default follows what it shows.
+GEMV_ACC_2D = os.environ.get("VIVACE_GEMV_ACC_2D") == "1"
 
 
 @triton.jit
 def _gemv_kernel(W, SCALE, X, Y, BIAS, M, N, K, k_per_split, stride_xm, stride_ym, stride_ys,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SPLIT: tl.constexpr):
+                 SPLIT: tl.constexpr, ACC_2D: tl.constexpr):
     """One program: BLOCK_N output rows, every row of x, the columns of one split of K. Split, it
     writes scaled float32 partial sums ``Y[split]``; else the result (+ bias) in Y's dtype."""
     split = tl.program_id(1)
@@ -54,13 +60,16 @@ def _gemv_kernel(W, SCALE, X, Y, BIAS, M, N, K, k_per_split, stride_xm, stride_y
     lo = split * k_per_split
     hi = tl.minimum(lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < hi
         w = tl.load(rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
+        acc, acc3 = gemv_accumulate(acc, acc3, x, w, ACC_2D)
+    if ACC_2D:
+        acc = tl.sum(acc3, 2)
     acc *= tl.load(SCALE + n, mask=n_mask, other=0.0)[None, :]
     store_gemv_rows(acc, Y, BIAS, m, n, m_mask, n_mask, split, stride_ym, stride_ys, HAS_BIAS, SPLIT)
 
@@ -200,7 +209,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torc
     bias = out if bias is None else bias
     _gemv_kernel[(row_programs, splits)](weight, scale, x, target, bias, m, n, k, k_per_split, x.stride(0), n, m * n,
                                          BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, HAS_BIAS=has_bias,
-                                         SPLIT=splits > 1, num_warps=4)
+                                         SPLIT=splits > 1, ACC_2D=GEMV_ACC_2D, num_warps=4)
     if splits > 1:
         sum_splits(target, out, bias, has_bias)
     return out

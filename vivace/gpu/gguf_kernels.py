@@ -28,6 +28,7 @@ both 3.6 and 3.9 is used.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -52,6 +53,8 @@ GEMV_BLOCK_N = 16  # output rows per GEMV program
 GEMV_TILE = 4096  # weights x rows of x a GEMV program holds per step (registers)
 GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 128
 PROGRAMS_PER_SM = 8  # split K until the GEMV has about this many programs per SM
+# As fp8_kernels.GEMV_ACC_2D (VIVACE_GEMV_ACC_2D=1): one reduction at the end instead of one a step.
+GEMV_ACC_2D = os.environ.get("VIVACE_GEMV_ACC_2D") == "1"
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,7 @@ def _dequantize_kernel(W, OUT, N, K, row_bytes, units, FORMAT: tl.constexpr, BLO
 @triton.jit
 def _gemv_kernel(W, X, Y, BIAS, M, N, K, row_bytes, units, units_per_split, stride_xm, stride_ym, stride_ys,
                  FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr,
-                 BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+                 BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ACC_2D: tl.constexpr):
     """One program: BLOCK_N output rows, every row of x, the units of one split of K. Split, it
     writes float32 partial sums ``Y[split]``; else the result (+ bias) in Y's dtype."""
     split = tl.program_id(1)
@@ -248,13 +251,27 @@ def _gemv_kernel(W, X, Y, BIAS, M, N, K, row_bytes, units, units_per_split, stri
     lo = split * units_per_split
     hi = tl.minimum(lo + units_per_split, units)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for u0 in range(lo, hi, NU):
         u = u0 + tl.arange(0, NU)
         w, cols = _dequant_tile(row, u, n_mask[:, None] & (u < hi)[None, :], FORMAT, BLOCK_N, BLOCK_K)
         x = tl.load(X + m[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
+        acc, acc3 = gemv_accumulate(acc, acc3, x, w, ACC_2D)
+    if ACC_2D:
+        acc = tl.sum(acc3, 2)
     store_gemv_rows(acc, Y, BIAS, m, n, m_mask, n_mask, split, stride_ym, stride_ys, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def gemv_accumulate(acc, acc3, x, w, ACC_2D: tl.constexpr):
+    """One K tile of a GEMV: ``x [rows of x, BLOCK_K]`` times ``w [BLOCK_N, BLOCK_K]`` (float32),
+    summed over K into ``acc`` now, or (ACC_2D) added into ``acc3`` for one sum at the end."""
+    if ACC_2D:
+        acc3 += x[:, None, :] * w[None, :, :]
+    else:
+        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
+    return acc, acc3
 
 
 @triton.jit
@@ -368,7 +385,7 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
     _gemv_kernel[(row_programs, splits)](blocks, x, target, bias, m, n, k, row_bytes, units, units_per_split,
                                          x.stride(0), n, m * n, FORMAT=int(ggml_type), BLOCK_M=block_m,
                                          BLOCK_N=GEMV_BLOCK_N, NU=nu, BLOCK_K=nu * layout.unit_cols,
-                                         HAS_BIAS=has_bias, SPLIT=splits > 1, num_warps=4)
+                                         HAS_BIAS=has_bias, SPLIT=splits > 1, ACC_2D=GEMV_ACC_2D, num_warps=4)
     if splits > 1:
         sum_splits(target, out, bias, has_bias)
     return out
