@@ -2,9 +2,12 @@
 for each family at a small size, greedy tokens equal transformers' for 64 tokens in float32, with
 64 requests at once (decode graphs of every bucket as the batch drains), chunked prefill, prefix
 -cache hits, preemption and resume (a pool too small for them all), the overlap scheduler, and
-n-gram speculation; bf16 prompt logits within tolerance of transformers' bf16."""
+n-gram speculation; bf16 prompt logprobs off transformers' float32 ones by at most about twice what
+transformers' own bf16 ones are."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -40,12 +43,26 @@ def engine(path: str, blocks: int, weights: torch.dtype = torch.float32, **confi
     loaded = load_model(path, weights, device=DEVICE)
     spec = int(config.get("num_speculative_tokens", 0))
     llm.engine.runner = CudaRunner(loaded, blocks, 4, weights, 128, device=DEVICE, cuda_graph_max_batch=64,
-                                   max_num_seqs=64, verify_batch=4 if spec else 0, verify_tokens=spec)
+                                   max_num_seqs=64, verify_batch=4 if spec else 0, verify_tokens=spec,
+                                   prefill_graph_tokens=int(config.get("max_num_batched_tokens", 64)))
+    assert llm.engine.runner.prefill_graphs is not None  # prompt steps replay graphs (their capture worked)
     return llm
 
 
 @torch.inference_mode()
 def transformers_tokens(hf, prompt: list[int]) -> list[int]:
+    """transformers' greedy argmax for ``NEW`` tokens, eos included. Not ``generate(...,
+    min_new_tokens=NEW)``: that bans eos, as our ``min_tokens`` does, where our ``ignore_eos``
+    neither bans nor stops at it (mistral's PROMPTS[3] has eos, 264, as its argmax at token 19)."""
+    ids = list(prompt)
+    for _ in range(NEW):
+        ids.append(hf(torch.tensor([ids], device=DEVICE)).logits[0, -1].argmax().item())
+    return ids[len(prompt):]
+
+
+@torch.inference_mode()
+def transformers_tokens_without_eos(hf, prompt: list[int]) -> list[int]:
+    """transformers' greedy tokens with eos banned for all ``NEW`` (its ``min_new_tokens``)."""
     out = hf.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=NEW, min_new_tokens=NEW,
                       do_sample=False)
     return out[0, len(prompt):].tolist()
@@ -64,6 +81,9 @@ def test_64_greedy_tokens_equal_transformers_in_every_mode(family) -> None:
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.stats.prefix_hits > 0
     alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[2], params)]  # batch 1, the 1-row graph
     assert alone == [want[2]]
+    banning = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)  # eos banned on the device
+    assert ([o.outputs[0].token_ids for o in llm.generate(PROMPTS, banning)]
+            == [transformers_tokens_without_eos(hf, p) for p in PROMPTS])
     llm.engine.check_integrity()
     serial = engine(path, 400, overlap_schedule=False)
     assert [o.outputs[0].token_ids for o in serial.generate(PROMPTS, params)] == want
@@ -73,18 +93,22 @@ def test_64_greedy_tokens_equal_transformers_in_every_mode(family) -> None:
 
 
 @torch.inference_mode()
-def test_bf16_prompt_logits_near_transformers(family) -> None:
+def test_bf16_prompt_logprobs_as_near_float32_as_transformers(family) -> None:
+    """bf16 rounds at other points in every implementation, and some models amplify it: for the
+    tiny Gemma 3 (embeddings times sqrt(hidden), 1 + w norms) transformers' own bf16 logprobs are
+    0.1 off its float32 ones, and two bf16 runs can be 0.2 apart. So both bf16 runs are measured
+    against transformers' float32 over our top 20 tokens: ours may err at most twice as much as
+    transformers' bf16 does, plus 0.02 (a wrong rope, scale or norm errs by far more)."""
     path, hf = family
-    hf16 = hf.to(torch.bfloat16)
-    try:
-        prompt = PROMPTS[0]
-        theirs = hf16(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float()
-        llm = engine(path, 64, torch.bfloat16, dtype="bfloat16")
-        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0].outputs[0]
-        ours = {t: lp for t, _, lp in out.logprobs[0].top}
-        reference = theirs.log_softmax(-1)
-        for token, logprob in ours.items():
-            assert abs(logprob - reference[token].item()) < 0.1
-        assert out.token_ids[0] in reference.topk(3).indices.tolist()
-    finally:
-        hf.float()
+    ids = torch.tensor([PROMPTS[0]], device=DEVICE)
+    truth = hf(ids).logits[0, -1].float().log_softmax(-1)
+    theirs = copy.deepcopy(hf).to(torch.bfloat16)(ids).logits[0, -1].float().log_softmax(-1)
+    llm = engine(path, 64, torch.bfloat16, dtype="bfloat16")
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0].outputs[0]
+    top = out.logprobs[0].top
+    tokens = torch.tensor([t for t, _, _ in top], device=DEVICE)
+    ours = torch.tensor([lp for _, _, lp in top], device=DEVICE)
+    our_error = (ours - truth[tokens]).abs().max().item()
+    their_error = (theirs[tokens] - truth[tokens]).abs().max().item()
+    assert our_error <= 2 * their_error + 0.02, (our_error, their_error)
+    assert out.token_ids[0] in truth.topk(3).indices.tolist()
