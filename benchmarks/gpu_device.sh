@@ -84,6 +84,8 @@ setup() {  # the wheels into a private target, once per machine; the machine's d
     stash_model
     { nvidia-smi; "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
         > "$out/machine.txt" 2>&1
+    # What the server imports, all of it: a wheel missing from .whl/ shows here, not in every stage.
+    "$PYTHON" -c "import vivace.server, vivace.cli, vivace.engine.llm" 2>&1 | tail -1 | sed 's/^/import check: /'
 }
 
 xdist() {  # pytest-xdist's workers where it is installed (XDIST=N, default 8): the first run compiles in parallel
