@@ -60,8 +60,11 @@ def test_greedy_seeded_and_min_tokens_equal_one_step_at_a_time(pair) -> None:
               SamplingParams(temperature=0.8, seed=11, max_tokens=6, min_tokens=5, logprobs=1)]
     want = outputs(serial, PROMPTS, params)
     before = overlapped.engine.runner.launched_ahead
+    decode_only = overlapped.engine.scheduler.pacer.model.num_decode_only
     got = outputs(overlapped, PROMPTS, params)
-    assert overlapped.engine.runner.launched_ahead > before  # steps did go ahead
+    ahead = overlapped.engine.runner.launched_ahead - before
+    assert ahead > 0  # steps did go ahead, and the pacer learned from each
+    assert overlapped.engine.scheduler.pacer.model.num_decode_only - decode_only >= ahead
     assert serial.engine.runner.launched_ahead == 0
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason

@@ -280,7 +280,7 @@ class LLMEngine:
                          marks: list[float]) -> list[RequestOutput]:
         """Queue the step after ``launched`` if it can go ahead, then read and emit ``launched``'s
         tokens. ``scheduled``: the batch ``launched`` ran and its path, when the scheduler chose
-        it (the pacer learns from those steps); None for a step launched ahead."""
+        it; None for a step launched ahead."""
         try:
             ahead = self._launch_ahead(launched)
             drawn = self.runner.collect(launched)
@@ -299,6 +299,9 @@ class LLMEngine:
         marks.append(time.perf_counter())
         if scheduled is None:
             self.timings.record_step(marks, len(launched.requests), 0, 0, "rows")
+            # A decode step queued ahead: from this call to its tokens read is one step of the
+            # pipeline. The pacer learns decode-only costs from these (on the GPU nearly all are).
+            self.scheduler.observe_decode_step(len(launched.requests), marks[-1] - marks[0])
         else:
             batch, path = scheduled
             self.timings.record_step(marks, batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_budget,

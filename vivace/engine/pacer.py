@@ -32,9 +32,9 @@ beside 16 streams took 32 such steps, ~0.75 s, one prompt after another; with th
 would take 128. So when the room holds less than the floor and the floor would run eagerly, or
 the model is cold, the step is filled: it takes the prompt tokens that cost up to
 :data:`FILL_FACTOR` times its fixed cost, so that the overhead is at most half of what a prompt
-costs the streams, and a prompt is done in a few steps. The prompt steps alone teach it: the model
-may never warm there, as the overlapped engine observes only the decode steps it schedules, not
-those it queues ahead (nearly all). Until :data:`WARM_STEPS` prompt steps were seen, the fill
+costs the streams, and a prompt is done in a few steps. The prompt steps alone teach it (the
+decode steps the overlapped engine queues ahead teach the decode-only terms: without them the model
+never warmed on the GPU). Until :data:`WARM_STEPS` prompt steps were seen, the fill
 doubles each step from the cold chunk (:func:`eager_fill`). Without ``fill_eager`` (the CPU), the
 plans are as above.
 """

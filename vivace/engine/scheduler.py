@@ -119,6 +119,12 @@ class Scheduler:
             self.pacer.observe(batch.num_decode_tokens, batch.num_prompt_tokens, batch.prompt_kpos, seconds, path,
                                batch.long_run_kpos)
 
+    def observe_decode_step(self, decode_tokens: int, seconds: float) -> None:
+        """Teaches the pacer (if any) what a decode-only step of ``decode_tokens`` rows, which it did
+        not plan (one queued ahead), cost."""
+        if self.pacer is not None:
+            self.pacer.observe(decode_tokens, 0, 0.0, seconds, PromptPath.ROWS)
+
     def _schedule_running(self, requests: list[Request], budget: int, batch: ScheduledBatch) -> int:
         """Give each of ``requests`` its next tokens within ``budget``; returns what is left."""
         for request in requests:
