@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 
 import gguf
+import numpy as np
 import torch
 
 from vivace.gpu import fp8_kernels, gguf_kernels
@@ -147,7 +148,7 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     from vivace.engine.request import Request
     from vivace.engine.sampling_params import SamplingParams
     from vivace.gpu.gguf_linear import randomize_packed
-    from vivace.gpu.runner import CudaRunner
+    from vivace.gpu.runner import PREFILL_GRAPH_MAX_TOKENS, CudaRunner, HostBatch
     from vivace.models import load_model
 
     fp8 = weight_format == "fp8"
@@ -162,14 +163,14 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     per_seq = -(-max_len // block_size)
     num_blocks = max(max_batch * per_seq, per_seq)
     runner = CudaRunner(loaded, num_blocks, block_size, DTYPE, max_len, device="cuda",
-                        cuda_graph_max_batch=max_batch)
+                        cuda_graph_max_batch=max_batch, prefill_graph_tokens=PREFILL_GRAPH_MAX_TOKENS)
     graphs = runner.graphs
     for name, (cublas, ours, block) in runner.gemv_choices.items():
         print(f"{preset} {weight_format or 'bf16'}: batch-1 {name}: cuBLAS {cublas:.1f} us, Triton GEMV {ours:.1f} us "
               f"-> {'Triton' if block else 'cuBLAS'}", flush=True)
     result: dict = {"preset": preset, "format": weight_format or "bf16", "context": context, "decode": {},
                     "gemv_choices": runner.gemv_choices,
-                    "prefill_ms": {}}
+                    "prefill_ms": {}, "prefill_graph_ms": {}}
 
     for batch in sorted({1, *batches}):
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
@@ -198,6 +199,14 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
             loaded.model.compute_logits(hidden[-1:])
 
         result["prefill_ms"][length] = timed(prefill, 5) * 1e3
+        prompt_graphs = runner.prefill_graphs
+        if prompt_graphs is not None and length <= prompt_graphs.max_tokens:
+            # The runner's path for a prompt step: staging into the graph's buffers, then its replay.
+            positions = np.arange(length, dtype=np.int64)
+            host = HostBatch(np.ones(length, dtype=np.int64), positions, positions.copy(),
+                             np.arange(-(-length // block_size), dtype=np.int32)[None, :],
+                             np.array([length], dtype=np.int32), np.array([0, length], dtype=np.int32))
+            result["prefill_graph_ms"][length] = timed(lambda: prompt_graphs.replay(host, [length - 1]), 10) * 1e3
     del runner, graphs, loaded
     torch.cuda.empty_cache()
     return result
@@ -345,6 +354,12 @@ def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
     return rows
 
 
+def prefill_cell(row: dict, length: int) -> str:
+    """A prefill time: eager, and the graph replay's in parentheses where one ran."""
+    graph = row["prefill_graph_ms"].get(length)
+    return f"{row['prefill_ms'][length]:.2f} ms" + ("" if graph is None else f" ({graph:.2f} ms graph)")
+
+
 def print_format_rows(preset: str, context: int, rows: list[dict], bandwidth: float) -> None:
     """One table per preset: each weight format's decode steps against its floor, and its prefill."""
     prompts = sorted({length for row in rows for length in row["prefill_ms"]})
@@ -357,7 +372,7 @@ def print_format_rows(preset: str, context: int, rows: list[dict], bandwidth: fl
         for batch, d in row["decode"].items():
             floor = (d["weight_bytes"] + d["kv_bytes"]) / bandwidth * 1e3
             d["floor_ms"] = floor
-            prefill = " | ".join(f"{row['prefill_ms'][p]:.2f} ms" if batch == 1 else "" for p in prompts)
+            prefill = " | ".join(prefill_cell(row, p) if batch == 1 else "" for p in prompts)
             print(f"| {row['format']} | {batch} | {d['weight_bytes'] / 1e9:.2f} GB | {floor:.3f} ms | "
                   f"{d['replay_ms']:.3f} ms | {d['step_ms']:.3f} ms | {d['replay_ms'] / floor:.2f}x | {prefill} |")
     sys.stdout.flush()
@@ -485,9 +500,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["engine_error"] = repr(exc)
                 print(f"engine loop failed on {preset}: {exc!r}", flush=True)
                 torch.cuda.empty_cache()
-        print("\n| prompt tokens | prefill (forward + LM head of the last token) |\n|---|---|")
+        print("\n| prompt tokens | prefill, eager (forward + LM head of the last token) | prefill, graph replay "
+              "(inputs staged) |\n|---|---|---|")
         for length, ms in row["prefill_ms"].items():
-            print(f"| {length} | {ms:.2f} ms |")
+            graph = row["prefill_graph_ms"].get(length)
+            print(f"| {length} | {ms:.2f} ms | {'' if graph is None else f'{graph:.2f} ms'} |")
         sys.stdout.flush()
         format_rows = []
         for weight_format, format_batches in formats.items():
