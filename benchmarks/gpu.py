@@ -165,9 +165,9 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     runner = CudaRunner(loaded, num_blocks, block_size, DTYPE, max_len, device="cuda",
                         cuda_graph_max_batch=max_batch, prefill_graph_tokens=PREFILL_GRAPH_MAX_TOKENS)
     graphs = runner.graphs
-    for name, (cublas, ours, block) in runner.gemv_choices.items():
-        print(f"{preset} {weight_format or 'bf16'}: batch-1 {name}: cuBLAS {cublas:.1f} us, Triton GEMV {ours:.1f} us "
-              f"-> {'Triton' if block else 'cuBLAS'}", flush=True)
+    for name, (cublas, ours, block, splits) in runner.gemv_choices.items():
+        print(f"{preset} {weight_format or 'bf16'}: batch-1 {name}: cuBLAS {cublas:.1f} us, best Triton GEMV {ours:.1f} "
+              f"us -> {f'Triton, {block} rows a program, K in {splits}' if block else 'cuBLAS'}", flush=True)
     result: dict = {"preset": preset, "format": weight_format or "bf16", "context": context, "decode": {},
                     "gemv_choices": runner.gemv_choices,
                     "prefill_ms": {}, "prefill_graph_ms": {}}

@@ -208,15 +208,19 @@ def test_decode_splits_fill_the_gpu_but_keep_a_block_of_keys_each() -> None:
     assert math.log2(kernels.decode_splits(100000, 1, 1)).is_integer()
 
 
-def test_gemv() -> None:
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_gemv(splits) -> None:
+    """One row, K split among ``splits`` programs (3: splits of uneven length)."""
     g = torch.Generator().manual_seed(10)
     weight, x = torch.randn(19, 70, generator=g).to(DEVICE), torch.randn(70, generator=g).to(DEVICE)
-    torch.testing.assert_close(kernels.gemv(weight, x, block_n=4, block_k=32), weight @ x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.gemv(weight, x, block_n=4, block_k=16, splits=splits), weight @ x,
+                               rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gated", [None, "silu", "gelu"])
-def test_gemv_with_bias_and_the_mlp_activation_taken_as_it_loads(dtype, gated) -> None:
+def test_gemv_with_bias_and_the_mlp_activation_taken_as_it_loads(dtype, gated, splits) -> None:
     """One row ``[1, K]`` (or an MLP's ``[1, 2K]``), a bias: as ``F.linear`` after ``silu_mul`` /
     ``gelu_tanh_mul``, whose rounding the fused activation repeats."""
     g = torch.Generator().manual_seed(11)
@@ -225,7 +229,7 @@ def test_gemv_with_bias_and_the_mlp_activation_taken_as_it_loads(dtype, gated) -
     x = torch.randn(1, 160 if gated else 80, generator=g).to(DEVICE, dtype)
     y = x if gated is None else kernels.silu_mul(x) if gated == "silu" else kernels.gelu_tanh_mul(x)
     want = (y.float() @ weight.float().T + bias.float()).to(dtype)
-    got = kernels.gemv(weight, x, bias, gated, block_n=8, block_k=32)
+    got = kernels.gemv(weight, x, bias, gated, block_n=8, block_k=32, splits=splits)
     assert got.shape == (1, 37)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)

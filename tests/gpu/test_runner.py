@@ -233,8 +233,8 @@ def test_batch1_gemv_in_the_forward_keeps_greedy_tokens(family, request) -> None
     gpu = with_cuda_runner(LLM(path, **config), path)
     for layer in gpu.engine.runner.model.layers:
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
-            module.gemv_block = 4
-        layer.mlp.down_proj.gated_gemv_block = 8
+            module.gemv_block, module.gemv_splits = 4, 2
+        layer.mlp.down_proj.gated_gemv_block, layer.mlp.down_proj.gated_gemv_splits = 8, 2
     calls = []
     gemv = kernels.gemv
     kernels.gemv = lambda *args, **kwargs: calls.append(args[3] if len(args) > 3 else None) or gemv(*args, **kwargs)

@@ -114,14 +114,16 @@ def _gemma3_layer(layer: Gemma3DecoderLayer, attn_out: torch.Tensor, residual: t
     return kernels.rms_norm(x, layer.post_feedforward_layernorm.weight, eps), residual
 
 
-def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), repeats: int = 20) -> dict:
+def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), splits: tuple[int, ...] = (1, 2, 4),
+                repeats: int = 20) -> dict:
     """For each projection shape of the layers (float ``nn.Linear`` only), time a batch-1 product
     of every layer's module in turn (as a decode step reads them, from HBM) through cuBLAS and
-    through ``kernels.gemv`` at each of ``blocks`` rows a program, and mark the modules of each
-    shape with the Triton block where it wins (``gemv_block``; the down projection, with its
-    activation, ``gated_gemv_block``). CUDA only: graph replays timed by CUDA events, median of
-    ``repeats``.
-    Returns ``{shape name: (cuBLAS µs, best Triton µs, block or 0)}`` for the start-up log."""
+    through ``kernels.gemv`` at each of ``blocks`` rows a program and ``splits`` K splits (those
+    leaving at least 1,024 columns a split), and mark the modules of each shape with the Triton
+    variant where it wins (``gemv_block``, ``gemv_splits``; the down projection, with its activation,
+    ``gated_gemv_block``, ``gated_gemv_splits``). CUDA only: graph replays timed by CUDA events,
+    median of ``repeats``. Returns ``{shape name: (cuBLAS µs, best Triton µs, block or 0, splits)}``
+    for the start-up log."""
     gelu = isinstance(model, Gemma3ForCausalLM)
     groups: dict[tuple, list[torch.nn.Module]] = {}
     for layer in model.layers:
@@ -132,19 +134,22 @@ def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), r
     chosen = {}
     for (role, n, k, _), modules in groups.items():
         down = role == "down"
-        attribute = "gated_gemv_block" if down else "gemv_block"
+        prefix = "gated_gemv" if down else "gemv"
         x = torch.randn(1, 2 * k if down else k, dtype=modules[0].weight.dtype, device=modules[0].weight.device)
+        candidates = [(0, 1)] + [(b, s) for b in blocks for s in splits if s == 1 or k // s >= 1024]
         times = {}
-        for block in (0, *blocks):  # block 0: cuBLAS; each timed through the forward's own dispatch
+        for block, split in candidates:  # block 0: cuBLAS; each timed through the forward's own dispatch
             for module in modules:
-                setattr(module, attribute, block)
-            times[block] = _time_us(lambda: [gated_linear(m, x, gelu) if down else linear(m, x) for m in modules],
-                                    repeats) / len(modules)
-        best = min(blocks, key=times.get)
-        block = best if times[best] < 0.97 * times[0] else 0
+                setattr(module, f"{prefix}_block", block)
+                setattr(module, f"{prefix}_splits", split)
+            times[block, split] = _time_us(lambda: [gated_linear(m, x, gelu) if down else linear(m, x)
+                                                    for m in modules], repeats) / len(modules)
+        best = min(candidates[1:], key=times.get)
+        block, split = best if times[best] < 0.97 * times[0, 1] else (0, 1)
         for module in modules:
-            setattr(module, attribute, block)
-        chosen[f"{role} {n}x{k}"] = (times[0], times[best], block)
+            setattr(module, f"{prefix}_block", block)
+            setattr(module, f"{prefix}_splits", split)
+        chosen[f"{role} {n}x{k}"] = (times[0, 1], times[best], block, split)
     return chosen
 
 

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vivace.gpu.gguf_kernels import gemv_accumulate, gemv_splits, num_sms, store_gemv_rows, sum_splits
-from vivace.gpu.kernels import DOT_F32, round_e4m3
+from vivace.gpu.gguf_kernels import gemv_accumulate, gemv_splits, num_sms, store_gemv_rows
+from vivace.gpu.kernels import DOT_F32, round_e4m3, sum_splits
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vivace.gpu.kernels import DOT_F32
+from vivace.gpu.kernels import DOT_F32, sum_splits
 
 T = gguf.GGMLQuantizationType
 GEMV_MAX_ROWS = 8  # above it, the tensor-core GEMM
@@ -278,7 +278,7 @@ def gemv_accumulate(acc, acc3, x, w, ACC_2D: tl.constexpr):
 def store_gemv_rows(acc, Y, BIAS, m, n, m_mask, n_mask, split, stride_ym, stride_ys, HAS_BIAS: tl.constexpr,
                     SPLIT: tl.constexpr):
     """A GEMV program's float32 ``acc [rows of x, rows of W]``: split, the partial sums ``Y[split]``
-    (``sum_splits_kernel`` adds them and the bias); else the result (+ bias) in Y's dtype."""
+    (``kernels.sum_splits`` adds them and the bias); else the result (+ bias) in Y's dtype."""
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
         tl.store(Y + split * stride_ys + m[:, None] * stride_ym + n[None, :], acc, mask=out_mask)
@@ -286,19 +286,6 @@ def store_gemv_rows(acc, Y, BIAS, m, n, m_mask, n_mask, split, stride_ym, stride
         if HAS_BIAS:
             acc += tl.load(BIAS + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def sum_splits_kernel(P, Y, BIAS, N, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``Y = sum(P[s]) (+ bias)`` over the SPLITS float32 partials of a split-K GEMV, ``[M, N]`` flat."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(P + s * MN + i, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + i % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -402,11 +389,3 @@ def dequantize(blocks: torch.Tensor, ggml_type: T, k: int, dtype: torch.dtype) -
     _dequantize_kernel[grid](blocks, out, n, k, row_bytes, units, FORMAT=int(ggml_type), BLOCK_N=DEQUANT_BLOCK_N,
                              NU=nu, BLOCK_K=nu * layout.unit_cols, num_warps=4)
     return out
-
-
-def sum_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor, has_bias: bool) -> None:
-    """``out = sum(partials) (+ bias)`` over a split-K GEMV's float32 partial sums ``[splits, M, N]``."""
-    splits, m, n = partials.shape
-    block = 1024
-    sum_splits_kernel[(triton.cdiv(m * n, block),)](partials, out, bias, n, m * n, SPLITS=splits, BLOCK=block,
-                                                     HAS_BIAS=has_bias)

@@ -68,12 +68,12 @@ class GgufLinear(nn.Module):
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module``'s ``x @ W^T + b``: for a float ``nn.Linear``, cuBLAS, or at batch 1 the Triton
-    GEMV where it was measured faster at start (``gemv_block``, set by ``forward.choose_gemv``);
+    GEMV where it was measured faster at start (``gemv_block``, ``gemv_splits``, set by ``forward.choose_gemv``);
     else the module's own forward (GGUF blocks, ``GgufLinear``; FP8, ``vivace.gpu.fp8_linear.Fp8Linear``)."""
     if isinstance(module, nn.Linear):
         block = getattr(module, "gemv_block", 0)
         if block and x.shape[0] == 1:
-            return kernels.gemv(module.weight, x, module.bias, block_n=block)
+            return kernels.gemv(module.weight, x, module.bias, block_n=block, splits=getattr(module, "gemv_splits", 1))
         return F.linear(x, module.weight, module.bias)
     return module(x)
 
@@ -84,7 +84,8 @@ def gated_linear(module: nn.Module, x: torch.Tensor, gelu: bool = False) -> torc
     that was measured faster (``gated_gemv_block``), else the activation kernel, then ``linear``."""
     block = getattr(module, "gated_gemv_block", 0)
     if block and x.shape[0] == 1 and isinstance(module, nn.Linear):
-        return kernels.gemv(module.weight, x, module.bias, "gelu" if gelu else "silu", block_n=block)
+        return kernels.gemv(module.weight, x, module.bias, "gelu" if gelu else "silu", block_n=block,
+                            splits=getattr(module, "gated_gemv_splits", 1))
     return linear(module, kernels.gelu_tanh_mul(x) if gelu else kernels.silu_mul(x))
 
 

@@ -529,17 +529,23 @@ def gelu_tanh_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int =
 
 
 @triton.jit
-def _gemv_kernel(W, X, Y, BIAS, N, K, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program: BLOCK_N rows of ``W`` against ``x``, K in BLOCK_K tiles, float32 accumulation.
-    GATED: ``x`` is ``[gate | up]`` (2K values) and the product takes ``act(gate) * up``
-    (``_gated_product``), so an MLP's down projection needs no launch of its own for the activation."""
+def _gemv_kernel(W, X, Y, BIAS, N, K, k_per_split, stride_w, stride_ys, HAS_BIAS: tl.constexpr,
+                 GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    """One program: BLOCK_N rows of ``W`` against ``x``, the columns of one split of K in BLOCK_K
+    tiles, float32 accumulation. GATED: ``x`` is ``[gate | up]`` (2K values) and the product takes
+    ``act(gate) * up`` (``_gated_product``), so an MLP's down projection needs no launch of its own
+    for the activation. Split, it writes float32 partial sums ``Y[split]`` (``sum_splits`` adds
+    them and the bias); else the result (+ bias) in Y's dtype."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
     row_mask = rows < N
+    lo = split * k_per_split
+    hi = tl.minimum(lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(lo, hi, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        col_mask = cols < K
+        col_mask = cols < hi
         if GATED:
             gate = tl.load(X + cols, mask=col_mask, other=0.0)
             up = tl.load(X + K + cols, mask=col_mask, other=0.0)
@@ -549,16 +555,21 @@ def _gemv_kernel(W, X, Y, BIAS, N, K, stride_w, HAS_BIAS: tl.constexpr, GATED: t
         w = tl.load(W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :],
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], 1)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=row_mask)
+    if SPLIT:
+        tl.store(Y + split * stride_ys + rows, acc, mask=row_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=row_mask)
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None, gated: str | None = None,
-         out: torch.Tensor | None = None, block_n: int = 8, block_k: int = 512) -> torch.Tensor:
+         out: torch.Tensor | None = None, block_n: int = 8, block_k: int = 512, splits: int = 1) -> torch.Tensor:
     """``x @ weight.T + bias`` for one row ``x`` (``[K]`` or ``[1, K]``; the result has its shape
     with N for K): a batch-1 linear layer. ``gated`` "silu" or "gelu": ``x`` is an MLP's
     ``[gate | up]`` (``[2K]``), multiplied as ``silu_mul(x)`` / ``gelu_tanh_mul(x)`` would give it.
+    ``splits`` > 1 splits K among that many programs a row block (float32 partials, summed by a
+    second launch): more loads in flight for a long K (an MLP's down projection).
     The forward uses it for the projections where it beat cuBLAS at start (``forward.choose_gemv``)."""
     n, k = weight.shape
     flat = x.reshape(-1)
@@ -566,7 +577,34 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
     shape = (*x.shape[:-1], n)
     out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     block_k = min(block_k, _pow2(k, 16))
-    _gemv_kernel[(triton.cdiv(n, block_n),)](weight, flat, out, weight if bias is None else bias, n, k,
-                                            weight.stride(0), HAS_BIAS=bias is not None, GATED=gated is not None,
-                                            GELU=gated == "gelu", BLOCK_N=block_n, BLOCK_K=block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), max(splits, 1)) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    target = out if splits == 1 else torch.empty(splits, 1, n, dtype=torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n), splits)](weight, flat, target, weight if bias is None else bias, n, k,
+                                                   k_per_split, weight.stride(0), n, HAS_BIAS=bias is not None,
+                                                   GATED=gated is not None, GELU=gated == "gelu", BLOCK_N=block_n,
+                                                   BLOCK_K=block_k, SPLIT=splits > 1)
+    if splits > 1:
+        sum_splits(target, out.view(1, n), out if bias is None else bias, bias is not None)
     return out
+
+
+@triton.jit
+def sum_splits_kernel(P, Y, BIAS, N, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``Y = sum(P[s]) (+ bias)`` over the SPLITS float32 partials of a split-K GEMV, ``[M, N]`` flat."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(P + s * MN + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + i % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+def sum_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor, has_bias: bool) -> None:
+    """``out = sum(partials) (+ bias)`` over a split-K GEMV's float32 partial sums ``[splits, M, N]``."""
+    splits, m, n = partials.shape
+    block = 1024
+    sum_splits_kernel[(triton.cdiv(m * n, block),)](partials, out, bias, n, m * n, SPLITS=splits, BLOCK=block,
+                                                     HAS_BIAS=has_bias)
