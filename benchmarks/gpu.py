@@ -45,7 +45,7 @@ import gguf
 import numpy as np
 import torch
 
-from vivace.gpu import fp8_kernels, gguf_kernels
+from vivace.gpu import gguf_kernels
 from vivace.models.dummy import PRESETS
 
 DTYPE = torch.bfloat16
@@ -310,13 +310,13 @@ def random_format_weight(weight_format: str, n: int, k: int, seed: int) -> tuple
 
 @contextlib.contextmanager
 def gemv_acc_2d(value: bool):
-    """The FP8 and GGUF GEMVs with ``GEMV_ACC_2D`` set to ``value`` inside the block."""
-    saved = fp8_kernels.GEMV_ACC_2D, gguf_kernels.GEMV_ACC_2D
-    fp8_kernels.GEMV_ACC_2D = gguf_kernels.GEMV_ACC_2D = value
+    """The FP8 and GGUF GEMVs with ``gguf_kernels.GEMV_ACC_2D`` set to ``value`` inside the block."""
+    saved = gguf_kernels.GEMV_ACC_2D
+    gguf_kernels.GEMV_ACC_2D = value
     try:
         yield
     finally:
-        fp8_kernels.GEMV_ACC_2D, gguf_kernels.GEMV_ACC_2D = saved
+        gguf_kernels.GEMV_ACC_2D = saved
 
 
 def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
@@ -344,8 +344,8 @@ def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
             gemm = timed(lambda: first(xm), 10)
             row[weight_format] = {"gemv_us": gemv * 1e6, "gemv_tb_s": nbytes / gemv / 1e12,
                                   "gemm_ms": gemm * 1e3, "gemm_tflop_s": flops / gemm / 1e12}
-            # The GEMV's other accumulation (fp8_kernels.GEMV_ACC_2D), in the same run.
-            with gemv_acc_2d(not fp8_kernels.GEMV_ACC_2D):
+            # The GEMV's other accumulation (gguf_kernels.GEMV_ACC_2D), in the same run.
+            with gemv_acc_2d(not gguf_kernels.GEMV_ACC_2D):
                 other = _time_us(lambda: [matmul(x1) for matmul in weights], 20) / 1e6 / copies
             row[weight_format]["gemv_other_acc_us"] = other * 1e6
             del weights, first
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---" * (2 + 2 * len(formats)) + "|")
         for name, g in report["format_matrices"].items():
             cells = " | ".join(f"{g[t]['gemv_us']:.1f} us, {g[t]['gemv_tb_s']:.2f} TB/s "
-                               f"({g[t]['gemv_other_acc_us']:.1f} us with ACC_2D {not fp8_kernels.GEMV_ACC_2D}) | "
+                               f"({g[t]['gemv_other_acc_us']:.1f} us with ACC_2D {not gguf_kernels.GEMV_ACC_2D}) | "
                                f"{g[t]['gemm_ms']:.3f} ms, {g[t]['gemm_tflop_s']:.0f} TFLOP/s" for t in formats)
             print(f"| {name} | {g['cublas_gemm_tflop_s']:.0f} TFLOP/s | {cells} |")
     for preset in args.presets.split(","):

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
 
-from vivace.gpu import fp8_kernels  # noqa: E402
+from vivace.gpu import fp8_kernels, gguf_kernels  # noqa: E402
 from vivace.gpu.fp8_kernels import FP8, fp8_matmul, quantize_rows, quantize_weight, scaled_mm_runs  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
@@ -50,7 +50,7 @@ def test_weight_only_matmul_equals_dequantize_then_matmul(m, with_bias, dtype) -
 @pytest.mark.parametrize("acc_2d", [False, True], ids=["reduce_each_step", "reduce_once"])
 @pytest.mark.parametrize("m", [1, 4, 8])
 def test_gemv_split_along_k_equals_unsplit(m, acc_2d, monkeypatch) -> None:
-    monkeypatch.setattr(fp8_kernels, "GEMV_ACC_2D", acc_2d)
+    monkeypatch.setattr(gguf_kernels, "GEMV_ACC_2D", acc_2d)  # the FP8 GEMV's too
     codes, scale = random_weight(N, 1024, m)
     x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(7)).to(DEVICE)

@@ -20,13 +20,13 @@ Grids and scratch sizes depend on shapes only: CUDA-graph capturable.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
+from vivace.gpu import gguf_kernels
 from vivace.gpu.gguf_kernels import gemv_accumulate, gemv_splits, num_sms, store_gemv_rows
 from vivace.gpu.kernels import DOT_F32, round_e4m3, sum_splits
 
@@ -38,11 +38,6 @@ GEMV_BLOCK_N = 16  # output rows per GEMV program
 GEMV_TILE = 4096  # weights x rows of x a GEMV program holds per step (registers)
 GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 64
 QUANT_BLOCK = 1024  # columns per step of the row quantizer
-# The GEMVs (this one, the GGUF one) sum each tile's products over K inside the loop, a cross-thread
-# reduction per step; ACC_2D keeps a [rows of x, BLOCK_N, BLOCK_K] accumulator and reduces once at
-# the end (registers as the tile's). Unmeasured on a GPU: VIVACE_GEMV_ACC_2D=1 turns it on, so that
-# benchmarks/gpu.py can time both in one device call; the default follows what it shows.
-GEMV_ACC_2D = os.environ.get("VIVACE_GEMV_ACC_2D") == "1"
 
 
 @triton.jit
@@ -209,7 +204,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torc
     bias = out if bias is None else bias
     _gemv_kernel[(row_programs, splits)](weight, scale, x, target, bias, m, n, k, k_per_split, x.stride(0), n, m * n,
                                          BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, HAS_BIAS=has_bias,
-                                         SPLIT=splits > 1, ACC_2D=GEMV_ACC_2D, num_warps=4)
+                                         SPLIT=splits > 1, ACC_2D=gguf_kernels.GEMV_ACC_2D, num_warps=4)
     if splits > 1:
         sum_splits(target, out, bias, has_bias)
     return out

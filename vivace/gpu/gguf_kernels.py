@@ -34,6 +34,7 @@ from functools import lru_cache
 
 import gguf
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -53,7 +54,10 @@ GEMV_BLOCK_N = 16  # output rows per GEMV program
 GEMV_TILE = 4096  # weights x rows of x a GEMV program holds per step (registers)
 GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 128
 PROGRAMS_PER_SM = 8  # split K until the GEMV has about this many programs per SM
-# As fp8_kernels.GEMV_ACC_2D (VIVACE_GEMV_ACC_2D=1): one reduction at the end instead of one a step.
+# The GEMVs (this one, the FP8 one) sum each tile's products over K inside the loop, a cross-thread
+# reduction per step; ACC_2D keeps a [rows of x, BLOCK_N, BLOCK_K] accumulator and reduces once at
+# the end (registers as the tile's). Unmeasured on a GPU: VIVACE_GEMV_ACC_2D=1 turns it on, so that
+# benchmarks/gpu.py can time both in one device call; the default follows what it shows.
 GEMV_ACC_2D = os.environ.get("VIVACE_GEMV_ACC_2D") == "1"
 
 
@@ -340,19 +344,12 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
     assert blocks.dtype == torch.uint8 and blocks.stride(1) == 1 and x.stride(1) == 1
     assert k % layout.block_cols == 0 and row_bytes == k // layout.block_cols * layout.block_bytes, \
         f"{ggml_type.name} blocks {tuple(blocks.shape)} do not hold {k} columns"
+    if m > GEMM_MAX_ROWS:
+        return _dequantized_matmul(x, blocks, ggml_type, bias)
     units = k // layout.unit_cols
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     bias = out if bias is None else bias
-    if m > GEMM_MAX_ROWS:
-        rows = max(DEQUANT_BLOCK_N, DEQUANT_SLICE_BYTES // (k * x.element_size()) // DEQUANT_BLOCK_N * DEQUANT_BLOCK_N)
-        for start in range(0, n, rows):
-            weight = dequantize(blocks[start:start + rows], ggml_type, k, x.dtype)
-            part = torch.nn.functional.linear(x, weight, bias[start:start + rows].to(x.dtype) if has_bias else None)
-            if rows >= n:
-                return part
-            out[:, start:start + rows] = part
-        return out
     if m > GEMV_MAX_ROWS:
         block_m = min(max(triton.next_power_of_2(m), 16), 64)
         nu = max(1, GEMM_BLOCK_K // layout.unit_cols)
@@ -375,6 +372,24 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
                                          HAS_BIAS=has_bias, SPLIT=splits > 1, ACC_2D=GEMV_ACC_2D, num_warps=4)
     if splits > 1:
         sum_splits(target, out, bias, has_bias)
+    return out
+
+
+def _dequantized_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """``gguf_matmul`` for many rows: the weight dequantized into ``x``'s dtype a slice of rows
+    (at most ``DEQUANT_SLICE_BYTES``) at a time, each slice multiplied by cuBLAS."""
+    m, k = x.shape
+    n = blocks.shape[0]
+    rows = max(DEQUANT_BLOCK_N, DEQUANT_SLICE_BYTES // (k * x.element_size()) // DEQUANT_BLOCK_N * DEQUANT_BLOCK_N)
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    if rows >= n:
+        return F.linear(x, dequantize(blocks, ggml_type, k, x.dtype), bias)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, rows):
+        out[:, start:start + rows] = F.linear(x, dequantize(blocks[start:start + rows], ggml_type, k, x.dtype),
+                                              None if bias is None else bias[start:start + rows])
     return out
 
 

@@ -394,13 +394,7 @@ class DecodeGraphs:
                     self.buckets)
 
     def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph | EagerGraph, torch.Tensor]:
-        if not self.cuda:
-            graph = EagerGraph(step)
-            return graph, graph.output
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = step()
-        return graph, output
+        return capture(step, self.pool)
 
     def _reset_padding(self, start: int) -> None:
         scratch_slot = self.runner.scratch_block * self.runner.block_size
@@ -459,9 +453,7 @@ class DecodeGraphs:
         return logits
 
     def _host(self, array: np.ndarray) -> torch.Tensor:
-        """``array`` as a tensor to copy to the device from: pinned, so the copy is asynchronous."""
-        tensor = torch.from_numpy(array)
-        return tensor.pin_memory() if self.cuda else tensor
+        return host_tensor(array, self.cuda)
 
     def replay_sampled(self, ids: list[int] | torch.Tensor, positions: list[int], tables: list[list[int]],
                        rows: list[Request | None], ahead: int = 0) -> torch.Tensor:
@@ -527,7 +519,7 @@ class PrefillGraphs:
         try:
             return cls(runner, max_tokens, max_seqs)
         except Exception as exc:  # noqa: BLE001 - a device-specific capture failure keeps the eager path
-            if not runner.device.type == "cuda":
+            if runner.device.type != "cuda":
                 raise
             logger.warning("prompt steps stay eager: their CUDA graphs did not capture (%r)", exc)
             torch.cuda.synchronize()
@@ -548,31 +540,23 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        if not self.cuda:
-            for tokens in reversed(self.buckets):
-                self._stage(EMPTY_BATCH, [], tokens)
-                graph = EagerGraph(partial(self._step, tokens))
-                self.graphs[tokens] = graph, graph.output
-            return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for tokens in self.buckets:  # compile every kernel variant before capturing
-                self._stage(EMPTY_BATCH, [], tokens)
-                self._step(tokens)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        pool = torch.cuda.graph_pool_handle()
+        pool = None
+        if self.cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for tokens in self.buckets:  # compile every kernel variant before capturing
+                    self._stage(EMPTY_BATCH, [], tokens)
+                    self._step(tokens)
+            torch.cuda.current_stream().wait_stream(stream)
+            pool = torch.cuda.graph_pool_handle()
         for tokens in reversed(self.buckets):  # largest first: the others reuse its memory
             self._stage(EMPTY_BATCH, [], tokens)
+            self.graphs[tokens] = capture(partial(self._step, tokens), pool)
+        if self.cuda:
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                output = self._step(tokens)
-            self.graphs[tokens] = graph, output
-        torch.cuda.synchronize()
-        logger.info("CUDA graphs captured for prompt steps of up to %s tokens in %d sequences", self.buckets,
-                    self.max_seqs)
+            logger.info("CUDA graphs captured for prompt steps of up to %s tokens in %d sequences", self.buckets,
+                        self.max_seqs)
 
     def _stage(self, host: HostBatch, logit_indices: list[int], tokens: int) -> None:
         """``host`` into the static buffers, padded to ``tokens`` rows (the padding sequence) and
@@ -598,8 +582,7 @@ class PrefillGraphs:
         for buffer, array in ((self.ids, ids), (self.positions, positions), (self.slots, slots),
                               (self.tables, tables), (self.seq_lens, seq_lens), (self.query_start, query_start),
                               (self.rows, rows)):
-            tensor = torch.from_numpy(array)
-            buffer[:len(array)].copy_(tensor.pin_memory() if self.cuda else tensor, non_blocking=True)
+            buffer[:len(array)].copy_(host_tensor(array, self.cuda), non_blocking=True)
 
     def replay(self, host: HostBatch, logit_indices: list[int]) -> torch.Tensor:
         """Logits ``[len(logit_indices), vocab]`` of the batch ``host`` (``holds`` it), from the
@@ -609,6 +592,25 @@ class PrefillGraphs:
         graph, logits = self.graphs[tokens]
         graph.replay()
         return logits[:len(logit_indices)]
+
+
+def capture(step: Callable[[], torch.Tensor], pool: tuple | None) -> tuple[torch.cuda.CUDAGraph | EagerGraph,
+                                                                           torch.Tensor]:
+    """``step`` as a CUDA graph in memory ``pool`` and the output it captured; without a pool (a CPU
+    device) its eager stand-in."""
+    if pool is None:
+        graph = EagerGraph(step)
+        return graph, graph.output
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):  # synchronizes the device before capturing
+        output = step()
+    return graph, output
+
+
+def host_tensor(array: np.ndarray, cuda: bool) -> torch.Tensor:
+    """``array`` as a tensor to copy to the device from: pinned on CUDA, so the copy is asynchronous."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory() if cuda else tensor
 
 
 class EagerGraph:
