@@ -13,10 +13,12 @@ values'): a stored value is the real one divided by its head's scale (``vivace.g
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 NO_WINDOW = 1 << 30  # a window no sequence reaches
 # Triton's interpreter multiplies bfloat16/float16 blocks wrongly in tl.dot (3.9: garbage): under
@@ -26,6 +28,65 @@ DOT_F32 = INTERPRETED
 LOG2E = 1.4426950408889634
 FP8_KV = torch.float8_e4m3fn
 E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value: the write clamps to it, never NaN
+
+
+# Programmatic dependent launch (compute capability 9.0 and later): a kernel launched with it may
+# start while the kernel before it in the stream or CUDA graph is still running; it lets the next
+# one start too, then waits (``pdl_wait``, griddepcontrol) until the kernels before it are done and
+# their writes are seen, before it reads or writes anything they touch. What a kernel does before
+# the wait (its programs placed on the SMs, address arithmetic) overlaps the previous kernel's
+# tail: the batch-1 decode step is ~10 short kernels a layer, each paying that ramp. Off unless
+# VIVACE_PDL=1 (or ``set_pdl``) until a GPU run shows it helps; never under the interpreter.
+_PDL = os.environ.get("VIVACE_PDL") == "1"
+
+
+def set_pdl(enabled: bool) -> None:
+    """Turn programmatic dependent launch on or off for launches from now on (graphs captured
+    before keep what they captured)."""
+    global _PDL
+    _PDL = enabled
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch keywords of a kernel that takes part in programmatic dependent launch (its ``PDL``
+    constexpr, and ``launch_pdl`` when on): on where enabled, on a GPU of compute capability 9.0+."""
+    on = _PDL and not INTERPRETED and device.type == "cuda" and _capability(device) >= (9, 0)
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    return _capabilities[index]
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """A kernel's first step under programmatic dependent launch: let the next kernel launch (its
+    programs wait in their own ``pdl_wait``), then wait for the kernels before this one. Nothing
+    without PDL."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """How a weight-only GEMV (FP8, GGUF: up to 8 rows of x) tiles its product: ``block_n``
+    output rows a program, ``block_k`` columns of K a loop step, ``splits`` programs along K
+    (None: the launcher's own choice from the GPU's size), ``acc_2d`` one reduction over K at the
+    end instead of one a step, ``num_warps``. A module's ``gemv_config`` (set at start by
+    ``forward.choose_gemv`` from timed candidates) overrides the launcher's defaults."""
+
+    block_n: int = 16
+    block_k: int = 256
+    splits: int | None = None
+    acc_2d: bool = False
+    num_warps: int = 4
 
 
 def _pow2(n: int, least: int = 1) -> int:
