@@ -165,11 +165,11 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     runner = CudaRunner(loaded, num_blocks, block_size, DTYPE, max_len, device="cuda",
                         cuda_graph_max_batch=max_batch, prefill_graph_tokens=PREFILL_GRAPH_MAX_TOKENS)
     graphs = runner.graphs
-    for name, (cublas, ours, block, splits) in runner.gemv_choices.items():
-        print(f"{preset} {weight_format or 'bf16'}: batch-1 {name}: cuBLAS {cublas:.1f} us, best Triton GEMV {ours:.1f} "
-              f"us -> {f'Triton, {block} rows a program, K in {splits}' if block else 'cuBLAS'}", flush=True)
+    for name, choice in runner.gemv_choices.items():
+        print(f"{preset} {weight_format or 'bf16'}: batch-1 {name}: default {choice.default_us:.1f} us, best candidate "
+              f"{choice.best_us:.1f} us -> {choice.kept}", flush=True)
     result: dict = {"preset": preset, "format": weight_format or "bf16", "context": context, "decode": {},
-                    "gemv_choices": runner.gemv_choices,
+                    "gemv_choices": {name: vars(choice) for name, choice in runner.gemv_choices.items()},
                     "prefill_ms": {}, "prefill_graph_ms": {}}
 
     for batch in sorted({1, *batches}):
@@ -207,9 +207,44 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
                              np.arange(-(-length // block_size), dtype=np.int32)[None, :],
                              np.array([length], dtype=np.int32), np.array([0, length], dtype=np.int32))
             result["prefill_graph_ms"][length] = timed(lambda: prompt_graphs.replay(host, [length - 1]), 10) * 1e3
+    # last: a variant whose capture fails should not cost the figures above
+    result["batch1_variants"] = launch_variants(runner, per_seq, context)
+    for name, ms in result["batch1_variants"].items():
+        print(f"{preset} {weight_format or 'bf16'}: batch-1 graph replay, {name}: "
+              f"{ms if isinstance(ms, str) else f'{ms:.3f} ms'}", flush=True)
     del runner, graphs, loaded
     torch.cuda.empty_cache()
     return result
+
+
+def launch_variants(runner, per_seq: int, context: int) -> dict[str, float | str]:
+    """The batch-1 decode graph's replay (ms, median of 200) captured anew under each launch
+    variant: norms folded into the GEMVs or launched (``forward.FOLD_NORMS``), programmatic
+    dependent launch off or on (``kernels.set_pdl``); a variant that fails gives its error."""
+    from vivace.gpu import forward as gpu_forward
+    from vivace.gpu import kernels
+    from vivace.gpu.runner import DecodeGraphs
+
+    fold, pdl = gpu_forward.FOLD_NORMS, kernels.set_pdl(False)
+    times: dict[str, float | str] = {}
+    try:
+        for folded in (True, False):
+            for pdl_on in (False, True):
+                gpu_forward.FOLD_NORMS = folded
+                kernels.set_pdl(pdl_on)
+                name = f"norms {'folded' if folded else 'launched'}, PDL {'on' if pdl_on else 'off'}"
+                try:
+                    graphs = DecodeGraphs(runner, 1)
+                    graphs.replay([1], [context], [list(range(per_seq))])
+                    times[name] = timed(graphs.graphs[1][0].replay, 200) * 1e3
+                    del graphs
+                except Exception as exc:  # PDL where the driver or capture refuses it
+                    times[name] = repr(exc)
+    finally:
+        gpu_forward.FOLD_NORMS = fold
+        kernels.set_pdl(pdl)
+    torch.cuda.synchronize()
+    return times
 
 
 def engine_itl(preset: str, context: int, tokenizer: str | None, new_tokens: int = 128, reps: int = 3) -> dict:

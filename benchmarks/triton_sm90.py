@@ -4,7 +4,7 @@ dtypes, too much shared memory, spilled registers) shows here, before any GPU ti
 
     python benchmarks/triton_sm90.py [--presets smollm2-135m,llama-3.2-1b,llama-3.1-8b] [--layers 1]
         [--formats bf16,fp8,Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K] [--models default,gemma-3-270m]
-        [--kv-dtypes bfloat16,float8_e4m3fn] [--max-batch 64] [--arch 90] [--jobs 2] [--out FILE.json]
+        [--kv-dtypes bfloat16,float8_e4m3fn] [--max-batch 64] [--arch 90] [--jobs 2] [--pdl] [--out FILE.json]
 
 Two phases, each in its own process. Recording: the CUDA runner runs on CPU tensors under
 Triton's interpreter with every launch recorded and not run, the interpreter's workarounds off
@@ -257,6 +257,8 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=64, help="the largest decode graph bucket")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--pdl", action="store_true",
+                        help="compile the kernels that take part in programmatic dependent launch with it on")
     parser.add_argument("--out", help="write every launch's result as JSON")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording process's output
     args = parser.parse_args()
@@ -268,6 +270,11 @@ def main() -> int:
         env = dict(os.environ, TRITON_INTERPRET="1")
         subprocess.run([sys.executable, __file__, *sys.argv[1:], "--record-to", str(recorded)], env=env, check=True)
         launches = json.loads(recorded.read_text())
+    if args.pdl:  # recorded off (the interpreter never launches with it): as VIVACE_PDL=1 launches them
+        for launch in launches:
+            if "PDL" in launch["args"]:
+                launch["args"]["PDL"] = True
+                launch["options"]["launch_pdl"] = True
     print(f"{len(launches)} distinct launches recorded; compiling for sm_{args.arch} on {args.jobs} processes",
           flush=True)
     os.environ["TRITON_INTERPRET"] = "0"  # vivace.gpu leaves it as set

@@ -233,3 +233,31 @@ def test_gemv_with_bias_and_the_mlp_activation_taken_as_it_loads(dtype, gated, s
     assert got.shape == (1, 37)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_folds_the_norm_before_it_and_the_residual_add_after_it(dtype, splits) -> None:
+    """A batch-1 decoder step through the GEMV alone: ``h = rms_norm(residual)`` taken as the GEMV
+    loads ``residual``, and ``residual + linear(h)`` written into ``residual`` by the GEMV (or its
+    split sum) — as the norm kernel and the unfused product round them, bit for bit up to the
+    norm's summation order."""
+    g = torch.Generator().manual_seed(12)
+    hidden, inner = 96, 40
+    residual = torch.randn(1, hidden, generator=g).to(DEVICE, dtype)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
+    up, down = (torch.randn(inner, hidden, generator=g).to(DEVICE, dtype),
+                torch.randn(hidden, inner, generator=g).to(DEVICE, dtype))
+    bias = torch.randn(hidden, generator=g).to(DEVICE, dtype)
+
+    h = kernels.rms_norm(residual, norm_weight, 1e-6)
+    want_inner = kernels.gemv(up, h, block_n=8, block_k=32, splits=splits)
+    got_inner = kernels.gemv(up, residual, block_n=8, block_k=32, splits=splits, norm_weight=norm_weight, eps=1e-6)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_inner, want_inner, rtol=tolerance, atol=tolerance)
+
+    want = (residual.float() + kernels.gemv(down, want_inner, bias, block_n=8, block_k=32).float()).to(dtype)
+    stream = residual.clone()
+    got = kernels.gemv(down, want_inner, bias, block_n=8, block_k=32, splits=splits, residual=stream)
+    assert got.data_ptr() == stream.data_ptr()
+    torch.testing.assert_close(stream, want, rtol=tolerance, atol=tolerance)

@@ -235,11 +235,20 @@ def test_batch1_gemv_in_the_forward_keeps_greedy_tokens(family, request) -> None
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
             module.gemv_block, module.gemv_splits = 4, 2
         layer.mlp.down_proj.gated_gemv_block, layer.mlp.down_proj.gated_gemv_splits = 8, 2
-    calls = []
+    calls, folded = [], set()
     gemv = kernels.gemv
-    kernels.gemv = lambda *args, **kwargs: calls.append(args[3] if len(args) > 3 else None) or gemv(*args, **kwargs)
+
+    def recording(*args, **kwargs):
+        calls.append(args[3] if len(args) > 3 else None)
+        folded.update(key for key in ("norm_weight", "residual") if kwargs.get(key) is not None)
+        return gemv(*args, **kwargs)
+
+    kernels.gemv = recording
     try:
         assert gpu.generate(PROMPTS[1], greedy())[0].outputs[0].token_ids == want
     finally:
         kernels.gemv = gemv
     assert None in calls and ("silu" in calls or "gelu" in calls)
+    # the norms fold into the GEMVs (forward.FOLD_NORMS): Llama's both ways, Gemma's input norm only
+    gemma = request.node.callspec.params["family"] == "gemma3"
+    assert folded == ({"norm_weight"} if gemma else {"norm_weight", "residual"})

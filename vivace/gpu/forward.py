@@ -7,21 +7,34 @@ Qwen3's per-head q/k norms in it), paged attention (one launch, two with split-K
 GEMM, add + RMSNorm, the gate/up GEMM, SiLU * mul, the down GEMM: 9-10 launches. A Gemma 3 layer
 adds a norm after attention and one after the MLP, and gates with GELU (tanh). Every tensor's
 shape depends on the batch's rows only, never on sequence lengths, so a CUDA graph of a decode
-step replays for any lengths. Projections go through ``gguf_linear.linear``: cuBLAS
-(``F.linear``), or the GGUF kernels for a projection kept packed, or the FP8 ones (``fp8_linear``).
+step replays for any lengths. Projections go through ``linear``: cuBLAS (``F.linear``), at batch
+1 the Triton GEMV where it was measured faster at start (``choose_gemv``), or the module's own
+forward for a GGUF projection kept packed (``gguf_linear``) or an FP8 one (``fp8_linear``).
+
+At batch 1, where the Triton GEMV serves the projections, a Llama layer launches no norm kernel:
+an RMSNorm is handed on unevaluated (``Normed``) and the q/k/v and gate/up GEMVs take it as they
+load the residual stream, and the output and down GEMVs add their results into the residual
+stream themselves (``kernels.gemv``'s ``norm_weight`` and ``residual``): 6 launches a layer
+instead of 8. Gemma 3's norms sit between the projections and the residual adds, so only its
+q/k/v takes the input norm. ``VIVACE_FOLD_NORMS=0`` (or ``FOLD_NORMS = False`` before graphs
+are captured) launches the norms as their own kernels.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from vivace.gpu import kernels
-from vivace.gpu.gguf_linear import gated_linear, linear
 from vivace.models.config import FULL, SLIDING
 from vivace.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
 from vivace.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+
+FOLD_NORMS = os.environ.get("VIVACE_FOLD_NORMS", "1") != "0"
 
 
 @dataclass
@@ -64,22 +77,90 @@ def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tens
     if model.local_rotary is not None:
         tables[SLIDING] = (model.local_rotary.cos, model.local_rotary.sin)
     layer_step = _LAYER_STEPS[type(model)]
+    adds_after_attention = layer_step is _llama_layer
     eps = model.config.rms_norm_eps
-    x, residual = model.embed(batch.input_ids), None  # Gemma scales its embeddings there
+    # The residual stream, and the last block's output not yet added into it (None: added already)
+    residual, pending = model.embed(batch.input_ids), None  # Gemma scales its embeddings there
     scales = kv_scales or [None] * len(kv_caches)
     for layer, cache, scale in zip(model.layers, kv_caches, scales, strict=True):
-        if residual is None:
-            residual, h = x, kernels.rms_norm(x, layer.input_layernorm.weight, eps)
-        else:
-            h, residual = kernels.rms_norm(x, layer.input_layernorm.weight, eps, residual)
-        x, residual = layer_step(layer, _attention(layer.self_attn, h, tables, batch, cache, scale), residual, eps)
-    return kernels.rms_norm(x, model.norm.weight, eps, residual)[0]
+        h, residual = _add_norm(pending, residual, layer.input_layernorm.weight, eps)
+        pending = _attention(layer.self_attn, h, tables, batch, cache, scale,
+                             residual if adds_after_attention else None)
+        pending, residual = layer_step(layer, pending, residual, eps)
+    h, _ = _add_norm(pending, residual, model.norm.weight, eps)
+    return h.tensor() if isinstance(h, Normed) else h
 
 
-def _attention(attn: Attention, h: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
-               batch: GpuBatch, cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """The attention block's output projection ``[num_tokens, hidden]`` for normed input ``h``;
-    writes the batch's K/V into ``cache`` (float8 with its ``kv_scale``)."""
+@dataclass
+class Normed:
+    """``rms_norm(x, weight, eps)``, not computed yet: a projection that reads it through the
+    Triton GEMV takes the norm as it loads ``x`` (no launch of its own); any other computes it."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def tensor(self) -> torch.Tensor:
+        return kernels.rms_norm(self.x, self.weight, self.eps)
+
+
+def _add_norm(pending: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+              ) -> tuple[torch.Tensor | Normed, torch.Tensor]:
+    """``(RMSNorm of residual + pending, residual + pending)``, the sum written into ``residual``
+    (one launch); with nothing pending, the norm of ``residual`` as it stands, left to its reader."""
+    if pending is None:
+        return Normed(residual, weight, eps), residual
+    return kernels.rms_norm(pending, weight, eps, residual)
+
+
+def _gemv_block(module: nn.Module, x: torch.Tensor, prefix: str) -> int:
+    """Rows a program of the Triton GEMV chosen at start for ``module`` (``{prefix}_block``) when
+    ``x`` is one row, else 0: cuBLAS, or the module's own forward."""
+    return getattr(module, f"{prefix}_block", 0) if isinstance(module, nn.Linear) and x.shape[0] == 1 else 0
+
+
+def linear(module: nn.Module, x: torch.Tensor | Normed, residual: torch.Tensor | None = None
+           ) -> torch.Tensor | None:
+    """``module``'s ``x @ W^T + b`` for ``x`` (or the norm it stands for). With ``residual``: None
+    when the product was added into ``residual`` (the Triton GEMV, norms folded), else the product,
+    for the caller to add."""
+    rows = x.x if isinstance(x, Normed) else x
+    block = _gemv_block(module, rows, "gemv")
+    if block and FOLD_NORMS:
+        norm = dict(norm_weight=x.weight, eps=x.eps) if isinstance(x, Normed) else {}
+        out = kernels.gemv(module.weight, rows, module.bias, block_n=block, splits=getattr(module, "gemv_splits", 1),
+                           residual=residual, **norm)
+        return None if residual is not None else out
+    if isinstance(x, Normed):
+        x = x.tensor()
+    if block:
+        return kernels.gemv(module.weight, x, module.bias, block_n=block, splits=getattr(module, "gemv_splits", 1))
+    if isinstance(module, nn.Linear):
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
+def gated_linear(module: nn.Module, x: torch.Tensor, gelu: bool = False, residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
+    """``linear(module, act(gate) * up, residual)`` for an MLP's ``x = [gate | up]`` (SiLU, or
+    GELU's tanh form): at batch 1 through the Triton GEMV with the activation taken as it loads
+    ``x`` where that was measured faster (``gated_gemv_block``), else the activation kernel, then
+    ``linear``."""
+    block = _gemv_block(module, x, "gated_gemv")
+    if block:
+        fold = residual is not None and FOLD_NORMS
+        out = kernels.gemv(module.weight, x, module.bias, "gelu" if gelu else "silu", block_n=block,
+                           splits=getattr(module, "gated_gemv_splits", 1), residual=residual if fold else None)
+        return None if fold else out
+    return linear(module, kernels.gelu_tanh_mul(x) if gelu else kernels.silu_mul(x), residual)
+
+
+def _attention(attn: Attention, h: torch.Tensor | Normed, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               batch: GpuBatch, cache: torch.Tensor, kv_scale: torch.Tensor | None,
+               residual: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention block's output projection ``[num_tokens, hidden]`` for normed input ``h``
+    (None where ``linear`` added it into ``residual``); writes the batch's K/V into ``cache``
+    (float8 with its ``kv_scale``)."""
     qkv = linear(attn.qkv_proj, h)
     cos, sin = tables[attn.rope_type]
     norms = {} if attn.q_norm is None else dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
@@ -92,15 +173,16 @@ def _attention(attn: Attention, h: torch.Tensor, tables: dict[str, tuple[torch.T
     else:
         o = kernels.paged_prefill_attention(q, cache, batch.block_tables, batch.query_start, batch.seq_lens,
                                             batch.max_query_len, attn.scale, attn.window, kv_scale=kv_scale)
-    return linear(attn.o_proj, o.view(o.shape[0], -1))
+    return linear(attn.o_proj, o.view(o.shape[0], -1), residual)
 
 
-def _llama_layer(layer: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the attention: ``(MLP output, residual stream)``, as ``llama.DecoderLayer`` computes them."""
-    h, residual = kernels.rms_norm(attn_out, layer.post_attention_layernorm.weight, eps, residual)
+def _llama_layer(layer: DecoderLayer, attn_out: torch.Tensor | None, residual: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """After the attention: ``(MLP output not yet added, residual stream)``, as
+    ``llama.DecoderLayer`` computes them (``attn_out`` None: added already)."""
+    h, residual = _add_norm(attn_out, residual, layer.post_attention_layernorm.weight, eps)
     mlp = layer.mlp
-    return gated_linear(mlp.down_proj, linear(mlp.gate_up_proj, h)), residual
+    return gated_linear(mlp.down_proj, linear(mlp.gate_up_proj, h), residual=residual), residual
 
 
 def _gemma3_layer(layer: Gemma3DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor, eps: float
@@ -114,43 +196,102 @@ def _gemma3_layer(layer: Gemma3DecoderLayer, attn_out: torch.Tensor, residual: t
     return kernels.rms_norm(x, layer.post_feedforward_layernorm.weight, eps), residual
 
 
+@dataclass
+class GemvChoice:
+    """What ``choose_gemv`` measured for one projection shape: the default path's µs a product
+    (cuBLAS; for FP8 and GGUF modules their launcher's own tiling), the best candidate's, and what
+    the modules keep."""
+
+    default_us: float
+    best_us: float
+    kept: str
+
+
 def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), splits: tuple[int, ...] = (1, 2, 4),
-                repeats: int = 20) -> dict:
-    """For each projection shape of the layers (float ``nn.Linear`` only), time a batch-1 product
-    of every layer's module in turn (as a decode step reads them, from HBM) through cuBLAS and
-    through ``kernels.gemv`` at each of ``blocks`` rows a program and ``splits`` K splits (those
-    leaving at least 1,024 columns a split), and mark the modules of each shape with the Triton
-    variant where it wins (``gemv_block``, ``gemv_splits``; the down projection, with its activation,
-    ``gated_gemv_block``, ``gated_gemv_splits``). CUDA only: graph replays timed by CUDA events,
-    median of ``repeats``. Returns ``{shape name: (cuBLAS µs, best Triton µs, block or 0, splits)}``
-    for the start-up log."""
-    gelu = isinstance(model, Gemma3ForCausalLM)
-    groups: dict[tuple, list[torch.nn.Module]] = {}
+                repeats: int = 20) -> dict[str, GemvChoice]:
+    """For each projection shape of the layers, time a batch-1 product of every layer's module in
+    turn (as a decode step reads them, from HBM), through the forward's own dispatch with its
+    inputs as the forward hands them (a ``Normed`` where a norm may fold in, the residual stream
+    where the product may add into it), and keep the fastest way. Float ``nn.Linear``: cuBLAS
+    against ``kernels.gemv`` at each of ``blocks`` rows a program and ``splits`` K splits (those
+    leaving at least 1,024 columns a split), the Triton variant kept where it is at least 3% faster
+    (``gemv_block``, ``gemv_splits``; the down projection, with its activation, ``gated_gemv_block``,
+    ``gated_gemv_splits``). A module with ``gemv_candidates()`` (FP8, GGUF): each of its
+    ``GemvConfig`` candidates against the launcher's defaults, the best kept as ``gemv_config``
+    where it is 3% faster. CUDA only: graph replays timed by CUDA events, median of ``repeats``."""
+    llama = not isinstance(model, Gemma3ForCausalLM)
+    eps = model.config.rms_norm_eps
+    groups: dict[tuple, list[tuple[nn.Module, torch.Tensor | None]]] = {}
     for layer in model.layers:
-        for role, module in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
-                             ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
-            if type(module) is torch.nn.Linear:
-                groups.setdefault((role, *module.weight.shape, module.bias is not None), []).append(module)
+        attn, mlp = layer.self_attn, layer.mlp
+        for role, module, norm in (("qkv", attn.qkv_proj, layer.input_layernorm.weight), ("o", attn.o_proj, None),
+                                   ("gate_up", mlp.gate_up_proj, layer.post_attention_layernorm.weight if llama else None),
+                                   ("down", mlp.down_proj, None)):
+            if type(module) is nn.Linear or hasattr(module, "gemv_candidates"):
+                ggml_type = getattr(module, "ggml_type", None)
+                key = (role, type(module).__name__, ggml_type.name if ggml_type is not None else "",
+                       module.out_features, module.in_features, module.bias is not None)
+                groups.setdefault(key, []).append((module, norm))
     chosen = {}
-    for (role, n, k, _), modules in groups.items():
-        down = role == "down"
-        prefix = "gated_gemv" if down else "gemv"
-        x = torch.randn(1, 2 * k if down else k, dtype=modules[0].weight.dtype, device=modules[0].weight.device)
-        candidates = [(0, 1)] + [(b, s) for b in blocks for s in splits if s == 1 or k // s >= 1024]
-        times = {}
-        for block, split in candidates:  # block 0: cuBLAS; each timed through the forward's own dispatch
-            for module in modules:
-                setattr(module, f"{prefix}_block", block)
-                setattr(module, f"{prefix}_splits", split)
-            times[block, split] = _time_us(lambda: [gated_linear(m, x, gelu) if down else linear(m, x)
-                                                    for m in modules], repeats) / len(modules)
-        best = min(candidates[1:], key=times.get)
-        block, split = best if times[best] < 0.97 * times[0, 1] else (0, 1)
+    for (role, kind, ggml_type, n, k, _), members in groups.items():
+        like = dict(dtype=model.norm.weight.dtype, device=model.norm.weight.device)  # the activations'
+        x = torch.randn(1, 2 * k if role == "down" else k, **like)
+        residual = torch.randn(1, n, **like) if llama and role in ("o", "down") else None
+
+        def products(members=members, x=x, residual=residual, role=role) -> None:
+            for module, norm in members:
+                if role == "down":
+                    gated_linear(module, x, not llama, residual)
+                else:
+                    linear(module, x if norm is None else Normed(x, norm, eps), residual)
+
+        name = f"{role} {n}x{k}" + ("" if kind == "Linear" else f" {ggml_type or kind}")
+        modules = [module for module, _ in members]
+        choose = _choose_float if kind == "Linear" else _choose_config
+        chosen[name] = choose(modules, role, k, products, blocks, splits, repeats)
+    return chosen
+
+
+def _choose_float(modules: list[nn.Linear], role: str, k: int, products, blocks: tuple[int, ...],
+                  splits: tuple[int, ...], repeats: int) -> GemvChoice:
+    prefix = "gated_gemv" if role == "down" else "gemv"
+    candidates = [(0, 1)] + [(b, s) for b in blocks for s in splits if s == 1 or k // s >= 1024]
+
+    def keep(block: int, split: int) -> None:
         for module in modules:
             setattr(module, f"{prefix}_block", block)
             setattr(module, f"{prefix}_splits", split)
-        chosen[f"{role} {n}x{k}"] = (times[0, 1], times[best], block, split)
-    return chosen
+
+    times = {}
+    for block, split in candidates:  # block 0: cuBLAS
+        keep(block, split)
+        times[block, split] = _time_us(products, repeats) / len(modules)
+    best = min(candidates[1:], key=times.get)
+    kept = best if times[best] < 0.97 * times[0, 1] else (0, 1)
+    keep(*kept)
+    return GemvChoice(times[0, 1], times[best],
+                      f"Triton GEMV, {kept[0]} rows a program, K in {kept[1]}" if kept[0] else "cuBLAS")
+
+
+def _choose_config(modules: list[nn.Module], role: str, k: int, products, blocks: tuple[int, ...],
+                   splits: tuple[int, ...], repeats: int) -> GemvChoice:
+    candidates = modules[0].gemv_candidates()
+
+    def keep(config: kernels.GemvConfig | None) -> None:
+        for module in modules:
+            module.gemv_config = config
+
+    keep(None)
+    default = _time_us(products, repeats) / len(modules)
+    times = []
+    for config in candidates:
+        keep(config)
+        times.append(_time_us(products, repeats) / len(modules))
+    best = min(range(len(candidates)), key=times.__getitem__, default=None)
+    kept = candidates[best] if best is not None and times[best] < 0.97 * default else None
+    keep(kept)
+    return GemvChoice(default, default if best is None else times[best],
+                      "defaults" if kept is None else str(kept).removeprefix("GemvConfig"))
 
 
 def _time_us(fn, repeats: int) -> float:

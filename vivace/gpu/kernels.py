@@ -40,11 +40,12 @@ E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value: the write clamps 
 _PDL = os.environ.get("VIVACE_PDL") == "1"
 
 
-def set_pdl(enabled: bool) -> None:
+def set_pdl(enabled: bool) -> bool:
     """Turn programmatic dependent launch on or off for launches from now on (graphs captured
-    before keep what they captured)."""
+    before keep what they captured); returns the setting it replaces."""
     global _PDL
-    _PDL = enabled
+    before, _PDL = _PDL, enabled
+    return before
 
 
 def pdl(device: torch.device) -> dict:
@@ -194,9 +195,10 @@ def _decode_attention_kernel(
     stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: one sequence, one KV head with its GROUP query heads, one split of the keys."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -244,8 +246,10 @@ def _decode_attention_kernel(
 def _combine_splits_kernel(
     PARTIAL, M_IN, L_IN, OUT, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (sequence, head): the splits' partial outputs weighted by their softmax mass."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -286,7 +290,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     block_d, block_g = _pow2(head_dim, 16), _pow2(group, 16)  # the query heads padded to tl.dot's 16 rows
     consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
                   BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8,
-                  **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)))
+                  **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
     args = (float(scale) * LOG2E, int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads, block_tables.stride(0))
     scales = kv_scale if fp8 else q
@@ -304,7 +308,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     _combine_splits_kernel[(num_seqs, num_heads)](
         partial, m, l, out, partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0), m.stride(1),
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 2), HEAD_DIM=head_dim,
-        BLOCK_D=block_d)
+        BLOCK_D=block_d, **pdl(q.device))
     return out
 
 
@@ -314,9 +318,10 @@ def _prefill_attention_kernel(
     scale_log2, window,
     stride_qt, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_sk, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_M consecutive queries of one sequence, one query head."""
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     mblk = tl.program_id(1)
     h = tl.program_id(2)
@@ -381,7 +386,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         kv_cache.stride(2), kv_cache.stride(3), num_kv_heads, block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8,
-        **attention_launch(block_m, block_d, block_n, _dot_itemsize(q, kv_cache)))
+        **attention_launch(block_m, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
     return out
 
 
@@ -424,11 +429,12 @@ def _rotary_kv_write_kernel(
     QKV, COS, SIN, POSITIONS, SLOTS, Q_OUT, CACHE, KV_SCALE, Q_NORM, K_NORM, eps,
     stride_t, stride_cos, stride_qt, stride_qh, stride_kv, stride_slot, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: one token, one head of q or k (k's program also stores v): with QK_NORM the
     head's RMSNorm (q's or k's weight) first, then the rotation of pairs (i, i + HEAD_DIM/2) by the
     token's position; q to Q_OUT, k and v to the token's slot (quantized with KV_FP8)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     i = tl.arange(0, BLOCK_HALF)
@@ -493,7 +499,7 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
         q_norm if norm else qkv, k_norm if norm else qkv, eps, qkv.stride(0), cos.stride(0), q_out.stride(0),
         q_out.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=_pow2(half), QK_NORM=norm,
-        KV_FP8=fp8, num_warps=1)  # a program is one head: 64 pairs for head_dim 128
+        KV_FP8=fp8, num_warps=1, **pdl(qkv.device))  # a program is one head: 64 pairs for head_dim 128
     return q_out
 
 
@@ -502,8 +508,9 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
 
 @triton.jit
 def _rms_norm_kernel(X, RES, W, OUT, stride_x, stride_r, stride_o, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per row: (residual += x), then RMSNorm of it, as Hugging Face rounds it."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -533,7 +540,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res = x if residual is None else residual
     _rms_norm_kernel[(num_tokens,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
                                     HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
-                                    BLOCK=_pow2(hidden), num_warps=_row_warps(_pow2(hidden)))
+                                    BLOCK=_pow2(hidden), num_warps=_row_warps(_pow2(hidden)), **pdl(x.device))
     return out if residual is None else (out, residual)
 
 
@@ -556,8 +563,10 @@ def _gated_product(gate, up, GELU: tl.constexpr):
 
 
 @triton.jit
-def _gated_activation_kernel(X, OUT, stride_x, stride_o, WIDTH, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_activation_kernel(X, OUT, stride_x, stride_o, WIDTH, GELU: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
     """``act(gate) * up`` (``_gated_product``) for one row's BLOCK columns."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < WIDTH
@@ -571,7 +580,7 @@ def _gated_activation(x: torch.Tensor, gelu: bool, out: torch.Tensor | None, blo
     out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device) if out is None else out
     block = min(block, _pow2(width))
     _gated_activation_kernel[(num_tokens, triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width,
-                                                                      GELU=gelu, BLOCK=block)
+                                                                      GELU=gelu, BLOCK=block, **pdl(x.device))
     return out
 
 
@@ -590,82 +599,139 @@ def gelu_tanh_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int =
 
 
 @triton.jit
-def _gemv_kernel(W, X, Y, BIAS, N, K, k_per_split, stride_w, stride_ys, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr):
+def _gemv_x(X, NORM_W, cols, col_mask, K, inv, GATED: tl.constexpr, GELU: tl.constexpr, NORM: tl.constexpr):
+    """The tile ``cols`` of the GEMV's vector in float32, as the product reads it: GATED, ``act(gate)
+    * up`` of ``X = [gate | up]``; NORM, ``X``'s RMSNorm (``inv``: its reciprocal root mean square)
+    times ``NORM_W``, rounded as ``rms_norm`` rounds it; else ``X`` as it is."""
+    if GATED:
+        gate = tl.load(X + cols, mask=col_mask, other=0.0)
+        up = tl.load(X + K + cols, mask=col_mask, other=0.0)
+        x = _gated_product(gate, up, GELU)
+    else:
+        x = tl.load(X + cols, mask=col_mask, other=0.0)
+        if NORM:
+            w = tl.load(NORM_W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            x = ((x.to(tl.float32) * inv).to(x.dtype).to(tl.float32) * w).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rms_inv(X, K, eps, BLOCK_K: tl.constexpr):
+    """``1 / sqrt(mean(X^2) + eps)`` over X's K values, in float32."""
+    squares = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+        squares += x * x
+    return tl.rsqrt(tl.sum(squares, 0) / K + eps)
+
+
+@triton.jit
+def _gemv_kernel(W, X, Y, BIAS, NORM_W, RES, N, K, k_per_split, stride_w, stride_ys, eps, HAS_BIAS: tl.constexpr,
+                 GATED: tl.constexpr, GELU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_N rows of ``W`` against ``x``, the columns of one split of K in BLOCK_K
     tiles, float32 accumulation. GATED: ``x`` is ``[gate | up]`` (2K values) and the product takes
     ``act(gate) * up`` (``_gated_product``), so an MLP's down projection needs no launch of its own
-    for the activation. Split, it writes float32 partial sums ``Y[split]`` (``sum_splits`` adds
-    them and the bias); else the result (+ bias) in Y's dtype."""
+    for the activation. NORM: ``x`` is the residual stream and the product takes its RMSNorm (weight
+    NORM_W), each program finding the root mean square over all of x itself (K values from L2),
+    so the norm needs no launch either. Split, it writes float32 partial sums ``Y[split]``
+    (``sum_splits`` adds them, the bias and RES); else the result (+ bias), rounded to Y's dtype,
+    (RESIDUAL: + RES, rounded again, as ``residual + linear(x)`` rounds) in Y's dtype. Y may be RES:
+    a program reads its rows of RES before it writes them, and no other program touches them."""
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     row_mask = rows < N
+    w_rows = W + rows.to(tl.int64)[:, None] * stride_w
     lo = split * k_per_split
     hi = tl.minimum(lo + k_per_split, K)
+    inv = 1.0
+    if NORM:
+        inv = _rms_inv(X, K, eps, BLOCK_K)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_mask = cols < hi
-        if GATED:
-            gate = tl.load(X + cols, mask=col_mask, other=0.0)
-            up = tl.load(X + K + cols, mask=col_mask, other=0.0)
-            x = _gated_product(gate, up, GELU).to(tl.float32)
-        else:
-            x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
-        w = tl.load(W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :],
-                    mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], 1)
+        x = _gemv_x(X, NORM_W, cols, col_mask, K, inv, GATED, GELU, NORM)
+        w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
     if SPLIT:
         tl.store(Y + split * stride_ys + rows, acc, mask=row_mask)
     else:
-        if HAS_BIAS:
-            acc += tl.load(BIAS + rows, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=row_mask)
+        _store_rows(acc, Y, BIAS, RES, rows, row_mask, N, HAS_BIAS, RESIDUAL)
+
+
+@triton.jit
+def _store_rows(acc, Y, BIAS, RES, i, mask, N, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """A linear layer's float32 outputs ``acc`` at flat indices ``i`` of Y ``[M, N]``: + bias
+    (``[N]``), rounded to Y's dtype; RESIDUAL: + RES (``[M, N]``), rounded again."""
+    if HAS_BIAS:
+        acc += tl.load(BIAS + i % N, mask=mask, other=0.0).to(tl.float32)
+    y = acc.to(Y.dtype.element_ty)
+    if RESIDUAL:
+        y = (y.to(tl.float32) + tl.load(RES + i, mask=mask, other=0.0).to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + i, y, mask=mask)
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None, gated: str | None = None,
-         out: torch.Tensor | None = None, block_n: int = 8, block_k: int = 512, splits: int = 1) -> torch.Tensor:
+         out: torch.Tensor | None = None, block_n: int = 8, block_k: int = 512, splits: int = 1,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None
+         ) -> torch.Tensor:
     """``x @ weight.T + bias`` for one row ``x`` (``[K]`` or ``[1, K]``; the result has its shape
     with N for K): a batch-1 linear layer. ``gated`` "silu" or "gelu": ``x`` is an MLP's
     ``[gate | up]`` (``[2K]``), multiplied as ``silu_mul(x)`` / ``gelu_tanh_mul(x)`` would give it.
+    ``norm_weight``: ``x`` is the residual stream, multiplied as ``rms_norm(x, norm_weight, eps)``
+    would give it. ``residual``: returns ``residual + x @ weight.T + bias``, written into
+    ``residual`` (unless ``out`` is given), as the layer's ``residual + linear(...)``; so a
+    decoder layer at batch 1 needs no norm launches when its projections all take the GEMV.
     ``splits`` > 1 splits K among that many programs a row block (float32 partials, summed by a
     second launch): more loads in flight for a long K (an MLP's down projection).
     The forward uses it for the projections where it beat cuBLAS at start (``forward.choose_gemv``)."""
     n, k = weight.shape
     flat = x.reshape(-1)
     assert weight.stride(1) == 1 and flat.is_contiguous() and flat.numel() == (2 * k if gated else k)
+    assert gated is None or norm_weight is None
     shape = (*x.shape[:-1], n)
-    out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    if out is None:
+        out = residual if residual is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    assert residual is None or (residual.is_contiguous() and residual.numel() == n)
     block_k = min(block_k, _pow2(k, 16))
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), max(splits, 1)) * block_k
     splits = triton.cdiv(k, k_per_split)
     target = out if splits == 1 else torch.empty(splits, 1, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n), splits)](weight, flat, target, weight if bias is None else bias, n, k,
-                                                   k_per_split, weight.stride(0), n, HAS_BIAS=bias is not None,
-                                                   GATED=gated is not None, GELU=gated == "gelu", BLOCK_N=block_n,
-                                                   BLOCK_K=block_k, SPLIT=splits > 1)
+    bias_or_any = weight if bias is None else bias
+    res_or_any = out if residual is None else residual
+    _gemv_kernel[(triton.cdiv(n, block_n), splits)](
+        weight, flat, target, bias_or_any, weight if norm_weight is None else norm_weight, res_or_any, n, k,
+        k_per_split, weight.stride(0), n, float(eps), HAS_BIAS=bias is not None, GATED=gated is not None,
+        GELU=gated == "gelu", NORM=norm_weight is not None, RESIDUAL=residual is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT=splits > 1, **pdl(x.device))
     if splits > 1:
-        sum_splits(target, out.view(1, n), out if bias is None else bias, bias is not None)
+        sum_splits(target, out.view(1, n), bias_or_any, bias is not None, residual)
     return out
 
 
 @triton.jit
-def sum_splits_kernel(P, Y, BIAS, N, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``Y = sum(P[s]) (+ bias)`` over the SPLITS float32 partials of a split-K GEMV, ``[M, N]`` flat."""
+def sum_splits_kernel(P, Y, BIAS, RES, N, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """``Y = sum(P[s]) (+ bias) (+ RES)`` over the SPLITS float32 partials of a split-K GEMV,
+    ``[M, N]`` flat, rounded as ``_store_rows`` rounds."""
+    pdl_wait(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(SPLITS):
         acc += tl.load(P + s * MN + i, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + i % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=mask)
+    _store_rows(acc, Y, BIAS, RES, i, mask, N, HAS_BIAS, RESIDUAL)
 
 
-def sum_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor, has_bias: bool) -> None:
-    """``out = sum(partials) (+ bias)`` over a split-K GEMV's float32 partial sums ``[splits, M, N]``."""
+def sum_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor, has_bias: bool,
+               residual: torch.Tensor | None = None) -> None:
+    """``out = sum(partials) (+ bias) (+ residual)`` over a split-K GEMV's float32 partial sums
+    ``[splits, M, N]``."""
     splits, m, n = partials.shape
     block = 1024
-    sum_splits_kernel[(triton.cdiv(m * n, block),)](partials, out, bias, n, m * n, SPLITS=splits, BLOCK=block,
-                                                     HAS_BIAS=has_bias)
+    sum_splits_kernel[(triton.cdiv(m * n, block),)](partials, out, bias, out if residual is None else residual, n,
+                                                     m * n, SPLITS=splits, BLOCK=block, HAS_BIAS=has_bias,
+                                                     RESIDUAL=residual is not None, **pdl(partials.device))

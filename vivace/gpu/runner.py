@@ -105,9 +105,9 @@ class CudaRunner:
                                      loaded.config.eos_token_ids, seed, self.device)
         # Batch-1 projections through the Triton GEMV where it beats cuBLAS on this GPU (timed now).
         self.gemv_choices = choose_gemv(self.model) if self.device.type == "cuda" else {}
-        for name, (cublas, ours, block, splits) in self.gemv_choices.items():
-            logger.info("batch-1 %s: cuBLAS %.1f us, Triton GEMV %.1f us: %s", name, cublas, ours,
-                        f"Triton, {block} rows a program, K in {splits}" if block else "cuBLAS")
+        for name, choice in self.gemv_choices.items():
+            logger.info("batch-1 %s: default %.1f us, best candidate %.1f us: %s", name, choice.default_us,
+                        choice.best_us, choice.kept)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch:  # on a CPU device (tests), eager stand-ins for the graphs
             self.graphs = DecodeGraphs(self, cuda_graph_max_batch, min(verify_batch, cuda_graph_max_batch),
