@@ -26,7 +26,10 @@ bf16 weights; the LM head stays bf16): batch 1 and ``--fp8-batches``; its matrix
 GEMV and ``torch._scaled_mm`` with per-token activation scales (the quantization included).
 With ``--kv-dtypes``, per preset: the decode step of many streams (``--kv-batches``) at
 each of ``--kv-contexts`` with the KV cache in each dtype (``fp8``: float8 e4m3, one byte a value),
-tokens/s and the ratio to the first dtype; ``--kv-only`` runs only these. Prints a table per
+tokens/s and the ratio to the first dtype; ``--kv-only`` runs only these. For every preset and
+format, the batch-1 graph is also captured and timed under each launch variant (norms and rotary
+folded into the GEMVs and the decode attention or launched on their own, programmatic dependent
+launch off or on: ``launch_variants``). Prints a table per
 preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
 """
 
@@ -219,29 +222,32 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
 
 def launch_variants(runner, per_seq: int, context: int) -> dict[str, float | str]:
     """The batch-1 decode graph's replay (ms, median of 200) captured anew under each launch
-    variant: norms folded into the GEMVs or launched (``forward.FOLD_NORMS``), programmatic
+    variant: the norms folded into the GEMVs or launched (``forward.FOLD_NORMS``), rotary + K/V
+    write folded into the decode attention or launched (``forward.FOLD_ROPE``), programmatic
     dependent launch off or on (``kernels.set_pdl``); a variant that fails gives its error."""
     from vivace.gpu import forward as gpu_forward
     from vivace.gpu import kernels
     from vivace.gpu.runner import DecodeGraphs
 
-    fold, pdl = gpu_forward.FOLD_NORMS, kernels.set_pdl(False)
+    saved = gpu_forward.FOLD_NORMS, gpu_forward.FOLD_ROPE, kernels.set_pdl(False)
+    variants = [(True, True, False), (True, True, True), (False, False, False), (False, False, True),
+                (True, False, False), (False, True, False)]
     times: dict[str, float | str] = {}
     try:
-        for folded in (True, False):
-            for pdl_on in (False, True):
-                gpu_forward.FOLD_NORMS = folded
-                kernels.set_pdl(pdl_on)
-                name = f"norms {'folded' if folded else 'launched'}, PDL {'on' if pdl_on else 'off'}"
-                try:
-                    graphs = DecodeGraphs(runner, 1)
-                    graphs.replay([1], [context], [list(range(per_seq))])
-                    times[name] = timed(graphs.graphs[1][0].replay, 200) * 1e3
-                    del graphs
-                except Exception as exc:  # PDL where the driver or capture refuses it
-                    times[name] = repr(exc)
+        for norms, rope, pdl_on in variants:
+            gpu_forward.FOLD_NORMS, gpu_forward.FOLD_ROPE = norms, rope
+            kernels.set_pdl(pdl_on)
+            name = (f"norms {'folded' if norms else 'launched'}, rotary {'folded' if rope else 'launched'}, "
+                    f"PDL {'on' if pdl_on else 'off'}")
+            try:
+                graphs = DecodeGraphs(runner, 1)
+                graphs.replay([1], [context], [list(range(per_seq))])
+                times[name] = timed(graphs.graphs[1][0].replay, 200) * 1e3
+                del graphs
+            except Exception as exc:  # PDL where the driver or capture refuses it
+                times[name] = repr(exc)
     finally:
-        gpu_forward.FOLD_NORMS = fold
+        gpu_forward.FOLD_NORMS, gpu_forward.FOLD_ROPE, pdl = saved
         kernels.set_pdl(pdl)
     torch.cuda.synchronize()
     return times

@@ -261,3 +261,40 @@ def test_gemv_folds_the_norm_before_it_and_the_residual_add_after_it(dtype, spli
     got = kernels.gemv(down, want_inner, bias, block_n=8, block_k=32, splits=splits, residual=stream)
     assert got.data_ptr() == stream.data_ptr()
     torch.testing.assert_close(stream, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("splits, window, qk_norm, dtype", [(1, None, False, torch.float32),
+                                                            (3, 5, True, torch.float32),
+                                                            (4, None, False, torch.bfloat16),
+                                                            (2, None, True, kernels.FP8_KV)])
+def test_rotary_decode_attention_is_the_rotary_write_then_the_decode_attention(splits, window, qk_norm,
+                                                                               dtype) -> None:
+    """The decode step's fused launch against the two it replaces, on a cache of ``dtype``: the same
+    cache afterwards (bit for bit) and the same attention output (float32: to summation order;
+    16 and 8 bits: to the rounding of the probabilities)."""
+    heads, kv_heads, head_dim, lengths, eps = 6, 2, 16, [1, 7, 19], 1e-6
+    g = torch.Generator().manual_seed(13)
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, torch.float32)
+    cos, sin = rotary.cos.to(DEVICE), rotary.sin.to(DEVICE)
+    qkv_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, qkv_dtype)
+    q_norm, k_norm = ((torch.randn(head_dim, generator=g) + 1).to(DEVICE, qkv_dtype) if qk_norm else None
+                      for _ in range(2))
+    cache = random_cache(16, kv_heads, head_dim).clamp(-8, 8).to(dtype)
+    kv_scale = torch.tensor([[0.5, 0.25], [0.5, 1.0]], device=DEVICE) if dtype == kernels.FP8_KV else None
+    tables = tables_for(lengths, 16)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    positions = seq_lens.long() - 1
+    slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lengths)],
+                         device=DEVICE)
+    norms = dict(q_norm=q_norm, k_norm=k_norm, eps=eps)
+
+    want_cache = cache.clone()
+    q = kernels.rotary_kv_write(qkv, cos, sin, positions, slots, want_cache, heads, kv_scale=kv_scale, **norms)
+    want = kernels.paged_decode_attention(q, want_cache, as_tensor(tables), seq_lens, head_dim ** -0.5, window,
+                                          num_splits=splits, block_n=16, kv_scale=kv_scale)
+    got = kernels.rotary_decode_attention(qkv, cos, sin, positions, slots, cache, heads, as_tensor(tables), seq_lens,
+                                          head_dim ** -0.5, window, splits, kv_scale=kv_scale, block_n=16, **norms)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)

@@ -18,6 +18,10 @@ stream themselves (``kernels.gemv``'s ``norm_weight`` and ``residual``): 6 launc
 instead of 8. Gemma 3's norms sit between the projections and the residual adds, so only its
 q/k/v takes the input norm. ``VIVACE_FOLD_NORMS=0`` (or ``FOLD_NORMS = False`` before graphs
 are captured) launches the norms as their own kernels.
+
+A decode batch (any size) has no launch of its own for rotary + K/V write either: the decode
+attention kernel rotates the queries it holds and writes the new token's key and value
+(``kernels.rotary_decode_attention``); ``VIVACE_FOLD_ROPE=0`` launches ``rotary_kv_write``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from vivace.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
 from vivace.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 
 FOLD_NORMS = os.environ.get("VIVACE_FOLD_NORMS", "1") != "0"
+FOLD_ROPE = os.environ.get("VIVACE_FOLD_ROPE", "1") != "0"
 
 
 @dataclass
@@ -165,6 +170,11 @@ def _attention(attn: Attention, h: torch.Tensor | Normed, tables: dict[str, tupl
     cos, sin = tables[attn.rope_type]
     norms = {} if attn.q_norm is None else dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
                                                   eps=attn.q_norm.eps)
+    if batch.query_start is None and FOLD_ROPE:
+        o = kernels.rotary_decode_attention(qkv, cos, sin, batch.positions, batch.slot_mapping, cache,
+                                            attn.num_heads, batch.block_tables, batch.seq_lens, attn.scale,
+                                            attn.window, batch.num_splits, kv_scale=kv_scale, **norms)
+        return linear(attn.o_proj, o.view(o.shape[0], -1), residual)
     q = kernels.rotary_kv_write(qkv, cos, sin, batch.positions, batch.slot_mapping, cache, attn.num_heads,
                                 kv_scale=kv_scale, **norms)
     if batch.query_start is None:

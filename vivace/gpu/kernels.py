@@ -167,14 +167,26 @@ def _head_scales(KV_SCALE, kvh, stride_sk, scale_log2, KV_FP8: tl.constexpr):
 
 
 @triton.jit
+def _scores(q, k, DOT_F32: tl.constexpr):
+    """``q @ k^T`` in float32 (``tl.dot`` of the tiles as stored, or of their float32 values)."""
+    if DOT_F32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    return s
+
+
+@triton.jit
 def _online_softmax_step(q, k, v, visible, m, l, acc, scale_log2, DOT_F32: tl.constexpr):
     """Flash attention's update of the running max ``m``, sum ``l`` and output ``acc`` of the
     queries ``q`` by one tile of keys/values, where ``visible`` says which query sees which key."""
-    if DOT_F32:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
-    else:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-    s = tl.where(visible, s, float("-inf"))
+    return _softmax_update(_scores(q, k, DOT_F32), v, visible, m, l, acc, scale_log2, DOT_F32)
+
+
+@triton.jit
+def _softmax_update(s, v, visible, m, l, acc, scale_log2, DOT_F32: tl.constexpr):
+    """``_online_softmax_step`` from the tile's raw scores ``s``."""
+    s = tl.where(visible, s * scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_sub[:, None])
@@ -188,16 +200,43 @@ def _online_softmax_step(q, k, v, visible, m, l, acc, scale_log2, DOT_F32: tl.co
 
 
 @triton.jit
+def _rotated_heads(ROW, heads, h_mask, i, i_mask, cos, sin, NORM_W, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                   QK_NORM: tl.constexpr):
+    """Heads ``heads`` of the q/k/v row at ROW as ``rotary_kv_write`` computes them, as halves
+    ``[len(heads), BLOCK_HALF]`` in float32: (QK_NORM: each head RMS-normed with NORM_W, rounded
+    as ``_head_rms_norm`` rounds,) then rotated by ``cos``, ``sin`` (``[BLOCK_HALF]``)."""
+    mask = h_mask[:, None] & i_mask[None, :]
+    src = ROW + heads[:, None] * HEAD_DIM + i[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        dtype = ROW.dtype.element_ty
+        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(NORM_W + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(NORM_W + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
 def _decode_attention_kernel(
-    Q, CACHE, KV_SCALE, BLOCK_TABLES, SEQ_LENS, OUT, M_OUT, L_OUT,
-    scale_log2, window,
+    Q, CACHE, KV_SCALE, BLOCK_TABLES, SEQ_LENS, OUT, M_OUT, L_OUT, COS, SIN, POSITIONS, SLOTS, Q_NORM, K_NORM,
+    scale_log2, window, eps,
     stride_qb, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_sk, stride_bt,
-    stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
+    stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_cos,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
-    KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, ROPE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program: one sequence, one KV head with its GROUP query heads, one split of the keys."""
+    """One program: one sequence, one KV head with its GROUP query heads, one split of the keys.
+    Queries and keys are multiplied as halves (``[.., :HALF]`` and ``[.., HALF:]``, two dots),
+    the halves a rotation pairs. ROPE: Q is the q/k/v projection's rows and this kernel does
+    ``rotary_kv_write``'s work too: it rotates the query heads itself (every split), and the split
+    that holds the new token (position ``seq_len - 1``) rotates its key, stores key and value at
+    the token's slot, and attends it from registers, as stored: no program reads that slot, so
+    no write and read of one address meet within the launch."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -210,24 +249,49 @@ def _decode_attention_kernel(
     hi = tl.minimum(lo + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
+    i = tl.arange(0, BLOCK_HALF)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     g_mask = g < GROUP
+    i_mask = i < HALF
     d_mask = d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if ROPE:
+        row = Q + b.to(tl.int64) * stride_qb
+        pos = tl.load(POSITIONS + b).to(tl.int64)
+        cos = tl.load(COS + pos * stride_cos + i, mask=i_mask, other=0.0).to(tl.float32)
+        sin = tl.load(SIN + pos * stride_cos + i, mask=i_mask, other=0.0).to(tl.float32)
+        q1, q2 = _rotated_heads(row, heads, g_mask, i, i_mask, cos, sin, Q_NORM, eps, HEAD_DIM, HALF, QK_NORM)
+        q1, q2 = q1.to(Q.dtype.element_ty), q2.to(Q.dtype.element_ty)  # as the rotary kernel stores q
+        cached = hi - (lo <= seq_len - 1).to(tl.int32) * (seq_len - 1 < hi).to(tl.int32)  # the new token aside
+    else:
+        q_rows = Q + b * stride_qb + heads[:, None] * stride_qh + i[None, :]
+        q_mask = g_mask[:, None] & i_mask[None, :]
+        q1 = tl.load(q_rows, mask=q_mask, other=0.0)
+        q2 = tl.load(q_rows + HALF, mask=q_mask, other=0.0)
+        cached = hi
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    table = BLOCK_TABLES + b * stride_bt
+    for n0 in range(lo, cached, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < hi
-        k, v = _paged_kv_tile(CACHE, BLOCK_TABLES + b * stride_bt, n, n_mask, d, d_mask, kvh,
-                              stride_kv, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        n_mask = n < cached
+        page = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        keys = CACHE + page[:, None] * stride_cb + (n % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch
+        k_mask = n_mask[:, None] & i_mask[None, :]
+        k1 = tl.load(keys + i[None, :], mask=k_mask, other=0.0)
+        k2 = tl.load(keys + HALF + i[None, :], mask=k_mask, other=0.0)
+        v = tl.load(keys + stride_kv + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         if KV_FP8:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        m, l, acc = _online_softmax_step(q, k, v, n_mask[None, :], m, l, acc, scale_log2, DOT_F32)
+            k1, k2, v = k1.to(q1.dtype), k2.to(q1.dtype), v.to(q1.dtype)
+        s = _scores(q1, k1, DOT_F32) + _scores(q2, k2, DOT_F32)
+        m, l, acc = _softmax_update(s, v, n_mask[None, :], m, l, acc, scale_log2, DOT_F32)
+    if ROPE:
+        if cached < hi:
+            m, l, acc = _new_token(row, kvh, i, i_mask, d, d_mask, cos, sin, K_NORM, eps, CACHE, KV_SCALE, SLOTS,
+                                   b, stride_kv, stride_cs, stride_ch, q1, q2, m, l, acc, scale_log2,
+                                   HEAD_DIM, HALF, NUM_HEADS, NUM_KV_HEADS, QK_NORM, KV_FP8)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if KV_FP8:
         out = out * v_scale
@@ -240,6 +304,34 @@ def _decode_attention_kernel(
                  mask=o_mask)
         tl.store(M_OUT + b * stride_mb + heads * stride_mh + split, m, mask=g_mask)
         tl.store(L_OUT + b * stride_mb + heads * stride_mh + split, l, mask=g_mask)
+
+
+@triton.jit
+def _new_token(row, kvh, i, i_mask, d, d_mask, cos, sin, K_NORM, eps, CACHE, KV_SCALE, SLOTS, b,
+               stride_kv, stride_cs, stride_ch, q1, q2, m, l, acc, scale_log2,
+               HEAD_DIM: tl.constexpr, HALF: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+               QK_NORM: tl.constexpr, KV_FP8: tl.constexpr):
+    """The decode token's key (rotated) and value of KV head ``kvh`` stored at its slot, as
+    ``rotary_kv_write`` stores them, and attended by the queries from registers, as the cache now
+    holds them (float8: the stored codes; the head's scales are in ``scale_log2`` and applied to
+    the output already)."""
+    one = tl.arange(0, 1)
+    k1, k2 = _rotated_heads(row + NUM_HEADS * HEAD_DIM, kvh + one, one < 1, i, i_mask, cos, sin, K_NORM, eps,
+                            HEAD_DIM, HALF, QK_NORM)
+    v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)
+    dst = CACHE + tl.load(SLOTS + b).to(tl.int64) * stride_cs + kvh * stride_ch
+    k1 = _store_kv(dst + i[None, :], k1, i_mask[None, :], KV_SCALE + kvh, KV_FP8)
+    k2 = _store_kv(dst + HALF + i[None, :], k2, i_mask[None, :], KV_SCALE + kvh, KV_FP8)
+    v = _store_kv(dst + stride_kv + d, v, d_mask, KV_SCALE + NUM_KV_HEADS + kvh, KV_FP8)
+    s = (tl.sum(q1.to(tl.float32) * k1, 1) + tl.sum(q2.to(tl.float32) * k2, 1)) * scale_log2
+    m_new = tl.maximum(m, s)
+    p = tl.exp2(s - m_new)
+    alpha = tl.exp2(m - m_new)
+    if KV_FP8:  # p rounded as the tiles' product rounds it: to the dtype of the values it multiplies
+        p = p.to(q1.dtype).to(tl.float32)
+    else:
+        p = p.to(CACHE.dtype.element_ty).to(tl.float32)
+    return m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * v[None, :]
 
 
 @triton.jit
@@ -282,29 +374,67 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     ``num_splits`` > 1 the keys are split among programs and combined (flash-decoding). The
     grid depends on shapes and ``num_splits`` only, never on the lengths: a CUDA graph holds it.
     A float8 ``kv_cache`` needs its ``kv_scale``."""
-    num_seqs, num_heads, head_dim = q.shape
+    return _decode_attention(q, kv_cache, block_tables, seq_lens, scale, window, num_splits, out, block_n, kv_scale)
+
+
+def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                            slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            window: int | None = None, num_splits: int = 1, q_norm: torch.Tensor | None = None,
+                            k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                            kv_scale: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+    """``rotary_kv_write`` then ``paged_decode_attention`` for a decode batch (row i: sequence i's
+    new token, at ``positions[i] = seq_lens[i] - 1`` and ``slot_mapping[i]``), in one launch (two
+    with split-K): the attention's programs rotate the query heads they hold, and the one holding a
+    sequence's new token writes its key and value and attends them from registers. Returns the
+    attention output ``[num_seqs, num_heads, head_dim]`` in ``qkv``'s dtype; the cache as
+    ``rotary_kv_write`` leaves it."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and kv_cache.is_contiguous()
+    assert (q_norm is None) == (k_norm is None)
+    q = qkv.view(qkv.shape[0], -1, head_dim)  # the q heads, then k's and v's: the grid reads num_heads of them
+    rope = dict(cos=cos, sin=sin, positions=positions, slots=slot_mapping, q_norm=q_norm, k_norm=k_norm, eps=eps,
+                num_heads=num_heads)
+    return _decode_attention(q, kv_cache, block_tables, seq_lens, scale, window, num_splits, None, block_n, kv_scale,
+                             rope)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float, window: int | None, num_splits: int, out: torch.Tensor | None, block_n: int,
+                      kv_scale: torch.Tensor | None, rope: dict | None = None) -> torch.Tensor:
+    num_seqs, _, head_dim = q.shape
+    num_heads = q.shape[1] if rope is None else rope["num_heads"]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q) if out is None else out
+    if out is None:
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     fp8 = _kv_fp8(kv_cache, kv_scale)
+    half = head_dim // 2
     block_d, block_g = _pow2(head_dim, 16), _pow2(group, 16)  # the query heads padded to tl.dot's 16 rows
-    consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                  BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8,
+    qk_norm = rope is not None and rope["q_norm"] is not None
+    consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, HALF=half,
+                  BLOCK_HALF=_pow2(half, 16), BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+                  DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8, ROPE=rope is not None, NUM_HEADS=num_heads,
+                  NUM_KV_HEADS=num_kv_heads, QK_NORM=qk_norm,
                   **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
-    args = (float(scale) * LOG2E, int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0),
-            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads, block_tables.stride(0))
+    rope = rope or dict(cos=q, sin=q, positions=seq_lens, slots=seq_lens, eps=0.0)
+    norms = (rope["q_norm"], rope["k_norm"]) if qk_norm else (q, q)
+    tensors = (rope["cos"], rope["sin"], rope["positions"], rope["slots"], *norms)
+    args = (float(scale) * LOG2E, int(window or NO_WINDOW), float(rope["eps"]), q.stride(0), q.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads,
+            block_tables.stride(0))
     scales = kv_scale if fp8 else q
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
-        _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, out, out, out, *args,
-                                       out.stride(0), out.stride(1), 0, 0, 0, **consts)
+        _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, out, out, out, *tensors, *args,
+                                       out.stride(0), out.stride(1), 0, 0, 0, rope["cos"].stride(0), **consts)
         return out
     partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, partial, m, l, *args,
+    _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, partial, m, l, *tensors, *args,
                                    partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0),
-                                   m.stride(1), **consts)
+                                   m.stride(1), rope["cos"].stride(0), **consts)
     _combine_splits_kernel[(num_seqs, num_heads)](
         partial, m, l, out, partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0), m.stride(1),
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 2), HEAD_DIM=head_dim,
@@ -417,11 +547,14 @@ def round_e4m3(x):
 @triton.jit
 def _store_kv(dst, x, mask, SCALE, KV_FP8: tl.constexpr):
     """Store float32 ``x`` into the cache at ``dst``: rounded to its dtype, or, float8, divided by
-    the head's scale at ``SCALE``, clamped to +-448 (saturating, never NaN), rounded to e4m3."""
+    the head's scale at ``SCALE``, clamped to +-448 (saturating, never NaN), rounded to e4m3.
+    Returns what was stored, in float32."""
     if KV_FP8:
         x = tl.math.div_rn(x, tl.load(SCALE))
         x = round_e4m3(tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX))
-    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+    stored = x.to(dst.dtype.element_ty)
+    tl.store(dst, stored, mask=mask)
+    return stored.to(tl.float32)
 
 
 @triton.jit
