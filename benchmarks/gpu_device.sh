@@ -202,10 +202,16 @@ served() {  # issue 17's served figures: the 8B shape behind the HTTP server, me
 }
 
 session() {  # one device call: the stage groups in $STAGES in order ('tests+exact' runs both at once), bench with
-    # $BENCH_ARGS; every result packed into OUT/results.tgz after each group (a call returns few files)
-    local out=$1 work=/tmp/vivace-results group stage pids
+    # $BENCH_ARGS; every result packed into OUT/results.tgz after each group (a call returns few files), and
+    # every $PACK_EVERY seconds meanwhile, so that a call cut off at its time limit still brings back
+    # what its stages had written (at most that many seconds old)
+    local out=$1 work=/tmp/vivace-results group stage pids packer
     mkdir -p "$out" "$work"
     setup "$work"
+    (while sleep "${PACK_EVERY:-15}"; do
+        tar czf "$out/results.partial.tgz" -C "$work" . 2>/dev/null; mv -f "$out/results.partial.tgz" "$out/results.tgz"
+    done) &
+    packer=$!
     for group in ${STAGES:-tests+exact bench served quality}; do
         pids=()
         for stage in ${group//+/ }; do
@@ -215,8 +221,9 @@ session() {  # one device call: the stage groups in $STAGES in order ('tests+exa
             pids+=($!)
         done
         wait "${pids[@]}"
-        tar czf "$out/results.tgz" -C "$work" .
     done
+    kill "$packer"; wait "$packer" 2>/dev/null || true
+    tar czf "$out/results.tgz" -C "$work" .
     echo "== done at $SECONDS s"
 }
 
