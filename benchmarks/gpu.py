@@ -36,19 +36,16 @@ preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import gguf
 import numpy as np
 import torch
 
-from vivace.gpu import gguf_kernels
 from vivace.models.dummy import PRESETS
 
 DTYPE = torch.bfloat16
@@ -333,38 +330,26 @@ def gemv_rows() -> dict:
     return rows
 
 
-def random_format_weight(weight_format: str, n: int, k: int, seed: int) -> tuple[int, Callable]:
-    """A random ``n x k`` weight on the GPU in ``weight_format``, a GGUF type (random blocks) or
-    "fp8" (random bf16 quantized): ``(bytes a product reads, x -> x @ W^T)``."""
-    from vivace.gpu.fp8_kernels import fp8_matmul, quantize_weight
-    from vivace.gpu.gguf_kernels import gguf_matmul
+def random_format_module(weight_format: str, n: int, k: int, seed: int) -> torch.nn.Module:
+    """A random ``n x k`` projection on the GPU in ``weight_format``: a GGUF type (random blocks,
+    laid out as the loader lays them, ``GgufLinear``) or "fp8" (random bf16 quantized, ``Fp8Linear``)."""
+    from vivace.gpu.fp8_linear import Fp8Linear
+    from vivace.gpu.gguf_linear import GgufLinear
     from vivace.models.dummy import random_gguf_blocks
 
     if weight_format == "fp8":
         generator = torch.Generator(device="cuda").manual_seed(seed)
-        codes, scale = quantize_weight(torch.randn(n, k, dtype=DTYPE, device="cuda", generator=generator))
-        return codes.numel() + scale.numel() * 4, lambda x: fp8_matmul(x, codes, scale)
+        return Fp8Linear.from_float(torch.randn(n, k, dtype=DTYPE, device="cuda", generator=generator))
     ggml_type = gguf.GGMLQuantizationType[weight_format]
-    blocks = random_gguf_blocks(ggml_type, n, k, "cuda", seed)
-    return blocks.numel(), lambda x: gguf_matmul(x, blocks, ggml_type)
-
-
-@contextlib.contextmanager
-def gemv_acc_2d(value: bool):
-    """The FP8 and GGUF GEMVs with ``gguf_kernels.GEMV_ACC_2D`` set to ``value`` inside the block."""
-    saved = gguf_kernels.GEMV_ACC_2D
-    gguf_kernels.GEMV_ACC_2D = value
-    try:
-        yield
-    finally:
-        gguf_kernels.GEMV_ACC_2D = saved
+    return GgufLinear(random_gguf_blocks(ggml_type, n, k, "cuda", seed), ggml_type, k)
 
 
 def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
     """Per 8B matrix: cuBLAS's ``prefill_rows``-row GEMM on bf16 (TFLOP/s) and, per format (GGUF
     types, "fp8"), vivace's batch-1 GEMV (TB/s of the format's bytes, weights rotated through
-    copies larger than L2, replayed from a CUDA graph) and ``prefill_rows``-row GEMM (TFLOP/s,
-    launch costs included)."""
+    copies larger than L2, replayed from a CUDA graph) at the launcher's default tiling and at the
+    best of the module's ``gemv_candidates()`` (what ``forward.choose_gemv`` would keep), and the
+    ``prefill_rows``-row GEMM (TFLOP/s, launch costs included)."""
     import torch.nn.functional as F
 
     from vivace.gpu.forward import _time_us
@@ -378,18 +363,26 @@ def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
         row: dict = {"cublas_gemm_tflop_s": flops / timed(lambda: F.linear(xm, dense), 10) / 1e12}
         del dense
         for weight_format in formats:
-            nbytes, first = random_format_weight(weight_format, n, k, 0)
+            first = random_format_module(weight_format, n, k, 0)
+            nbytes = first.weight_bytes()
             copies = max(2, -(-(256 << 20) // nbytes))
-            weights = [first] + [random_format_weight(weight_format, n, k, seed)[1] for seed in range(1, copies)]
-            gemv = _time_us(lambda: [matmul(x1) for matmul in weights], 20) / 1e6 / copies
+            modules = [first] + [random_format_module(weight_format, n, k, seed) for seed in range(1, copies)]
+
+            def gemv_us(config) -> float:
+                for module in modules:
+                    module.gemv_config = config
+                return _time_us(lambda: [module(x1) for module in modules], 20) / copies
+
+            default = gemv_us(None)
+            best, best_config = min(((gemv_us(c), str(c).removeprefix("GemvConfig")) for c in first.gemv_candidates()),
+                                    default=(default, "defaults"))
+            gemv_us(None)
             gemm = timed(lambda: first(xm), 10)
-            row[weight_format] = {"gemv_us": gemv * 1e6, "gemv_tb_s": nbytes / gemv / 1e12,
-                                  "gemm_ms": gemm * 1e3, "gemm_tflop_s": flops / gemm / 1e12}
-            # The GEMV's other accumulation (gguf_kernels.GEMV_ACC_2D), in the same run.
-            with gemv_acc_2d(not gguf_kernels.GEMV_ACC_2D):
-                other = _time_us(lambda: [matmul(x1) for matmul in weights], 20) / 1e6 / copies
-            row[weight_format]["gemv_other_acc_us"] = other * 1e6
-            del weights, first
+            row[weight_format] = {"gemv_us": default, "gemv_tb_s": nbytes / default / 1e6,
+                                  "best_gemv_us": best, "best_gemv_tb_s": nbytes / best / 1e6,
+                                  "best_config": best_config, "gemm_ms": gemm * 1e3,
+                                  "gemm_tflop_s": flops / gemm / 1e12}
+            del modules, first
         rows[name] = row
     torch.cuda.empty_cache()
     return rows
@@ -497,8 +490,8 @@ def main(argv: list[str] | None = None) -> int:
               + " | ".join(f"{t} GEMV (batch 1) | {t} GEMM (512 rows)" for t in formats) + " |")
         print("|---" * (2 + 2 * len(formats)) + "|")
         for name, g in report["format_matrices"].items():
-            cells = " | ".join(f"{g[t]['gemv_us']:.1f} us, {g[t]['gemv_tb_s']:.2f} TB/s "
-                               f"({g[t]['gemv_other_acc_us']:.1f} us with ACC_2D {not gguf_kernels.GEMV_ACC_2D}) | "
+            cells = " | ".join(f"{g[t]['gemv_us']:.1f} us, {g[t]['gemv_tb_s']:.2f} TB/s (best "
+                               f"{g[t]['best_gemv_us']:.1f} us, {g[t]['best_gemv_tb_s']:.2f} TB/s: {g[t]['best_config']}) | "
                                f"{g[t]['gemm_ms']:.3f} ms, {g[t]['gemm_tflop_s']:.0f} TFLOP/s" for t in formats)
             print(f"| {name} | {g['cublas_gemm_tflop_s']:.0f} TFLOP/s | {cells} |")
     for preset in args.presets.split(","):

@@ -68,11 +68,14 @@ def install_recorder(launches: dict[str, dict]) -> None:
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
-    from vivace.gpu import fp8_kernels, gguf_kernels, kernels, sampler
+    from vivace.gpu import fp8_kernels, fp8_linear, gguf_kernels, kernels, sampler
 
-    # The launches a GPU gets: none of the interpreter's workarounds (float32 dots, whole-row samplers).
+    # The launches a GPU gets: none of the interpreter's workarounds (float32 dots, whole-row samplers),
+    # and an H100's SMs (132; a CPU device counts 1), so that the GEMVs' K splits are recorded too.
     kernels.INTERPRETED = sampler.INTERPRETED = False
     kernels.DOT_F32 = fp8_kernels.DOT_F32 = gguf_kernels.DOT_F32 = False
+    for module in (fp8_kernels, fp8_linear, gguf_kernels):
+        module.num_sms = lambda device: 132
 
     def record(self, *args, grid, warmup, **kwargs):
         names = self.arg_names

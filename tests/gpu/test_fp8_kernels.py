@@ -1,5 +1,6 @@
 """The FP8 kernels against a float32 torch reference (dequantize, then multiply): the weight-only
-GEMV (M <= 8, split K or not), the weight-only GEMM and ``torch._scaled_mm`` with per-token
+GEMV (M <= 8) under several tilings (rows a program, columns a step, K splits, acc_2d) and the
+tilings it offers the start-up tuner, the weight-only GEMM and ``torch._scaled_mm`` with per-token
 activation scales (larger M), with and without bias, bf16 and fp32 activations; the weight and
 activation quantizers' codes and error bounds (on CPU under Triton's interpreter without a GPU)."""
 
@@ -10,8 +11,9 @@ import torch
 
 pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
 
-from vivace.gpu import fp8_kernels, gguf_kernels  # noqa: E402
+from vivace.gpu import fp8_kernels  # noqa: E402
 from vivace.gpu.fp8_kernels import FP8, fp8_matmul, quantize_rows, quantize_weight, scaled_mm_runs  # noqa: E402
+from vivace.gpu.kernels import GemvConfig  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
 
@@ -35,7 +37,7 @@ def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: t
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 9, 40])
 def test_weight_only_matmul_equals_dequantize_then_matmul(m, with_bias, dtype) -> None:
     codes, scale = random_weight(N, K, m)
     g = torch.Generator().manual_seed(100 + m)
@@ -47,16 +49,60 @@ def test_weight_only_matmul_equals_dequantize_then_matmul(m, with_bias, dtype) -
     torch.testing.assert_close(y.float(), reference(x, codes, scale, bias), **tolerance)
 
 
-@pytest.mark.parametrize("acc_2d", [False, True], ids=["reduce_each_step", "reduce_once"])
-@pytest.mark.parametrize("m", [1, 4, 8])
-def test_gemv_split_along_k_equals_unsplit(m, acc_2d, monkeypatch) -> None:
-    monkeypatch.setattr(gguf_kernels, "GEMV_ACC_2D", acc_2d)  # the FP8 GEMV's too
-    codes, scale = random_weight(N, 1024, m)
-    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(DEVICE)
-    bias = torch.randn(N, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    want = reference(x, codes, scale, bias)
-    for splits in (1, 3, 4):
-        torch.testing.assert_close(fp8_matmul(x, codes, scale, bias, splits=splits), want, rtol=1e-5, atol=1e-5)
+# One warp: 32 chunks a step, 128 columns of float32 x or 256 of bf16, so that K = 512 takes
+# several steps and splits at the interpreter's speed. Rows of W a program (fewer for more rows of
+# x), columns a step, K splits and acc_2d (one row of x only) change the order of summation only.
+F32, BF16 = torch.float32, torch.bfloat16
+GEMV_CASES = [(1, GemvConfig(8, 128, None, False, 1), F32), (1, GemvConfig(4, 128, 3, False, 1), BF16),
+              (1, GemvConfig(8, 128, 4, True, 1), F32), (2, GemvConfig(16, 256, 2, True, 1), BF16),
+              (3, GemvConfig(8, 128, None, False, 1), F32), (8, GemvConfig(16, 256, 2, False, 1), F32),
+              (8, GemvConfig(2, 512, None, False, 1), BF16)]
+
+
+@pytest.mark.parametrize(("m", "config", "dtype"), GEMV_CASES, ids=str)
+def test_gemv_tilings_equal_dequantize_then_matmul(m, config, dtype) -> None:
+    k = 512
+    codes, scale = random_weight(44, k, m)  # 44 rows: a partial block of rows
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    bias = torch.randn(44, generator=g).to(DEVICE, dtype)
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == F32 else dict(rtol=1e-2, atol=5e-2)
+    torch.testing.assert_close(fp8_matmul(x, codes, scale, bias, config).float(), reference(x, codes, scale, bias),
+                               **tolerance)
+
+
+def test_gemv_tiling_keeps_its_registers_for_more_rows_of_x() -> None:
+    config = GemvConfig(16, 1024, None, True, 4)  # chosen at one row of x
+    for m, rows, acc_2d in ((1, 16, True), (2, 8, False), (3, 8, False), (8, 4, False)):
+        tiling = fp8_kernels.gemv_tiling(m, BF16, config)
+        assert (tiling["BLOCK_N"], tiling["ACC_2D"], tiling["CHUNKS"], tiling["WORDS"]) == (rows, acc_2d, 128, 2)
+    assert fp8_kernels.gemv_tiling(2, F32, config)["BLOCK_N"] == 16  # float32 x: 4 columns a chunk
+    assert fp8_kernels.gemv_tiling(1, F32, GemvConfig(8, 64, None, False, 4))["CHUNKS"] == 128  # one a thread
+    with pytest.raises(ValueError, match="powers of 2"):
+        fp8_kernels.gemv_tiling(1, BF16, GemvConfig(12, 1024))
+
+
+def test_gemv_candidates_are_tilings_the_launcher_takes() -> None:
+    for n, k, sms in ((6144, 4096, 132), (4096, 14336, 132), (2048, 8192, 132), (576, 576, 1)):
+        candidates = fp8_kernels.gemv_candidates(n, k, sms)
+        assert candidates[0] == fp8_kernels.GEMV_DEFAULT and 5 <= len(candidates) <= 12
+        assert len(set(candidates)) == len(candidates)
+        for config in candidates:
+            tiling = fp8_kernels.gemv_tiling(1, BF16, config)
+            assert tiling["CHUNKS"] * 8 == config.block_k and tiling["BLOCK_N"] == config.block_n
+            assert config.splits is None or 1 <= config.splits <= max(1, k // config.block_k)
+    assert GemvConfig(8, 1024, 1, False, 4) in fp8_kernels.gemv_candidates(4096, 14336, 132)  # unsplit vs 3
+    codes, scale = random_weight(24, 576, 0)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    want = reference(x, codes, scale, None)
+    for config in fp8_kernels.gemv_candidates(24, 576, 1):
+        torch.testing.assert_close(fp8_matmul(x, codes, scale, config=config), want, rtol=1e-5, atol=1e-4)
+
+
+def test_k_not_a_multiple_of_4_takes_the_gemm() -> None:
+    codes, scale = random_weight(N, 162, 4)
+    x = torch.randn(2, 162, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    torch.testing.assert_close(fp8_matmul(x, codes, scale), reference(x, codes, scale, None), rtol=1e-5, atol=1e-5)
 
 
 def test_strided_rows_of_x() -> None:

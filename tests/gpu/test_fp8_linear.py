@@ -1,5 +1,6 @@
 """FP8 projections on the CUDA backend, end to end: a tiny Llama quantized at load (``--quantization
-fp8``) computes the logits of its dequantized weights, close to the float model's; FP8 checkpoints in
+fp8``) computes the logits of its dequantized weights, close to the float model's; a layer's GEMV
+tiling (``gemv_config``, from ``gemv_candidates``) reaches its forward; FP8 checkpoints in
 the ``compressed-tensors`` and ``fbgemm_fp8`` layouts load as stored, and the CUDA runner over them
 gives the greedy tokens of the CPU runner on the same checkpoint dequantized; random FP8 weights for
 ``--load-format dummy`` (on CPU under Triton's interpreter where there is no GPU)."""
@@ -20,9 +21,10 @@ pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pi
 from models.tiny import save_hf_dir, tiny_model  # noqa: E402  (tests/ is on sys.path)
 from vivace import LLM, SamplingParams  # noqa: E402
 from vivace.config import EngineConfig, check_quantization  # noqa: E402
-from vivace.gpu.fp8_kernels import FP8, quantize_weight  # noqa: E402
+from vivace.gpu.fp8_kernels import FP8, GEMV_DEFAULT, quantize_weight  # noqa: E402
 from vivace.gpu.fp8_linear import Fp8Linear, float_layers  # noqa: E402
 from vivace.gpu.forward import GpuBatch, forward  # noqa: E402
+from vivace.gpu.kernels import GemvConfig  # noqa: E402
 from vivace.gpu.runner import CudaRunner  # noqa: E402
 from vivace.models import load_model  # noqa: E402
 from vivace.models.fp8 import read_fp8  # noqa: E402
@@ -78,6 +80,20 @@ def test_quantized_at_load_computes_its_dequantized_weights(tiny_model_dir) -> N
         torch.testing.assert_close(logits, prompt_logits(dense.model, prompt), rtol=0, atol=1e-4)
         error = (logits - float_logit).norm(dim=1) / float_logit.norm(dim=1)
         assert 0 < error.max() < 0.1  # quantized, by e4m3 rounding (2-3% a weight) through 2 layers
+
+
+def test_gemv_config_tiles_the_forward_of_up_to_8_rows() -> None:
+    layer = Fp8Linear.from_float(torch.randn(40, 96, generator=torch.Generator().manual_seed(0)).to(DEVICE))
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(1)).to(DEVICE)  # 6 rows
+    want = x @ layer.dequantize().T
+    candidates = layer.gemv_candidates()
+    assert layer.gemv_config is None and candidates[0] == GEMV_DEFAULT and len(candidates) <= 12
+    for config in (GEMV_DEFAULT, GemvConfig(4, 128, 2, False, 1)):
+        layer.gemv_config = config
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+    layer.gemv_config = GemvConfig(block_n=3)  # not a tiling: the forward passes it on
+    with pytest.raises(ValueError, match="powers of 2"):
+        layer(x)
 
 
 def write_fp8_checkpoint(hf: nn.Module, out: Path, layout: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

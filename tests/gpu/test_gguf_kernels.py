@@ -1,11 +1,14 @@
-"""The GGUF-block matmuls of ``vivace.gpu.gguf_kernels`` against ``gguf``'s dequantize, then a
-float32 matmul: every type, GEMV (M <= 8), GEMM (M <= 64) and dequantize + cuBLAS (more rows) paths, several K, bfloat16 and float32
-activations, split K and bias. Blocks are random bytes with modest float16 scales, as
-``tests/layers/gguf_random.py`` makes them (``gguf`` cannot quantize to every type)."""
+"""The GGUF matmuls of ``vivace.gpu.gguf_kernels`` against ``gguf``'s dequantize, then a float32
+matmul: every type through the GEMV (M <= 8, at several tilings, split K, both accumulations),
+the GEMM (M <= 64) and dequantize + cuBLAS (more rows), bfloat16, float16 and float32 activations,
+bias; the planar rows against the file's bytes, field by field as ggml's structs lay them out.
+Blocks are random bytes with modest float16 scales, as ``tests/layers/gguf_random.py`` makes them
+(``gguf`` cannot quantize to every type)."""
 
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +16,8 @@ pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pi
 
 from layers.gguf_random import random_blocks  # noqa: E402  (tests/ is on sys.path)
 from vivace.gpu import gguf_kernels  # noqa: E402
-from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, gguf_matmul  # noqa: E402
+from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, gguf_matmul, planar  # noqa: E402
+from vivace.gpu.kernels import GemvConfig  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
 
@@ -21,7 +25,7 @@ T = gguf.GGMLQuantizationType
 N = 40  # output rows: more than one GEMV program, not a multiple of its rows
 
 
-def reference(x: torch.Tensor, blocks, ggml_type, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference(x: torch.Tensor, blocks: np.ndarray, ggml_type, bias: torch.Tensor | None = None) -> torch.Tensor:
     weight = torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type))
     y = x.float().cpu() @ weight.T
     return y if bias is None else y + bias.float().cpu()
@@ -33,44 +37,100 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
-def columns(ggml_type) -> list[int]:
-    """Several K: one block, a few (not a whole kernel tile), many."""
-    width = LAYOUTS[ggml_type].block_cols
-    return [width, 3 * width, 1024]
+def device_planes(blocks: np.ndarray, ggml_type) -> torch.Tensor:
+    return planar(torch.from_numpy(blocks).to(DEVICE), ggml_type)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 3, 20, 70], ids=lambda m: f"m{m}")
+def expected_planes(blocks: np.ndarray, ggml_type) -> np.ndarray:
+    """The planar rows, from ggml's block structs (block_q4_K: d, dmin, scales[12], qs[128]; ...)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, LAYOUTS[ggml_type].block_bytes)
+    meta = np.concatenate([b[..., 4:16], b[..., 0:4]], -1)  # K-quants: scales, d, dmin
+    if ggml_type == T.Q8_0:
+        planes = [b[..., 2:34] ^ 128, b[..., 0:2]]
+    elif ggml_type == T.Q4_0:
+        planes = [b[..., 2:18], b[..., 0:2]]
+    elif ggml_type == T.Q4_1:
+        planes = [b[..., 4:20], b[..., 0:2], b[..., 2:4]]
+    elif ggml_type == T.Q4_K:
+        planes = [b[..., 16:144], meta]
+    elif ggml_type == T.Q5_K:  # per chunk c of qs, half h of its columns: bit 2k + p = fifth bit of column
+        bits = (b[..., 16:48, None] >> np.arange(8)) & 1  # 16h + k of sub-block 2c + p: [n, S, column, sub-block]
+        bits = bits.reshape(n, -1, 2, 16, 4, 2).transpose(0, 1, 4, 2, 3, 5).reshape(n, -1, 4, 2, 32)  # c, h, 2k + p
+        words = (bits.astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1).astype("<u4")
+        planes = [b[..., 48:176], words.view(np.uint8).reshape(n, -1, 32), meta]
+    else:  # Q6_K: ql[128], qh[64], scales[16], d; per (half h, quarter t): its ql runs, its 4 scales
+        ql, scales = b[..., :128].reshape(n, -1, 2, 2, 2, 16), b[..., 192:208].reshape(n, -1, 2, 4, 2)
+        planes = [ql[:, :, :, 0].reshape(n, -1, 64), ql[:, :, :, 1].reshape(n, -1, 64), b[..., 128:192],
+                  scales.transpose(0, 1, 2, 4, 3).reshape(n, -1, 16), b[..., 208:210]]
+    return np.concatenate([plane.reshape(n, -1) for plane in planes], 1)
+
+
 @pytest.mark.parametrize("ggml_type", GPU_TYPES, ids=lambda t: t.name)
-def test_matmul_equals_dequantize_then_matmul(ggml_type, m: int, dtype: torch.dtype) -> None:
-    for k in columns(ggml_type):
-        blocks = random_blocks(ggml_type, N, k, seed=k + m)
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
-        y = gguf_matmul(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), ggml_type)
-        assert y.dtype == dtype and y.shape == (m, N)
-        assert_close(y, reference(x, blocks, ggml_type))
+def test_planar_rows_are_the_files_bytes_in_planes(ggml_type) -> None:
+    blocks = random_blocks(ggml_type, 3, 512, seed=1)
+    planes = device_planes(blocks, ggml_type)
+    assert planes.shape == blocks.shape and planes.dtype == torch.uint8
+    np.testing.assert_array_equal(planes.cpu().numpy(), expected_planes(blocks, ggml_type))
 
 
-@pytest.mark.parametrize("acc_2d", [False, True], ids=["reduce_each_step", "reduce_once"])
-@pytest.mark.parametrize("m", [2, 24, 70], ids=lambda m: f"m{m}")
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q6_K], ids=lambda t: t.name)
-def test_bias_and_split_k(ggml_type, m: int, acc_2d: bool, monkeypatch) -> None:
-    monkeypatch.setattr(gguf_kernels, "GEMV_ACC_2D", acc_2d)
-    k = 8 * LAYOUTS[ggml_type].block_cols
+def columns(ggml_type, blocks: int, super_blocks: int) -> int:
+    """K of ``blocks`` 32-wide blocks, or of ``super_blocks`` for the K-quants' 256-wide ones."""
+    width = LAYOUTS[ggml_type].block_cols
+    return width * (blocks if width == 32 else super_blocks)
+
+
+# (M, K in blocks, K in super-blocks, dtype): one row of x (several GEMV steps, Q4_0/Q6_K a partial
+# last one), rows of x up to GEMV_MAX_ROWS, the GEMM, dequantize + F.linear.
+SHAPES = [(1, 33, 5, torch.bfloat16), (3, 3, 1, torch.float32), (20, 9, 2, torch.bfloat16), (70, 2, 1, torch.float32)]
+
+
+@pytest.mark.parametrize("m, blocks_k, super_blocks_k, dtype", SHAPES, ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("ggml_type", GPU_TYPES, ids=lambda t: t.name)
+def test_matmul_equals_dequantize_then_matmul(ggml_type, m: int, blocks_k: int, super_blocks_k: int,
+                                              dtype: torch.dtype) -> None:
+    k = columns(ggml_type, blocks_k, super_blocks_k)
+    blocks = random_blocks(ggml_type, N, k, seed=k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    y = gguf_matmul(x.to(DEVICE), device_planes(blocks, ggml_type), ggml_type)
+    assert y.dtype == dtype and y.shape == (m, N)
+    assert_close(y, reference(x, blocks, ggml_type))
+
+
+@pytest.mark.parametrize("ggml_type", GPU_TYPES, ids=lambda t: t.name)
+def test_gemv_tilings_split_and_accumulations(ggml_type) -> None:
+    """Rows of W a program, K a step (one unit, several), splits of uneven length, both
+    accumulations, two rows of x: all the same product (+ bias)."""
+    unit, k = LAYOUTS[ggml_type].unit_cols, columns(ggml_type, 9, 3)
     blocks = random_blocks(ggml_type, N, k, seed=3)
     g = torch.Generator().manual_seed(4)
-    x, bias = torch.randn(m, k, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
-    expected = reference(x, blocks, ggml_type, bias)
-    w = torch.from_numpy(blocks).to(DEVICE)
-    for splits in (1, 3):  # 3 splits of uneven length (the GEMM path ignores them)
-        assert_close(gguf_matmul(x.to(DEVICE), w, ggml_type, bias.to(DEVICE), splits=splits), expected)
+    x, bias = torch.randn(2, k, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
+    w = device_planes(blocks, ggml_type)
+    configs = [(1, GemvConfig(block_n=8, block_k=unit, splits=2, acc_2d=True)),
+               (1, GemvConfig(block_n=32, block_k=4 * unit, splits=2, acc_2d=False, num_warps=8)),
+               (2, GemvConfig(block_n=16, block_k=2 * unit, splits=3, acc_2d=True))]
+    for m, config in configs:
+        assert_close(gguf_matmul(x[:m].to(DEVICE), w, ggml_type, bias.to(DEVICE), config),
+                     reference(x[:m], blocks, ggml_type, bias))
+
+
+def test_gemv_candidates_for_hopper(monkeypatch) -> None:
+    """Llama-3.1-8B's down projection on an H100's 132 SMs: 12 distinct tilings of whole units,
+    the default first, both accumulations, fewer splits than the launcher's and none."""
+    monkeypatch.setattr(gguf_kernels, "num_sms", lambda device: 132)
+    for ggml_type in GPU_TYPES:
+        candidates = gguf_kernels.gemv_candidates(ggml_type, 4096, 14336, torch.device("cuda"))
+        assert candidates[0] == gguf_kernels.default_gemv_config(ggml_type)
+        assert len(set(candidates)) == len(candidates) == 12
+        assert all(c.block_k % LAYOUTS[ggml_type].unit_cols == 0 and c.num_warps in (4, 8) for c in candidates)
+        assert {c.acc_2d for c in candidates} == {False, True} and {None, 1} < {c.splits for c in candidates}
 
 
 def test_non_contiguous_rows_of_x() -> None:
     k = 256
     blocks = random_blocks(T.Q8_0, N, k)
     x = torch.randn(3, 2 * k)[:, :k]  # row stride 2k
-    assert_close(gguf_matmul(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), T.Q8_0), reference(x, blocks, T.Q8_0))
+    assert_close(gguf_matmul(x.to(DEVICE), device_planes(blocks, T.Q8_0), T.Q8_0), reference(x, blocks, T.Q8_0))
 
 
 def test_many_rows_dequantize_in_slices(monkeypatch) -> None:
@@ -80,9 +140,16 @@ def test_many_rows_dequantize_in_slices(monkeypatch) -> None:
     blocks = random_blocks(T.Q4_K, 150, k, seed=8)
     g = torch.Generator().manual_seed(9)
     x, bias = torch.randn(70, k, generator=g), torch.randn(150, generator=g)
-    y = gguf_matmul(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), T.Q4_K, bias.to(DEVICE))
+    y = gguf_matmul(x.to(DEVICE), device_planes(blocks, T.Q4_K), T.Q4_K, bias.to(DEVICE))
     assert y.shape == (70, 150)
     assert_close(y, reference(x, blocks, T.Q4_K, bias))
+
+
+def test_dequantize_is_exact() -> None:
+    for ggml_type in GPU_TYPES:
+        blocks = random_blocks(ggml_type, 8, 256, seed=5)
+        weight = gguf_kernels.dequantize(device_planes(blocks, ggml_type), ggml_type, 256, torch.float32)
+        np.testing.assert_array_equal(weight.cpu().numpy(), gguf.quants.dequantize(blocks, ggml_type))
 
 
 def test_gemv_splits_fill_the_gpu_only_when_k_is_long() -> None:
@@ -105,6 +172,6 @@ def test_rejects_blocks_that_do_not_fit_k() -> None:
 def test_float16_activations(m: int) -> None:
     blocks = random_blocks(T.Q4_K, N, 512, seed=m)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).half()
-    y = gguf_matmul(x.to(DEVICE), torch.from_numpy(blocks).to(DEVICE), T.Q4_K)
+    y = gguf_matmul(x.to(DEVICE), device_planes(blocks, T.Q4_K), T.Q4_K)
     assert y.dtype == torch.float16
     assert_close(y, reference(x, blocks, T.Q4_K))

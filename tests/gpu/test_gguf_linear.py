@@ -1,7 +1,8 @@
 """GGUF projections kept as their blocks on the CUDA backend, end to end: a tiny random Llama written
-as a GGUF file of quantized projections loads with them packed in ``GgufLinear`` (uint8 blocks,
-rows in Hugging Face order), and the CUDA runner over it gives the greedy tokens of the CPU runner
-on the same file dequantized to float32 (on CPU under Triton's interpreter where there is no GPU)."""
+as a GGUF file of quantized projections loads with them packed in ``GgufLinear`` (uint8 planar
+rows, in Hugging Face order), and the CUDA runner over it gives the greedy tokens of the CPU runner
+on the same file dequantized to float32 (on CPU under Triton's interpreter where there is no GPU);
+a module's chosen GEMV tiling gives its default's product."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pi
 from models.gguf_export import write_gguf  # noqa: E402  (tests/ is on sys.path)
 from models.tiny import tiny_config  # noqa: E402
 from vivace import LLM, SamplingParams  # noqa: E402
-from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS  # noqa: E402
-from vivace.gpu.gguf_linear import GgufLinear, linear, randomize_packed  # noqa: E402
+from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, default_gemv_config, planar  # noqa: E402
+from vivace.gpu.forward import linear  # noqa: E402
+from vivace.gpu.gguf_linear import GgufLinear, randomize_packed  # noqa: E402
 from vivace.gpu.runner import CudaRunner  # noqa: E402
 from vivace.models import load_model  # noqa: E402
 from vivace.models.dummy import random_gguf_blocks  # noqa: E402
@@ -120,6 +122,20 @@ def test_random_blocks_drawn_on_the_device_are_modest_weights(ggml_type) -> None
     assert blocks.device.type == DEVICE and blocks.dtype == torch.uint8
     weight = gguf.quants.dequantize(blocks.cpu().numpy(), ggml_type)
     assert weight.shape == (8, 512) and np.isfinite(weight).all() and 0.01 < np.abs(weight).mean() < 1
+
+
+def test_blocks_kept_planar_and_gemv_tiling_chosen() -> None:
+    """The module keeps the file's bytes in planes (as many); a tiling of its candidates (as
+    ``forward.choose_gemv`` sets one) gives the default's product."""
+    blocks = random_gguf_blocks(T.Q6_K, 40, 512, DEVICE)
+    module = GgufLinear(blocks, T.Q6_K, 512)
+    assert torch.equal(module.blocks, planar(blocks, T.Q6_K)) and module.weight_bytes() == blocks.numel()
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want = module(x)
+    candidates = module.gemv_candidates()
+    assert module.gemv_config is None and candidates[0] == default_gemv_config(T.Q6_K)
+    module.gemv_config = candidates[-1]
+    torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_randomize_packed_packs_every_projection(tiny_model_dir) -> None:

@@ -29,7 +29,9 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from vivace.gpu.fp8_kernels import FP8, fp8_matmul, quantize_weight
+from vivace.gpu.fp8_kernels import FP8, fp8_matmul, gemv_candidates, quantize_weight
+from vivace.gpu.gguf_kernels import num_sms
+from vivace.gpu.kernels import GemvConfig
 from vivace.models.loader import vivace_name
 
 
@@ -44,7 +46,9 @@ def float_layers(num_layers: int) -> set[int]:
 class Fp8Linear(nn.Module):
     """``y = (x @ W^T) * scale + b`` for ``W`` ``float8_e4m3fn [out_features, in_features]`` and
     ``scale`` float32 ``[out_features]``. ``x [..., in_features]`` in any float dtype; ``y`` has its
-    dtype. Move it with ``.to(device)`` only: ``.to(dtype)`` would convert the codes too."""
+    dtype. Move it with ``.to(device)`` only: ``.to(dtype)`` would convert the codes too.
+    ``gemv_config`` tiles the GEMV of up to ``GEMV_MAX_ROWS`` rows (None: the launcher's default);
+    ``forward.choose_gemv`` sets it from ``gemv_candidates()`` by timing."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -55,6 +59,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.gemv_config: GemvConfig | None = None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp8Linear:
@@ -65,7 +70,12 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        return fp8_matmul(rows, self.weight, self.scale, self.bias).view(*x.shape[:-1], self.out_features)
+        out = fp8_matmul(rows, self.weight, self.scale, self.bias, self.gemv_config)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def gemv_candidates(self) -> list[GemvConfig]:
+        """The GEMV tilings worth timing for this layer's shape on its device, the default first."""
+        return gemv_candidates(self.out_features, self.in_features, num_sms(self.weight.device))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``W * scale`` this layer multiplies by."""

@@ -1,18 +1,35 @@
 """Triton kernels for ``y = x @ dequant(W)^T`` where ``W`` stays in device memory as a GGUF file's
-blocks, bytes as they are in the file: ``uint8 [out_features, bytes_per_row]``, each output row its
-own run of blocks. Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K (layouts: ggml's ``block_*`` structs, and
-``gguf.quants``' reference dequantizers, against which the tests check every kernel).
+bytes, reordered into planes (``planar``): ``uint8 [out_features, bytes_per_row]``, as many bytes
+as the file's blocks. Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K (layouts: ggml's ``block_*`` structs,
+and ``gguf.quants``' reference dequantizers, against which the tests check every kernel).
 
-The decode-path kernels read a tile of packed blocks, dequantize it in registers to float32 and
-multiply it there: no float copy of a weight is written. A tile is a run of *units* of one row
-(a block, or for the K-quants a quarter of a 256-wide super-block: 32 or 64 columns), decoded into
-planes that are interleaved (``tl.interleave``) rather than put back in column order; the columns
-of ``x`` are gathered in the same order, which costs nothing (``x`` sits in L1/L2).
+**Planar rows.** A file row is a run of blocks (Q4_0: 18 bytes = float16 ``d`` + 16 bytes of
+nibbles), whose 18-, 20-, 34-, 144-, 176- or 210-byte stride leaves a kernel 1- or 2-byte loads.
+``planar`` reorders each row's bytes into planes, each the same field of every block in a row:
+Q4_0 ``[qs | d]``, Q4_1 ``[qs | d | m]``, Q8_0 ``[qs | d]``, Q4_K ``[qs | meta]``, Q5_K
+``[qs | qh | meta]``, Q6_K ``[ql_lo | ql_hi | qh | scales | d]`` (``meta``: a super-block's 12
+scale bytes, then ``d`` and ``dmin``, 16 bytes). A kernel's *unit* is ``LANES`` columns of each of
+``PLANES`` sub-blocks (``BlockLayout``); a code plane holds ``LANES`` bytes per unit in unit
+order, so a tile of units of a row is one contiguous run, read 16 bytes a thread. Where the
+file's fields do not serve a unit as they lie, the same bits are stored otherwise: Q6_K's ``ql``
+split by unit and nibble half, its scales per unit; Q5_K's ``qh`` as two 32-bit words per unit,
+one per half of its lanes, a lane's two fifth bits side by side; Q8_0's int8 codes as unsigned
+``q + 128``. Every plane starts 16-byte aligned when K is a multiple of 256 (Q6_K: of 2,048, its
+rows being 210 bytes per 256 columns); otherwise the compiler, told no alignment, loads narrower,
+with the same results.
 
-- Small batches (``M <= GEMV_MAX_ROWS``, decode): a GEMV, ``GEMV_BLOCK_N`` output rows per program
-  with every row of ``x``, K in tiles, float32 multiply-add; K is split among programs (partial
-  sums in float32, added by a second small kernel) when the rows alone give too few programs to
-  fill the GPU (a 4096-row down projection at batch 1 gives 256).
+**Decoding** (``_units``): codes become float32 by OR-ing them into the bits of 2^23 and
+subtracting 2^23 plus their offset (exact; an integer-to-float conversion runs at a quarter of the
+rate), a high nibble kept in place (16 times its value, the 1/16 folded into the scale). A unit's
+weights are then ``a * f + b`` for codes ``f [BLOCK_N, NU, LANES, PLANES]`` and per-sub-block
+``a``, ``b`` ``[BLOCK_N, NU, PLANES]`` (``b`` only where a type has a minimum), columns
+``[NU, LANES, PLANES]`` (``_unit_cols``): x is gathered in that order, which costs nothing.
+
+- Small batches (``M <= GEMV_MAX_ROWS``, decode): a GEMV tiled by ``kernels.GemvConfig``. Per step a
+  thread multiplies its 16-byte vector of codes by x in float32 and sums along its lanes: the
+  cross-thread reduction over a tile's units happens once, after the last step (``acc_2d``), or
+  each step. K is split among programs (partial sums in float32, added by ``kernels.sum_splits``)
+  when the rows alone give too few programs to fill the GPU.
 - Decode batches (``M <= GEMM_MAX_ROWS``): a tiled GEMM, ``tl.dot`` of ``x``'s tile and the
   dequantized weight tile rounded to ``x``'s dtype, float32 accumulation; one row tile of ``x``,
   so each weight tile is decoded once.
@@ -21,15 +38,18 @@ of ``x`` are gathered in the same order, which costs nothing (``x`` sits in L1/L
   tiled GEMM decoded each weight tile once per 64 rows and ran at ~22 TFLOP/s on an H200: the
   dequantizing pass writes and reads 2 bytes a weight, which a 512-row product repays many times.
 
-Activations are read in their dtype (bf16, fp16, fp32), results written in it. Grids and
-scratch sizes depend on shapes only, never on values: CUDA-graph capturable. Only Triton API of
-both 3.6 and 3.9 is used.
+Every kernel takes part in programmatic dependent launch (``kernels.pdl``): it waits for the
+kernels before it (``pdl_wait``) before it reads x or writes; the GEMV and the dequantizer decode
+their first weight tile before that (no kernel writes weights).
+Activations are read in their dtype (bf16, fp16, fp32), results written in it. Grids and scratch
+sizes depend on shapes only, never on values: CUDA-graph capturable. Only Triton API of both 3.6
+and 3.9 is used.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import gguf
@@ -38,7 +58,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vivace.gpu.kernels import DOT_F32, sum_splits
+from vivace.gpu.kernels import DOT_F32, GemvConfig, pdl, pdl_wait, sum_splits
 
 T = gguf.GGMLQuantizationType
 GEMV_MAX_ROWS = 8  # above it, the tensor-core GEMM
@@ -50,232 +70,381 @@ GEMV_MAX_ROWS = 8  # above it, the tensor-core GEMM
 GEMM_MAX_ROWS = 64
 DEQUANT_SLICE_BYTES = 256 << 20
 DEQUANT_BLOCK_N = 64
-GEMV_BLOCK_N = 16  # output rows per GEMV program
-GEMV_TILE = 4096  # weights x rows of x a GEMV program holds per step (registers)
+# The GEMV's default tiling: GEMV_BLOCK_N rows a program, GEMV_VECTORS 16-byte vectors of codes a
+# row a step, 4 warps: two rows a thread, so each column of x a thread reads serves two rows (one
+# row a thread spent ~6 instructions a Q4_0 weight compiled for sm_90, two ~5, four ~4.5).
+GEMV_BLOCK_N = 32
+GEMV_VECTORS = 8
 GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 128
 PROGRAMS_PER_SM = 8  # split K until the GEMV has about this many programs per SM
-# The GEMVs (this one, the FP8 one) sum each tile's products over K inside the loop, a cross-thread
-# reduction per step; ACC_2D keeps a [rows of x, BLOCK_N, BLOCK_K] accumulator and reduces once at
-# the end (registers as the tile's). Unmeasured on a GPU: VIVACE_GEMV_ACC_2D=1 turns it on, so that
-# benchmarks/gpu.py can time both in one device call; the default follows what it shows.
+# The GEMVs (this one, the FP8 one) can sum each tile's products over K inside the loop, a
+# cross-thread reduction per step, or keep them per thread and reduce once at the end (ACC_2D,
+# registers as the tile's). The launchers' default; VIVACE_GEMV_ACC_2D=1 turns it on, so that
+# benchmarks/gpu.py can time both in one device call; the GGUF modules' start-up tuning times both.
 GEMV_ACC_2D = os.environ.get("VIVACE_GEMV_ACC_2D") == "1"
+MAGIC = 0x4B000000  # the bits of float32 2^23: OR-ed with a code below 2^23, 2^23 + code
 
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """One GGUF type's block: ``block_bytes`` bytes hold ``block_cols`` weights, decoded in
-    ``units_per_block`` units (the kernels' step along K)."""
+    """One GGUF type's block: ``block_bytes`` bytes hold ``block_cols`` weights, decoded in units
+    of ``lanes`` columns of each of ``planes`` sub-blocks (the kernels' step along K); ``fields``:
+    per plane of ``planar``, the block's bytes it takes, in order (Q5_K's qh is re-encoded);
+    ``has_min``: weights ``a * code + b``, not ``a * code``."""
 
     block_bytes: int
     block_cols: int
-    units_per_block: int
+    lanes: int
+    planes: int
+    fields: tuple[tuple[int, ...], ...]
+    has_min: bool = False
 
     @property
     def unit_cols(self) -> int:
-        return self.block_cols // self.units_per_block
+        return self.lanes * self.planes
 
 
+def _span(start: int, stop: int) -> tuple[int, ...]:
+    return tuple(range(start, stop))
+
+
+# Q6_K: unit (half h, quarter t) of a super-block reads ql[h*64 + t*16 + j] (runs 0, 2) and
+# ql[h*64 + 32 + t*16 + j] (runs 1, 3); its four scales are scales[h*8 + t + 2r].
+_Q6_QL_LO = sum((_span(h * 64 + t * 16, h * 64 + t * 16 + 16) for h in (0, 1) for t in (0, 1)), ())
+_Q6_SCALES = tuple(192 + h * 8 + t + 2 * r for h in (0, 1) for t in (0, 1) for r in range(4))
+_K_META = _span(4, 16) + _span(0, 4)  # scales[12], then d and dmin
 LAYOUTS = {
-    T.Q8_0: BlockLayout(34, 32, 1),  # f16 d, int8 qs[32]
-    T.Q4_0: BlockLayout(18, 32, 1),  # f16 d, qs[16]: element j low nibble, j + 16 high
-    T.Q4_1: BlockLayout(20, 32, 1),  # f16 d, f16 m, qs[16]
-    T.Q4_K: BlockLayout(144, 256, 4),  # f16 d, f16 dmin, scales[12], qs[128]
-    T.Q5_K: BlockLayout(176, 256, 4),  # f16 d, f16 dmin, scales[12], qh[32], qs[128]
-    T.Q6_K: BlockLayout(210, 256, 4),  # ql[128], qh[64], int8 scales[16], f16 d
+    T.Q8_0: BlockLayout(34, 32, 32, 1, (_span(2, 34), (0, 1))),  # f16 d, int8 qs[32]
+    T.Q4_0: BlockLayout(18, 32, 16, 2, (_span(2, 18), (0, 1))),  # f16 d, qs[16]: j low nibble, j + 16 high
+    T.Q4_1: BlockLayout(20, 32, 16, 2, (_span(4, 20), (0, 1), (2, 3)), True),  # f16 d, f16 m, qs[16]
+    T.Q4_K: BlockLayout(144, 256, 32, 2, (_span(16, 144), _K_META), True),  # f16 d, f16 dmin, scales[12], qs[128]
+    T.Q5_K: BlockLayout(176, 256, 32, 2, (_span(48, 176), _span(16, 48), _K_META), True),  # ..., qh[32], qs[128]
+    T.Q6_K: BlockLayout(210, 256, 16, 4, (_Q6_QL_LO, tuple(i + 32 for i in _Q6_QL_LO), _span(128, 192), _Q6_SCALES,
+                                          (208, 209))),  # ql[128], qh[64], int8 scales[16], f16 d
 }
 GPU_TYPES = tuple(LAYOUTS)
 
 
-# --- decoding a tile of blocks ---------------------------------------------------------------
-# Each decoder takes ``row`` (pointers to the tile's rows, [BLOCK_N, 1]), ``u`` (unit indices along
-# the row, [NU]) and ``mask`` ([BLOCK_N, NU]); it returns weights [BLOCK_N, NU, unit_cols] in
-# float32 (zero where masked) and their columns [NU, unit_cols], in the same (plane) order.
+def planar(blocks: torch.Tensor, ggml_type: T) -> torch.Tensor:
+    """The planar rows (module docstring) of a file's blocks ``uint8 [N, row_bytes]`` of
+    ``ggml_type``: same shape and bytes per row, on the same device, by torch ops alone (one
+    plane's copy at a time beside the two tensors)."""
+    layout = LAYOUTS[ggml_type]
+    n, row_bytes = blocks.shape
+    per_block = blocks.reshape(n, row_bytes // layout.block_bytes, layout.block_bytes)
+    out = torch.empty_like(blocks)
+    start = 0
+    for index, field in enumerate(layout.fields):
+        plane = per_block[:, :, list(field)]
+        if ggml_type == T.Q8_0 and index == 0:
+            plane ^= 128  # int8 q as the unsigned q + 128
+        elif ggml_type == T.Q5_K and index == 1:
+            plane = _q5_k_fifth_bits(plane)
+        width = plane.shape[1] * plane.shape[2]
+        out[:, start:start + width] = plane.reshape(n, width)
+        start += width
+    return out
+
+
+def _q5_k_fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_K's ``qh [N, S, 32]`` (bit 2c + p of byte j: fifth bit of column j of sub-block 2c + p) as
+    two little-endian 32-bit words per unit c, one per half h of its columns: bit 2k + p of word h,
+    the fifth bit of column 16h + k of sub-block 2c + p."""
+    bits = torch.stack([(qh >> s) & 1 for s in range(8)], 2)  # [N, S, sub-block 2c + p, column 16h + k]
+    bits = bits.reshape(*qh.shape[:2], 4, 2, 2, 16).permute(0, 1, 2, 4, 5, 3)  # [N, S, c, h, k, p]
+    octets = bits.reshape(*qh.shape[:2], 4, 2, 4, 8).to(torch.int32)
+    packed = (octets << torch.arange(8, device=qh.device, dtype=torch.int32)).sum(-1)
+    return packed.to(torch.uint8).reshape(*qh.shape[:2], 32)
+
+
+# --- decoding a tile of units ----------------------------------------------------------------
+# ``row``: byte offsets of the tile's rows [BLOCK_N] (int64); units u0 .. u0 + NU of each, masked
+# from ``hi`` and by ``n_mask``. Each loads the tile, calls ``pdl_wait(WAIT)`` (a kernel's first
+# tile: its bytes are on their way while the kernel waits, and only they occupy registers), then
+# returns codes f [BLOCK_N, NU, LANES, PLANES] (float32) and the scale a and offset b
+# [BLOCK_N, NU, PLANES] of ``w = a * f + b`` (b: 0.0 for types without one); ``_unit_cols`` gives
+# the columns [NU, LANES, PLANES] of f.
 
 
 @triton.jit
-def _f16(ptr, mask):
-    """float32 value of the little-endian float16 at each (byte) pointer."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+def _lanes(W, row, start, u0, hi, n_mask, BLOCK_N: tl.constexpr, NU: tl.constexpr, BYTES: tl.constexpr):
+    """A plane's bytes, BYTES a unit, from byte ``start`` of each row: [BLOCK_N, NU, BYTES], loaded
+    as one contiguous run a row (so 16 bytes a thread)."""
+    offs = u0 * BYTES + tl.arange(0, NU * BYTES)
+    q = tl.load(W + row[:, None] + start + offs[None, :], mask=n_mask[:, None] & (offs < hi * BYTES)[None, :],
+                other=0)
+    return tl.reshape(q, [BLOCK_N, NU, BYTES])
 
 
 @triton.jit
-def _q8_0_tile(row, u, mask):
-    block = row + u[None, :] * 34
-    j = tl.arange(0, 32)
-    q = tl.load(block[:, :, None] + 2 + j[None, None, :], mask=mask[:, :, None], other=0)
-    w = q.to(tl.int8, bitcast=True).to(tl.float32) * _f16(block, mask)[:, :, None]
-    return w, u[:, None] * 32 + j[None, :]
+def _codes(bits, magic, offset: tl.constexpr):
+    """``bits - offset`` in float32 for int32 ``0 <= bits < 2^23``, exactly: ``magic`` (MAGIC, passed
+    as an argument so that it sits in a register, where one LOP3 masks a code and ORs it in)."""
+    return (bits | magic).to(tl.float32, bitcast=True) - (8388608.0 + offset)
 
 
 @triton.jit
-def _q4_tile(row, u, mask, BLOCK_BYTES: tl.constexpr, HAS_MIN: tl.constexpr):
-    """Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``): the low nibbles, then the high ones."""
-    block = row + u[None, :] * BLOCK_BYTES
-    d = _f16(block, mask)[:, :, None]
-    j = tl.arange(0, 16)
-    packed = tl.load(block[:, :, None] + (BLOCK_BYTES - 16) + j[None, None, :], mask=mask[:, :, None], other=0)
-    lo = (packed & 15).to(tl.float32)
-    hi = (packed >> 4).to(tl.float32)
-    if HAS_MIN:
-        m = _f16(block + 2, mask)[:, :, None]
-        lo = lo * d + m
-        hi = hi * d + m
+def _f16(WH, hrow, index, mask):
+    """The float16 at half-offsets ``hrow`` (rows, [BLOCK_N]) + ``index`` [NU(, k)]."""
+    if len(index.shape) == 1:
+        ptr = WH + hrow[:, None] + index[None, :]
     else:
-        lo = (lo - 8.0) * d
-        hi = (hi - 8.0) * d
-    cols = u[:, None] * 32 + j[None, :]
-    return tl.interleave(lo, hi), tl.interleave(cols, cols + 16)
+        ptr = WH + hrow[:, None, None] + index[None, :, :]
+        mask = mask[:, :, None]
+    return tl.load(ptr, mask=mask, other=0.0)
 
 
 @triton.jit
-def _k_scale_min(scales, s, mask):
-    """Q4_K/Q5_K: the six-bit scale and min of sub-block ``s`` (0-7) from the 12 bytes at ``scales``
-    (s < 4: low six bits of bytes s and s + 4; else: nibbles of byte s + 4, top bits of s - 4 and s)."""
-    a = tl.load(scales + s, mask=mask, other=0)
-    b = tl.load(scales + s + 4, mask=mask, other=0)
-    c = tl.load(scales + (s & 3), mask=mask, other=0)
-    low = s < 4
-    scale = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4))
-    minimum = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
-    return scale.to(tl.float32), minimum.to(tl.float32)
+def _nibble_planes(q, magic, offset: tl.constexpr):
+    """[.., LANES, 2] codes of bytes q: low nibbles less offset, high ones in place (16x) less 16 x offset."""
+    q = q.to(tl.int32)
+    return tl.join(_codes(q & 15, magic, offset), _codes(q & 240, magic, 16 * offset))
 
 
 @triton.jit
-def _k4_tile(row, u, mask, BLOCK_BYTES: tl.constexpr, QS: tl.constexpr, FIVE_BITS: tl.constexpr):
-    """Q4_K/Q5_K, ``d * scale * q - dmin * min`` per 32-wide sub-block. Unit = 32 bytes of ``qs``:
-    sub-block 2i in the low nibbles, 2i + 1 in the high ones; Q5_K's fifth bit of column j of
-    sub-block s is bit s of ``qh[j]``."""
-    chunk = u % 4
-    block = row + (u // 4 * BLOCK_BYTES)[None, :]
-    d = _f16(block, mask)
-    dmin = _f16(block + 2, mask)
-    s = (2 * chunk)[None, :]
-    scale_lo, min_lo = _k_scale_min(block + 4, s, mask)
-    scale_hi, min_hi = _k_scale_min(block + 4, s + 1, mask)
-    j = tl.arange(0, 32)
+def _q8_0_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N: tl.constexpr, NU: tl.constexpr,
+                WAIT: tl.constexpr):
+    """Q8_0: a unit is a block, ``d * q`` for int8 q (stored as q + 128, ``planar``)."""
+    u = u0 + tl.arange(0, NU)
+    q = _lanes(W, row, 0, u0, hi, n_mask, BLOCK_N, NU, 32)
+    d = _f16(WH, row // 2, nblocks * 16 + u, n_mask[:, None] & (u < hi)[None, :])
+    pdl_wait(WAIT)
+    f = tl.reshape(_codes(q.to(tl.int32), magic, 128), [BLOCK_N, NU, 32, 1])  # not [..., None]: keeps q's layout
+    return f, d.to(tl.float32)[:, :, None], 0.0
+
+
+@triton.jit
+def _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N: tl.constexpr, NU: tl.constexpr,
+              HAS_MIN: tl.constexpr, WAIT: tl.constexpr):
+    """Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``): a unit is a block, lanes j: columns j (low
+    nibbles) and j + 16 (high ones)."""
+    u = u0 + tl.arange(0, NU)
+    mask = n_mask[:, None] & (u < hi)[None, :]
+    q = _lanes(W, row, 0, u0, hi, n_mask, BLOCK_N, NU, 16)
+    d = _f16(WH, row // 2, nblocks * 8 + u, mask)
+    if HAS_MIN:
+        m = _f16(WH, row // 2, nblocks * 9 + u, mask)
+    pdl_wait(WAIT)
+    d = d.to(tl.float32)
+    a = tl.join(d, d * 0.0625)
+    if HAS_MIN:
+        f = _nibble_planes(q, magic, 0)
+        b = tl.join(m, m).to(tl.float32)
+    else:
+        f = _nibble_planes(q, magic, 8)
+        b = 0.0
+    return f, a, b
+
+
+@triton.jit
+def _k_meta(W, WH, row, meta, u, mask):
+    """Q4_K/Q5_K: the bytes of unit u's two six-bit scales and mins [BLOCK_N, NU, 2] (of sub-blocks
+    2c, 2c + 1, c = u % 4: for s < 4, the low bits of bytes s and s + 4; for s >= 4, the nibbles
+    of byte s + 4 and the top bits of bytes s - 4 and s of the super-block's 16 meta bytes at byte
+    ``meta``), and its ``d``, ``dmin``."""
+    i = tl.arange(0, 2)
+    at = W + row[:, None, None] + (meta + u // 4 * 16 + u % 2 * 2)[None, :, None] + i[None, None, :]
     mask3 = mask[:, :, None]
-    packed = tl.load(block[:, :, None] + QS + (chunk * 32)[None, :, None] + j[None, None, :], mask=mask3, other=0)
-    lo = (packed & 15).to(tl.int32)
-    hi = (packed >> 4).to(tl.int32)
+    low = tl.load(at, mask=mask3, other=0)
+    mid = tl.load(at + 4, mask=mask3, other=0)
+    high = tl.load(at + 8, mask=mask3, other=0)
+    return low, mid, high, _f16(WH, row // 2, (meta // 2 + u // 4 * 8 + 6)[:, None] + i[None, :], mask)
+
+
+@triton.jit
+def _k_scales(low, mid, high, d_dmin, u):
+    """``a = d * scale`` (x 1/16 for the high nibbles' sub-block) and ``b = -dmin * min``
+    [BLOCK_N, NU, 2] from ``_k_meta``."""
+    low, mid, high = low.to(tl.int32), mid.to(tl.int32), high.to(tl.int32)
+    first = (u % 4 < 2)[None, :, None]
+    scale = tl.where(first, low & 63, (high & 15) | ((low >> 6) << 4)).to(tl.float32)
+    minimum = tl.where(first, mid & 63, (high >> 4) | ((mid >> 6) << 4)).to(tl.float32)
+    d, dmin = tl.split(d_dmin.to(tl.float32))
+    i = tl.arange(0, 2)
+    return d[:, :, None] * scale * tl.where(i == 0, 1.0, 0.0625)[None, None, :], -dmin[:, :, None] * minimum
+
+
+@triton.jit
+def _k4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N: tl.constexpr, NU: tl.constexpr,
+              FIVE_BITS: tl.constexpr, WAIT: tl.constexpr):
+    """Q4_K/Q5_K, ``d * scale * q - dmin * min`` per 32-wide sub-block. Unit c of a super-block: its
+    32 bytes ``qs[32c:32c + 32]``, sub-block 2c in the low nibbles, 2c + 1 in the high ones; Q5_K's
+    fifth bits of lanes 16h + k in bits 2k (sub-block 2c) and 2k + 1 of the unit's word h
+    (``_q5_k_fifth_bits``): a thread's 16 lanes in one word, each lane's bits at a constant shift."""
+    u = u0 + tl.arange(0, NU)
+    mask = n_mask[:, None] & (u < hi)[None, :]
+    q = _lanes(W, row, 0, u0, hi, n_mask, BLOCK_N, NU, 32)
+    octet = tl.arange(0, 4)
     if FIVE_BITS:
-        qh = tl.load(block[:, :, None] + 16 + j[None, None, :], mask=mask3, other=0).to(tl.int32)
-        shift = s[:, :, None]
-        lo = lo | (((qh >> shift) & 1) << 4)
-        hi = hi | (((qh >> (shift + 1)) & 1) << 4)
-    lo = lo.to(tl.float32) * (d * scale_lo)[:, :, None] - (dmin * min_lo)[:, :, None]
-    hi = hi.to(tl.float32) * (d * scale_hi)[:, :, None] - (dmin * min_hi)[:, :, None]
-    cols = (u // 4 * 256 + chunk * 64)[:, None] + j[None, :]
-    return tl.interleave(lo, hi), tl.interleave(cols, cols + 32)
+        at = (nblocks * 128 + u * 8)[None, :, None, None] + (4 * tl.arange(0, 2))[None, None, :, None] + octet
+        words = tl.load(W + row[:, None, None, None] + at, mask=mask[:, :, None, None], other=0)
+        low, mid, high, d_dmin = _k_meta(W, WH, row, nblocks * 160, u, mask)
+    else:
+        low, mid, high, d_dmin = _k_meta(W, WH, row, nblocks * 128, u, mask)
+    pdl_wait(WAIT)
+    if FIVE_BITS:
+        words = tl.sum(words.to(tl.int32) << 8 * octet, 3)[:, :, :, None, None]  # [BLOCK_N, NU, h, 1, 1]
+        k = tl.arange(0, 16)[None, None, None, :, None]
+        p = tl.arange(0, 2)[None, None, None, None, :]
+        q = q.to(tl.int32)
+        nibbles = tl.reshape(tl.join(q & 15, q & 240), [BLOCK_N, NU, 2, 16, 2])
+        codes = nibbles | (((words >> (2 * k + p)) & 1) << (4 + 4 * p))
+        f = _codes(tl.reshape(codes, [BLOCK_N, NU, 32, 2]), magic, 0)
+    else:
+        f = _nibble_planes(q, magic, 0)
+    a, b = _k_scales(low, mid, high, d_dmin, u)
+    return f, a, b
 
 
 @triton.jit
-def _q6_k_run(low, high, scale, d, mask):
-    """One run of 16 Q6_K weights: ``d * scale * (low | high << 4) - 32``."""
-    s = tl.load(scale, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    return ((low | (high << 4)).to(tl.int32) - 32).to(tl.float32) * (d * s)[:, :, None]
+def _q6_k_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N: tl.constexpr, NU: tl.constexpr,
+                WAIT: tl.constexpr):
+    """Q6_K, ``d * scale * (q - 32)`` per 16-wide run. Unit (half h, quarter t) of a super-block,
+    lane j, run r: column ``h * 128 + r * 32 + t * 16 + j``, low four bits in byte j of the unit's
+    ``ql_lo`` (runs 0, 2: low, high nibble) or ``ql_hi`` (runs 1, 3), top two in bits 2r of its
+    ``qh``; its four int8 scales side by side."""
+    u = u0 + tl.arange(0, NU)
+    mask = n_mask[:, None] & (u < hi)[None, :]
+    r = tl.arange(0, 4)
+    low = _lanes(W, row, 0, u0, hi, n_mask, BLOCK_N, NU, 16)
+    high = _lanes(W, row, nblocks * 64, u0, hi, n_mask, BLOCK_N, NU, 16)
+    qh = _lanes(W, row, nblocks * 128, u0, hi, n_mask, BLOCK_N, NU, 16)
+    scale = tl.load(W + row[:, None, None] + (nblocks * 192 + u * 4)[None, :, None] + r[None, None, :],
+                    mask=mask[:, :, None], other=0)
+    d = _f16(WH, row // 2, nblocks * 104 + u // 4, mask)
+    pdl_wait(WAIT)
+    low, high, qh = low.to(tl.int32), high.to(tl.int32), qh.to(tl.int32)
+    run0 = _codes((low & 15) | ((qh & 3) << 4), magic, 32)
+    run1 = _codes((high & 15) | ((qh & 12) << 2), magic, 32)
+    run2 = _codes((low & 240) | ((qh & 48) << 4), magic, 512)  # 16x, as the high nibble lies
+    run3 = _codes((high & 240) | ((qh & 192) << 2), magic, 512)
+    f = tl.reshape(tl.join(tl.join(run0, run2), tl.join(run1, run3)), [BLOCK_N, NU, 16, 4])
+    scale = scale.to(tl.int8, bitcast=True).to(tl.float32)
+    a = d.to(tl.float32)[:, :, None] * scale * tl.where(r < 2, 1.0, 0.0625)[None, None, :]
+    return f, a, 0.0
 
 
 @triton.jit
-def _q6_k_tile(row, u, mask):
-    """Q6_K. Column ``h * 128 + r * 32 + j`` (half h, run r): low four bits in ``ql[h * 64 +
-    (r % 2) * 32 + j]`` (low nibble for r < 2, high for r >= 2), top two in bits 2r of
-    ``qh[h * 32 + j]``, scale ``scales[h * 8 + 2r + j // 16]``. Unit = (h, j // 16): 4 runs of 16."""
-    half = u // 2 % 2
-    quarter = u % 2
-    block = row + (u // 4 * 210)[None, :]
-    d = _f16(block + 208, mask)
-    i = tl.arange(0, 16)
-    mask3 = mask[:, :, None]
-    at = (half * 64 + quarter * 16)[None, :, None] + i[None, None, :]
-    ql_a = tl.load(block[:, :, None] + at, mask=mask3, other=0)
-    ql_b = tl.load(block[:, :, None] + at + 32, mask=mask3, other=0)
-    qh = tl.load(block[:, :, None] + 128 + (half * 32 + quarter * 16)[None, :, None] + i[None, None, :], mask=mask3,
-                 other=0)
-    scale = block + 192 + (half * 8 + quarter)[None, :]
-    w0 = _q6_k_run(ql_a & 15, qh & 3, scale, d, mask)
-    w1 = _q6_k_run(ql_b & 15, (qh >> 2) & 3, scale + 2, d, mask)
-    w2 = _q6_k_run(ql_a >> 4, (qh >> 4) & 3, scale + 4, d, mask)
-    w3 = _q6_k_run(ql_b >> 4, qh >> 6, scale + 6, d, mask)
-    cols = (u // 4 * 256 + half * 128 + quarter * 16)[:, None] + i[None, :]
-    return (tl.interleave(tl.interleave(w0, w1), tl.interleave(w2, w3)),
-            tl.interleave(tl.interleave(cols, cols + 32), tl.interleave(cols + 64, cols + 96)))
-
-
-@triton.jit
-def _dequant_tile(row, u, mask, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weights [BLOCK_N, BLOCK_K] (float32) of units ``u`` of the rows at ``row``, and their columns
-    [BLOCK_K]. FORMAT is the ggml type's number."""
+def _units(W, WH, row, nblocks, u0, hi, n_mask, magic, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+           NU: tl.constexpr, WAIT: tl.constexpr):
+    """Codes, a and b (above) of units u0 .. u0 + NU of the rows at ``row``. FORMAT is the ggml
+    type's number."""
     if FORMAT == 8:
-        w, cols = _q8_0_tile(row, u, mask)
+        f, a, b = _q8_0_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, WAIT)
     elif FORMAT == 2:
-        w, cols = _q4_tile(row, u, mask, 18, False)
+        f, a, b = _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, False, WAIT)
     elif FORMAT == 3:
-        w, cols = _q4_tile(row, u, mask, 20, True)
+        f, a, b = _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, True, WAIT)
     elif FORMAT == 12:
-        w, cols = _k4_tile(row, u, mask, 144, 16, False)
+        f, a, b = _k4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, False, WAIT)
     elif FORMAT == 13:
-        w, cols = _k4_tile(row, u, mask, 176, 48, True)
+        f, a, b = _k4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, True, WAIT)
     else:
         tl.static_assert(FORMAT == 14, "unsupported GGUF type")
-        w, cols = _q6_k_tile(row, u, mask)
-    return tl.reshape(w, [BLOCK_N, BLOCK_K]), tl.reshape(cols, [BLOCK_K])
+        f, a, b = _q6_k_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, WAIT)
+    return f, a, b
+
+
+@triton.jit
+def _unit_cols(u0, FORMAT: tl.constexpr, NU: tl.constexpr):
+    """The columns [NU, LANES, PLANES] of the codes of units u0 .. u0 + NU."""
+    u = u0 + tl.arange(0, NU)
+    if FORMAT == 8:
+        cols = (u * 32)[:, None, None] + tl.arange(0, 32)[None, :, None] + tl.zeros([1, 1, 1], tl.int32)
+    elif FORMAT == 2 or FORMAT == 3:
+        cols = (u * 32)[:, None, None] + tl.arange(0, 16)[None, :, None] + (16 * tl.arange(0, 2))[None, None, :]
+    elif FORMAT == 12 or FORMAT == 13:
+        cols = (u * 64)[:, None, None] + tl.arange(0, 32)[None, :, None] + (32 * tl.arange(0, 2))[None, None, :]
+    else:
+        base = u // 4 * 256 + u // 2 % 2 * 128 + u % 2 * 16
+        cols = base[:, None, None] + tl.arange(0, 16)[None, :, None] + (32 * tl.arange(0, 4))[None, None, :]
+    return cols
+
+
+@triton.jit
+def _weights(f, a, b, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile's weights [BLOCK_N, BLOCK_K] (float32), columns in the order of its codes'."""
+    w = a[:, :, None, :] * f
+    if HAS_MIN:
+        w += b[:, :, None, :]
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
 
 
 # --- the matmuls -----------------------------------------------------------------------------
 
 
 @triton.jit
-def _dequantize_kernel(W, OUT, N, K, row_bytes, units, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NU: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program: rows [BLOCK_N] x units [NU] of the blocks at W, decoded into OUT ``[N, K]`` (OUT's
-    dtype, row-major)."""
+def _dequantize_kernel(W, WH, OUT, N, K, row_bytes, nblocks, units, magic, FORMAT: tl.constexpr,
+                       HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+    """One program: rows [BLOCK_N] x units [NU] of the planar rows at W, decoded into OUT ``[N, K]``
+    (OUT's dtype, row-major); its loads go out before ``pdl_wait`` (in ``_units``)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    u = tl.program_id(1) * NU + tl.arange(0, NU)
-    w, cols = _dequant_tile(W + n.to(tl.int64)[:, None] * row_bytes, u, n_mask[:, None] & (u < units)[None, :],
-                            FORMAT, BLOCK_N, BLOCK_K)
+    u0 = tl.program_id(1) * NU
+    f, a, b = _units(W, WH, n.to(tl.int64) * row_bytes, nblocks, u0, units, n_mask, magic, FORMAT, BLOCK_N, NU,
+                     PDL)
+    w = _weights(f, a, b, HAS_MIN, BLOCK_N, BLOCK_K)
+    cols = tl.reshape(_unit_cols(u0, FORMAT, NU), [BLOCK_K])
     tl.store(OUT + n.to(tl.int64)[:, None] * K + cols[None, :], w.to(OUT.dtype.element_ty),
              mask=n_mask[:, None] & (cols < K)[None, :])
 
 
 @triton.jit
-def _gemv_kernel(W, X, Y, BIAS, M, N, K, row_bytes, units, units_per_split, stride_xm, stride_ym, stride_ys,
-                 FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr,
-                 BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ACC_2D: tl.constexpr):
-    """One program: BLOCK_N output rows, every row of x, the units of one split of K. Split, it
-    writes float32 partial sums ``Y[split]``; else the result (+ bias) in Y's dtype."""
-    split = tl.program_id(1)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    row = W + n.to(tl.int64)[:, None] * row_bytes
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < M
-    lo = split * units_per_split
-    hi = tl.minimum(lo + units_per_split, units)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    for u0 in range(lo, hi, NU):
-        u = u0 + tl.arange(0, NU)
-        w, cols = _dequant_tile(row, u, n_mask[:, None] & (u < hi)[None, :], FORMAT, BLOCK_N, BLOCK_K)
-        x = tl.load(X + m[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :],
-                    other=0.0).to(tl.float32)
-        acc, acc3 = gemv_accumulate(acc, acc3, x, w, ACC_2D)
-    if ACC_2D:
-        acc = tl.sum(acc3, 2)
-    store_gemv_rows(acc, Y, BIAS, m, n, m_mask, n_mask, split, stride_ym, stride_ys, HAS_BIAS, SPLIT)
+def _gemv_x(X, i, stride_xm, K, cols):
+    """Row i of x at ``cols``, in float32."""
+    return tl.load(X + i * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def gemv_accumulate(acc, acc3, x, w, ACC_2D: tl.constexpr):
-    """One K tile of a GEMV: ``x [rows of x, BLOCK_K]`` times ``w [BLOCK_N, BLOCK_K]`` (float32),
-    summed over K into ``acc`` now, or (ACC_2D) added into ``acc3`` for one sum at the end."""
+def _gemv_products(X, m, M, stride_xm, K, f, a, b, cols, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr,
+                   ACC_2D: tl.constexpr):
+    """A GEMV tile's products with the rows of x, a thread's lanes summed in registers: ACC_2D (one
+    row of x), per sub-block ``[BLOCK_N, NU, PLANES]``; else summed over the tile ``[BLOCK_M,
+    BLOCK_N]``, a row of x at a time, so a thread holds one row's columns of its codes."""
     if ACC_2D:
-        acc3 += x[:, None, :] * w[None, :, :]
+        tl.static_assert(BLOCK_M == 1, "ACC_2D takes one row of x")
+        acc = _gemv_row(_gemv_x(X, 0, stride_xm, K, cols), f, a, b, HAS_MIN)
     else:
-        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
-    return acc, acc3
+        acc = tl.zeros([BLOCK_M, f.shape[0]], tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            x = _gemv_x(X, tl.minimum(i, M - 1), stride_xm, K, cols)  # rows past M: computed, never stored
+            acc += tl.where((m == i)[:, None], tl.sum(tl.sum(_gemv_row(x, f, a, b, HAS_MIN), 2), 1)[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _gemv_row(x, f, a, b, HAS_MIN: tl.constexpr):
+    """Products ``[BLOCK_N, NU, PLANES]`` of a tile with x's tile, summed over each sub-block's lanes."""
+    t = a * tl.sum(f * x[None], 2)
+    if HAS_MIN:
+        t += b * tl.sum(x, 1)[None]
+    return t
+
+
+@triton.jit
+def _gemv_kernel(W, WH, X, Y, BIAS, M, N, K, row_bytes, nblocks, units, units_per_split, stride_xm, stride_ym,
+                 stride_ys, magic, FORMAT: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NU: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 ACC_2D: tl.constexpr, PDL: tl.constexpr):
+    """One program: BLOCK_N output rows, every row of x, the units of one split of K, NU a step.
+    Split, it writes float32 partial sums ``Y[split]``; else the result (+ bias) in Y's dtype. The
+    first tile's loads go out before ``pdl_wait`` (in ``_units``): no kernel writes weights."""
+    split = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    row = n.to(tl.int64) * row_bytes
+    m = tl.arange(0, BLOCK_M)
+    lo = split * units_per_split
+    hi = tl.minimum(lo + units_per_split, units)
+    f, a, b = _units(W, WH, row, nblocks, lo, hi, n_mask, magic, FORMAT, BLOCK_N, NU, PDL)
+    acc = _gemv_products(X, m, M, stride_xm, K, f, a, b, _unit_cols(lo, FORMAT, NU), HAS_MIN, BLOCK_M, ACC_2D)
+    for u0 in range(lo + NU, hi, NU):
+        f, a, b = _units(W, WH, row, nblocks, u0, hi, n_mask, magic, FORMAT, BLOCK_N, NU, False)
+        acc += _gemv_products(X, m, M, stride_xm, K, f, a, b, _unit_cols(u0, FORMAT, NU), HAS_MIN, BLOCK_M, ACC_2D)
+    if ACC_2D:
+        acc = tl.sum(tl.sum(acc, 2), 1)[None, :]
+    store_gemv_rows(acc, Y, BIAS, m, n, m < M, n_mask, split, stride_ym, stride_ys, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -293,23 +462,25 @@ def store_gemv_rows(acc, Y, BIAS, m, n, m_mask, n_mask, split, stride_ym, stride
 
 
 @triton.jit
-def _gemm_kernel(W, X, Y, BIAS, M, N, K, row_bytes, units, stride_xm, stride_ym,
-                 FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr,
-                 BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr):
+def _gemm_kernel(W, WH, X, Y, BIAS, M, N, K, row_bytes, nblocks, units, stride_xm, stride_ym, magic,
+                 FORMAT: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 NU: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+                 PDL: tl.constexpr):
     """One program: a [BLOCK_M, BLOCK_N] tile of Y. Axis 0 walks M, so programs reading the same
     weight rows are launched together."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = m < M
     n_mask = n < N
-    row = W + n.to(tl.int64)[:, None] * row_bytes
+    row = n.to(tl.int64) * row_bytes
     x_rows = X + m.to(tl.int64)[:, None] * stride_xm
+    pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for u0 in range(0, units, NU):
-        u = u0 + tl.arange(0, NU)
-        w, cols = _dequant_tile(row, u, n_mask[:, None] & (u < units)[None, :], FORMAT, BLOCK_N, BLOCK_K)
+        f, a, b = _units(W, WH, row, nblocks, u0, units, n_mask, magic, FORMAT, BLOCK_N, NU, False)
+        cols = tl.reshape(_unit_cols(u0, FORMAT, NU), [BLOCK_K])
         x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :], other=0.0)
-        w = w.to(x.dtype)
+        w = _weights(f, a, b, HAS_MIN, BLOCK_N, BLOCK_K).to(x.dtype)
         if DOT_F32:  # the interpreter's half-precision dot is wrong: same rounding, float32 product
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
@@ -318,6 +489,9 @@ def _gemm_kernel(W, X, Y, BIAS, M, N, K, row_bytes, units, stride_xm, stride_ym,
         acc += tl.load(BIAS + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + m.to(tl.int64)[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+# --- launchers -------------------------------------------------------------------------------
 
 
 @lru_cache(maxsize=None)
@@ -333,43 +507,94 @@ def gemv_splits(row_programs: int, units: int, units_per_step: int, num_sms: int
     return max(1, min(want, units // (4 * units_per_step)))
 
 
+def default_gemv_config(ggml_type: T) -> GemvConfig:
+    """The GEMV's tiling when a module has none chosen (GEMV_BLOCK_N, GEMV_VECTORS, 4 warps)."""
+    return _gemv_config(ggml_type, GEMV_BLOCK_N, GEMV_VECTORS, 4, GEMV_ACC_2D)
+
+
+def _gemv_config(ggml_type: T, block_n: int, vectors: int, num_warps: int, acc_2d: bool) -> GemvConfig:
+    """A tiling of ``block_n`` rows and ``vectors`` 16-byte vectors of codes a row a step, K split
+    by ``gemv_splits``."""
+    layout = LAYOUTS[ggml_type]
+    units = max(1, vectors // (layout.lanes // 16))
+    return GemvConfig(block_n, units * layout.unit_cols, None, acc_2d, num_warps)
+
+
+# Tilings worth timing besides the default, (rows a program, vectors a row a step, warps): a thread
+# covers rows x vectors / threads rows, 1 to 4, which share the columns of x it reads; more rows
+# or vectors a program put more bytes in flight, fewer rows leave more programs before K splits.
+GEMV_TILINGS = ((16, 8, 4), (64, 8, 4), (32, 16, 4), (16, 16, 4), (8, 32, 4), (64, 8, 8), (32, 16, 8), (64, 16, 8))
+
+
+def gemv_candidates(ggml_type: T, n: int, k: int, device: torch.device) -> list[GemvConfig]:
+    """The GEMV tilings worth timing on a Hopper GPU for an ``n x k`` weight of ``ggml_type`` at
+    batch 1, at most 12, the default first: the default at both accumulations and at half its K
+    splits and none (the splits' partial sums and second launch may cost more than the programs
+    they add), then GEMV_TILINGS reducing once (``acc_2d``), each with ``gemv_splits``' splits."""
+    default = default_gemv_config(ggml_type)
+    candidates = [default, replace(default, acc_2d=not default.acc_2d)]
+    units = k // LAYOUTS[ggml_type].unit_cols
+    auto = gemv_splits(triton.cdiv(n, default.block_n), units, _gemv_units(default, LAYOUTS[ggml_type], units),
+                       num_sms(device))
+    candidates += [replace(default, splits=splits) for splits in sorted({max(1, auto // 2), 1} - {auto}, reverse=True)]
+    candidates += [_gemv_config(ggml_type, *tiling, True) for tiling in GEMV_TILINGS]
+    return list(dict.fromkeys(candidates))[:12]
+
+
+def _gemv_units(config: GemvConfig, layout: BlockLayout, units: int) -> int:
+    """Units a GEMV step: ``config.block_k`` columns rounded down to a power of two of units (at
+    least one), at most the row's units rounded up."""
+    nu = max(1, config.block_k // layout.unit_cols)
+    return min(1 << (nu.bit_length() - 1), triton.next_power_of_2(units))
+
+
+def _weight_args(blocks: torch.Tensor, ggml_type: T, k: int) -> dict:
+    """The weight arguments every kernel takes: planar rows as bytes and as float16 (the scale
+    planes' loads), row bytes, blocks and units a row, MAGIC."""
+    layout = LAYOUTS[ggml_type]
+    return dict(W=blocks, WH=blocks.view(torch.float16), row_bytes=blocks.shape[1], nblocks=k // layout.block_cols,
+                units=k // layout.unit_cols, magic=MAGIC, FORMAT=int(ggml_type), HAS_MIN=layout.has_min)
+
+
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch.Tensor | None = None,
-                splits: int | None = None) -> torch.Tensor:
+                config: GemvConfig | None = None) -> torch.Tensor:
     """``x @ dequant(blocks)^T (+ bias)``: ``x`` ``[M, K]`` float (unit stride along K), ``blocks``
-    ``uint8 [N, K / block_cols * block_bytes]`` of ``ggml_type`` (one of ``GPU_TYPES``), ``bias``
-    ``[N]``; returns ``[M, N]`` in ``x``'s dtype. ``splits`` forces the GEMV's K splits (tests)."""
+    the planar rows (``planar``) ``uint8 [N, K / block_cols * block_bytes]`` of ``ggml_type`` (one
+    of ``GPU_TYPES``), ``bias`` ``[N]``; returns ``[M, N]`` in ``x``'s dtype. ``config`` tiles the
+    GEMV (M <= GEMV_MAX_ROWS; None: ``default_gemv_config``)."""
     layout = LAYOUTS[ggml_type]
     m, k = x.shape
     n, row_bytes = blocks.shape
-    assert blocks.dtype == torch.uint8 and blocks.stride(1) == 1 and x.stride(1) == 1
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and x.stride(1) == 1
     assert k % layout.block_cols == 0 and row_bytes == k // layout.block_cols * layout.block_bytes, \
         f"{ggml_type.name} blocks {tuple(blocks.shape)} do not hold {k} columns"
     if m > GEMM_MAX_ROWS:
         return _dequantized_matmul(x, blocks, ggml_type, bias)
-    units = k // layout.unit_cols
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     bias = out if bias is None else bias
+    weight = _weight_args(blocks, ggml_type, k)
     if m > GEMV_MAX_ROWS:
         block_m = min(max(triton.next_power_of_2(m), 16), 64)
         nu = max(1, GEMM_BLOCK_K // layout.unit_cols)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, GEMM_BLOCK_N))
-        _gemm_kernel[grid](blocks, x, out, bias, m, n, k, row_bytes, units, x.stride(0), out.stride(0),
-                           FORMAT=int(ggml_type), BLOCK_M=block_m, BLOCK_N=GEMM_BLOCK_N, NU=nu,
-                           BLOCK_K=nu * layout.unit_cols, HAS_BIAS=has_bias, DOT_F32=DOT_F32, num_warps=8)
+        _gemm_kernel[grid](X=x, Y=out, BIAS=bias, M=m, N=n, K=k, stride_xm=x.stride(0), stride_ym=out.stride(0),
+                           BLOCK_M=block_m, BLOCK_N=GEMM_BLOCK_N, NU=nu, BLOCK_K=nu * layout.unit_cols,
+                           HAS_BIAS=has_bias, DOT_F32=DOT_F32, num_warps=8, **weight, **pdl(x.device))
         return out
+    config = config or default_gemv_config(ggml_type)
     block_m = triton.next_power_of_2(m)
-    nu = max(1, GEMV_TILE // (GEMV_BLOCK_N * block_m * layout.unit_cols))
-    row_programs = triton.cdiv(n, GEMV_BLOCK_N)
-    if splits is None:
-        splits = gemv_splits(row_programs, units, nu, num_sms(x.device)) if x.is_cuda else 1
+    units = k // layout.unit_cols
+    nu = _gemv_units(config, layout, units)
+    row_programs = triton.cdiv(n, config.block_n)
+    splits = config.splits or gemv_splits(row_programs, units, nu, num_sms(x.device))
     units_per_split = triton.cdiv(triton.cdiv(units, splits), nu) * nu
     splits = triton.cdiv(units, units_per_split)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(row_programs, splits)](blocks, x, target, bias, m, n, k, row_bytes, units, units_per_split,
-                                         x.stride(0), n, m * n, FORMAT=int(ggml_type), BLOCK_M=block_m,
-                                         BLOCK_N=GEMV_BLOCK_N, NU=nu, BLOCK_K=nu * layout.unit_cols,
-                                         HAS_BIAS=has_bias, SPLIT=splits > 1, ACC_2D=GEMV_ACC_2D, num_warps=4)
+    _gemv_kernel[(row_programs, splits)](
+        X=x, Y=target, BIAS=bias, M=m, N=n, K=k, units_per_split=units_per_split, stride_xm=x.stride(0), stride_ym=n,
+        stride_ys=m * n, BLOCK_M=block_m, BLOCK_N=config.block_n, NU=nu, HAS_BIAS=has_bias, SPLIT=splits > 1,
+        ACC_2D=config.acc_2d and m == 1, num_warps=config.num_warps, **weight, **pdl(x.device))
     if splits > 1:
         sum_splits(target, out, bias, has_bias)
     return out
@@ -394,13 +619,12 @@ def _dequantized_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bia
 
 
 def dequantize(blocks: torch.Tensor, ggml_type: T, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The ``[N, k]`` weights in ``dtype`` of ``blocks`` (``uint8 [N, row bytes]`` of ``ggml_type``)."""
+    """The ``[N, k]`` weights in ``dtype`` of planar rows ``blocks`` (``uint8 [N, row bytes]``)."""
     layout = LAYOUTS[ggml_type]
-    n, row_bytes = blocks.shape
-    units = k // layout.unit_cols
+    n = blocks.shape[0]
     nu = max(1, GEMM_BLOCK_K // layout.unit_cols)
     out = torch.empty(n, k, dtype=dtype, device=blocks.device)
-    grid = (triton.cdiv(n, DEQUANT_BLOCK_N), triton.cdiv(units, nu))
-    _dequantize_kernel[grid](blocks, out, n, k, row_bytes, units, FORMAT=int(ggml_type), BLOCK_N=DEQUANT_BLOCK_N,
-                             NU=nu, BLOCK_K=nu * layout.unit_cols, num_warps=4)
+    grid = (triton.cdiv(n, DEQUANT_BLOCK_N), triton.cdiv(k // layout.unit_cols, nu))
+    _dequantize_kernel[grid](OUT=out, N=n, K=k, BLOCK_N=DEQUANT_BLOCK_N, NU=nu, BLOCK_K=nu * layout.unit_cols,
+                             num_warps=4, **_weight_args(blocks, ggml_type, k), **pdl(blocks.device))
     return out

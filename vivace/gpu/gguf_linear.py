@@ -1,8 +1,9 @@
-"""GGUF linear layers on the GPU: ``GgufLinear`` keeps a projection's weight as the file's blocks
-in device memory and multiplies by it with ``vivace.gpu.gguf_kernels``; ``plan_packed`` and
+"""GGUF linear layers on the GPU: ``GgufLinear`` keeps a projection's weight as the file's bytes in
+device memory, reordered into planes (``gguf_kernels.planar``: same bytes, wide loads), and
+multiplies by it with ``vivace.gpu.gguf_kernels``, at batch 1 in the GEMV tiling chosen for it at
+start (``gemv_config``, from ``gemv_candidates``; ``forward.choose_gemv``); ``plan_packed`` and
 ``pack_linears`` are the loader's side (which projections of a file stay packed, and swapping them
-in); ``linear`` is the forward's dispatch between cuBLAS and these (or FP8 layers);
-``randomize_packed`` makes a dummy model's projections random blocks of one type (benchmarks).
+in); ``randomize_packed`` makes a dummy model's projections random blocks of one type (benchmarks).
 
 A projection stays packed when its GGUF type is one the kernels read (``GPU_TYPES``): the decoder's
 q/k/v, output, gate/up and down projections, and an untied LM head. A fused projection (q/k/v,
@@ -18,11 +19,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vivace.gpu import kernels
-from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, gguf_matmul
+from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, gemv_candidates, gguf_matmul, planar
 from vivace.models.config import ModelConfig
 from vivace.models.dummy import random_gguf_blocks
 from vivace.models.gguf import _hf_name, hf_rows
@@ -31,9 +31,13 @@ from vivace.models.loader import vivace_name
 
 
 class GgufLinear(nn.Module):
-    """``y = x @ W^T + b`` for ``W`` held as GGUF blocks ``uint8 [out_features, bytes_per_row]``
-    of ``ggml_type`` (one of ``GPU_TYPES``). ``x [..., in_features]`` in any float dtype; ``y``
-    has its dtype. ``module.to(dtype)`` converts the bias only: the blocks stay bytes."""
+    """``y = x @ W^T + b`` for ``W`` given as GGUF blocks ``uint8 [out_features, bytes_per_row]``
+    of ``ggml_type`` (one of ``GPU_TYPES``), kept as their planar rows (buffer ``blocks``, same
+    shape, reordered on the blocks' device). ``x [..., in_features]`` in any float dtype; ``y``
+    has its dtype. ``module.to(dtype)`` converts the bias only: the blocks stay bytes.
+    ``gemv_config``: the batch-1 GEMV's tiling (None: ``gguf_kernels.default_gemv_config``)."""
+
+    gemv_config: kernels.GemvConfig | None = None
 
     def __init__(self, blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType, in_features: int,
                  bias: torch.Tensor | None = None) -> None:
@@ -48,45 +52,28 @@ class GgufLinear(nn.Module):
                              f"rows of {in_features} weights")
         self.ggml_type = ggml_type
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("blocks", planar(blocks.contiguous(), ggml_type))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        return gguf_matmul(rows, self.blocks, self.ggml_type, self.bias).view(*x.shape[:-1], self.out_features)
+        return gguf_matmul(rows, self.blocks, self.ggml_type, self.bias, self.gemv_config).view(
+            *x.shape[:-1], self.out_features)
+
+    def gemv_candidates(self) -> list[kernels.GemvConfig]:
+        """The batch-1 GEMV tilings worth timing for this module's shape and type on its device
+        (``gguf_kernels.gemv_candidates``), the default first."""
+        return gemv_candidates(self.ggml_type, self.out_features, self.in_features, self.blocks.device)
 
     def weight_bytes(self) -> int:
-        """Bytes of blocks and bias one forward pass reads."""
+        """Bytes of blocks (as many as the file's) and bias one forward pass reads."""
         return sum(t.numel() * t.element_size() for t in (self.blocks, self.bias) if t is not None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"type={self.ggml_type.name}, bias={self.bias is not None}")
-
-
-def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module``'s ``x @ W^T + b``: for a float ``nn.Linear``, cuBLAS, or at batch 1 the Triton
-    GEMV where it was measured faster at start (``gemv_block``, ``gemv_splits``, set by ``forward.choose_gemv``);
-    else the module's own forward (GGUF blocks, ``GgufLinear``; FP8, ``vivace.gpu.fp8_linear.Fp8Linear``)."""
-    if isinstance(module, nn.Linear):
-        block = getattr(module, "gemv_block", 0)
-        if block and x.shape[0] == 1:
-            return kernels.gemv(module.weight, x, module.bias, block_n=block, splits=getattr(module, "gemv_splits", 1))
-        return F.linear(x, module.weight, module.bias)
-    return module(x)
-
-
-def gated_linear(module: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
-    """``linear(module, act(gate) * up)`` for an MLP's ``x = [gate | up]`` (SiLU, or GELU's tanh
-    form): at batch 1 through the Triton GEMV with the activation taken as it loads ``x`` where
-    that was measured faster (``gated_gemv_block``), else the activation kernel, then ``linear``."""
-    block = getattr(module, "gated_gemv_block", 0)
-    if block and x.shape[0] == 1 and isinstance(module, nn.Linear):
-        return kernels.gemv(module.weight, x, module.bias, "gelu" if gelu else "silu", block_n=block,
-                            splits=getattr(module, "gated_gemv_splits", 1))
-    return linear(module, kernels.gelu_tanh_mul(x) if gelu else kernels.silu_mul(x))
 
 
 def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:
