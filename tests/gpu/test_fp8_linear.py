@@ -221,3 +221,44 @@ def test_fp8_is_refused_where_the_device_cannot_run_it(tiny_model_dir) -> None:
         check_quantization("int8", "cuda")
     with pytest.raises(ValueError, match="compute capability 8.9"):
         LLM(str(tiny_model_dir), device="cpu", quantization="fp8", num_kv_blocks=8)
+
+
+def test_choose_gemv_keeps_the_fastest_candidate_that_runs(tiny_model_dir, monkeypatch) -> None:
+    """``forward.choose_gemv``'s choice for FP8 modules, its timer replaced (CUDA events need a
+    GPU) by one that runs the products and reads the time a configuration is given: the fastest
+    candidate that compiles and launches is kept, at one row of x and at 8; one that raises is
+    skipped, not fatal; where none beats the default by 3%, the default stays."""
+    from vivace.gpu import forward as gpu_forward
+
+    model = load_model(str(tiny_model_dir), torch.float32, "fp8", device=DEVICE).model
+    candidates = projections(model)[0].gemv_candidates()
+    assert len(candidates) >= 2
+    fast, broken = candidates[-1], candidates[0]
+    seen, ran = [], []
+    multiply = Fp8Linear.forward
+
+    def recording(self, x):
+        seen.append(self.gemv_config)
+        return multiply(self, x)
+
+    def timer(fn, repeats):
+        seen.clear()
+        fn()
+        config = seen[0] if seen else None  # none: a float module's candidates
+        if config == broken:
+            raise RuntimeError("out of resources")
+        ran.append(config)
+        return 5.0 if config == fast else 10.0
+
+    monkeypatch.setattr(Fp8Linear, "forward", recording)
+    monkeypatch.setattr(Fp8Linear, "gemv_candidates", lambda self: [broken, fast])  # fewer to run interpreted
+    monkeypatch.setattr(gpu_forward, "_time_us", timer)
+    chosen = gpu_forward.choose_gemv(model)
+    fp8_choices = {name: c for name, c in chosen.items() if "Fp8Linear" in name}
+    assert fp8_choices and all(c.best_us == c.default_us / 2 for c in fp8_choices.values())
+    assert all(m.gemv_config == fast for m in projections(model) if isinstance(m, Fp8Linear))
+    assert None in ran and fast in ran
+
+    monkeypatch.setattr(gpu_forward, "_time_us", lambda fn, repeats: (fn(), 10.0)[1])
+    gpu_forward.choose_gemv(model)
+    assert all(m.gemv_config is None for m in projections(model) if isinstance(m, Fp8Linear))

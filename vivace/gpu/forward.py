@@ -26,6 +26,7 @@ attention kernel rotates the queries it holds and writes the new token's key and
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ from vivace.gpu import kernels
 from vivace.models.config import FULL, SLIDING
 from vivace.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
 from vivace.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 FOLD_NORMS = os.environ.get("VIVACE_FOLD_NORMS", "1") != "0"
 FOLD_ROPE = os.environ.get("VIVACE_FOLD_ROPE", "1") != "0"
@@ -258,12 +261,12 @@ def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), s
         name = f"{role} {n}x{k}" + ("" if kind == "Linear" else f" {ggml_type or kind}")
         modules = [module for module, _ in members]
         choose = _choose_float if kind == "Linear" else _choose_config
-        chosen[name] = choose(modules, role, k, products, blocks, splits, repeats)
+        chosen[name] = choose(modules, role, k, products, blocks, splits, repeats, like)
     return chosen
 
 
 def _choose_float(modules: list[nn.Linear], role: str, k: int, products, blocks: tuple[int, ...],
-                  splits: tuple[int, ...], repeats: int) -> GemvChoice:
+                  splits: tuple[int, ...], repeats: int, like: dict) -> GemvChoice:
     prefix = "gated_gemv" if role == "down" else "gemv"
     candidates = [(0, 1)] + [(b, s) for b in blocks for s in splits if s == 1 or k // s >= 1024]
 
@@ -275,7 +278,7 @@ def _choose_float(modules: list[nn.Linear], role: str, k: int, products, blocks:
     times = {}
     for block, split in candidates:  # block 0: cuBLAS
         keep(block, split)
-        times[block, split] = _time_us(products, repeats) / len(modules)
+        times[block, split] = _time_or_inf(products, repeats, f"GEMV {block} rows, K in {split}") / len(modules)
     best = min(candidates[1:], key=times.get)
     kept = best if times[best] < 0.97 * times[0, 1] else (0, 1)
     keep(*kept)
@@ -284,7 +287,7 @@ def _choose_float(modules: list[nn.Linear], role: str, k: int, products, blocks:
 
 
 def _choose_config(modules: list[nn.Module], role: str, k: int, products, blocks: tuple[int, ...],
-                   splits: tuple[int, ...], repeats: int) -> GemvChoice:
+                   splits: tuple[int, ...], repeats: int, like: dict) -> GemvChoice:
     candidates = modules[0].gemv_candidates()
 
     def keep(config: kernels.GemvConfig | None) -> None:
@@ -296,12 +299,29 @@ def _choose_config(modules: list[nn.Module], role: str, k: int, products, blocks
     times = []
     for config in candidates:
         keep(config)
-        times.append(_time_us(products, repeats) / len(modules))
+        times.append(_time_or_inf(products, repeats, str(config)) / len(modules))
     best = min(range(len(candidates)), key=times.__getitem__, default=None)
     kept = candidates[best] if best is not None and times[best] < 0.97 * default else None
+    if kept is not None:  # timed at one row of x; decode batches of up to 8 rows take it too
+        keep(kept)
+        kept = kept if _time_or_inf(lambda: modules[0](torch.randn(8, k, **like)), 1, f"{kept} at 8 rows") < INF \
+            else None
     keep(kept)
     return GemvChoice(default, default if best is None else times[best],
                       "defaults" if kept is None else str(kept).removeprefix("GemvConfig"))
+
+
+INF = float("inf")
+
+
+def _time_or_inf(fn, repeats: int, what: str) -> float:
+    """``_time_us(fn, repeats)``, or infinity where a candidate does not compile or launch on this
+    GPU (too many registers or too much shared memory for a tiling): it is skipped, not fatal."""
+    try:
+        return _time_us(fn, repeats)
+    except Exception as exc:  # noqa: BLE001 - Triton's compile and resource errors have no common base
+        logger.warning("batch-1 GEMV candidate %s skipped: %s", what, exc)
+        return INF
 
 
 def _time_us(fn, repeats: int) -> float:

@@ -828,7 +828,9 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
     shape = (*x.shape[:-1], n)
     if out is None:
         out = residual if residual is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-    assert residual is None or (residual.is_contiguous() and residual.numel() == n)
+    # every program reads all of x for the norm: x must not be what the programs write
+    assert residual is None or (residual.is_contiguous() and residual.numel() == n
+                                and (norm_weight is None or residual.data_ptr() != flat.data_ptr()))
     block_k = min(block_k, _pow2(k, 16))
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), max(splits, 1)) * block_k
     splits = triton.cdiv(k, k_per_split)
