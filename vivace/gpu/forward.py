@@ -132,20 +132,17 @@ def linear(module: nn.Module, x: torch.Tensor | Normed, residual: torch.Tensor |
     """``module``'s ``x @ W^T + b`` for ``x`` (or the norm it stands for). With ``residual``: None
     when the product was added into ``residual`` (the Triton GEMV, norms folded), else the product,
     for the caller to add."""
-    rows = x.x if isinstance(x, Normed) else x
-    block = _gemv_block(module, rows, "gemv")
-    if block and FOLD_NORMS:
-        norm = dict(norm_weight=x.weight, eps=x.eps) if isinstance(x, Normed) else {}
-        out = kernels.gemv(module.weight, rows, module.bias, block_n=block, splits=getattr(module, "gemv_splits", 1),
-                           residual=residual, **norm)
-        return None if residual is not None else out
-    if isinstance(x, Normed):
+    block = _gemv_block(module, x.x if isinstance(x, Normed) else x, "gemv")
+    fold = bool(block) and FOLD_NORMS
+    if isinstance(x, Normed) and not fold:
         x = x.tensor()
-    if block:
-        return kernels.gemv(module.weight, x, module.bias, block_n=block, splits=getattr(module, "gemv_splits", 1))
-    if isinstance(module, nn.Linear):
-        return F.linear(x, module.weight, module.bias)
-    return module(x)
+    if not block:
+        return F.linear(x, module.weight, module.bias) if isinstance(module, nn.Linear) else module(x)
+    norm = dict(norm_weight=x.weight, eps=x.eps) if isinstance(x, Normed) else {}
+    add = residual if fold else None
+    out = kernels.gemv(module.weight, x.x if isinstance(x, Normed) else x, module.bias, block_n=block,
+                       splits=getattr(module, "gemv_splits", 1), residual=add, **norm)
+    return None if add is not None else out
 
 
 def gated_linear(module: nn.Module, x: torch.Tensor, gelu: bool = False, residual: torch.Tensor | None = None
@@ -246,8 +243,8 @@ def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), s
                        module.out_features, module.in_features, module.bias is not None)
                 groups.setdefault(key, []).append((module, norm))
     chosen = {}
+    like = dict(dtype=model.norm.weight.dtype, device=model.norm.weight.device)  # the activations'
     for (role, kind, ggml_type, n, k, _), members in groups.items():
-        like = dict(dtype=model.norm.weight.dtype, device=model.norm.weight.device)  # the activations'
         x = torch.randn(1, 2 * k if role == "down" else k, **like)
         residual = torch.randn(1, n, **like) if llama and role in ("o", "down") else None
 
@@ -260,14 +257,17 @@ def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), s
 
         name = f"{role} {n}x{k}" + ("" if kind == "Linear" else f" {ggml_type or kind}")
         modules = [module for module, _ in members]
-        choose = _choose_float if kind == "Linear" else _choose_config
-        chosen[name] = choose(modules, role, k, products, blocks, splits, repeats, like)
+        if kind == "Linear":
+            chosen[name] = _choose_float(modules, "gated_gemv" if role == "down" else "gemv", k, products, blocks,
+                                         splits, repeats)
+        else:
+            chosen[name] = _choose_config(modules, k, products, repeats, like)
     return chosen
 
 
-def _choose_float(modules: list[nn.Linear], role: str, k: int, products, blocks: tuple[int, ...],
-                  splits: tuple[int, ...], repeats: int, like: dict) -> GemvChoice:
-    prefix = "gated_gemv" if role == "down" else "gemv"
+def _choose_float(modules: list[nn.Linear], prefix: str, k: int, products, blocks: tuple[int, ...],
+                  splits: tuple[int, ...], repeats: int) -> GemvChoice:
+    """``choose_gemv`` for float modules: cuBLAS or the Triton GEMV, set as ``{prefix}_block``/``_splits``."""
     candidates = [(0, 1)] + [(b, s) for b in blocks for s in splits if s == 1 or k // s >= 1024]
 
     def keep(block: int, split: int) -> None:
@@ -286,8 +286,9 @@ def _choose_float(modules: list[nn.Linear], role: str, k: int, products, blocks:
                       f"Triton GEMV, {kept[0]} rows a program, K in {kept[1]}" if kept[0] else "cuBLAS")
 
 
-def _choose_config(modules: list[nn.Module], role: str, k: int, products, blocks: tuple[int, ...],
-                   splits: tuple[int, ...], repeats: int, like: dict) -> GemvChoice:
+def _choose_config(modules: list[nn.Module], k: int, products, repeats: int, like: dict) -> GemvChoice:
+    """``choose_gemv`` for FP8/GGUF modules: the launcher's defaults or one of ``gemv_candidates()``,
+    set as ``gemv_config``; ``like``: the activations' dtype and device."""
     candidates = modules[0].gemv_candidates()
 
     def keep(config: kernels.GemvConfig | None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -58,14 +59,9 @@ def pdl(device: torch.device) -> dict:
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
-_capabilities: dict[int, tuple[int, int]] = {}
-
-
+@lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _capabilities:
-        _capabilities[index] = torch.cuda.get_device_capability(index)
-    return _capabilities[index]
+    return torch.cuda.get_device_capability(device)
 
 
 @triton.jit
@@ -86,8 +82,8 @@ class GemvConfig:
     end instead of one a step, ``num_warps``. A module's ``gemv_config`` (set at start by
     ``forward.choose_gemv`` from timed candidates) overrides the launcher's defaults."""
 
-    block_n: int = 16
-    block_k: int = 256
+    block_n: int
+    block_k: int
     splits: int | None = None
     acc_2d: bool = False
     num_warps: int = 4
@@ -144,12 +140,19 @@ def _kv_fp8(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
 
 
 @triton.jit
+def _paged_offsets(TABLE, n, n_mask, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
+    """Offsets ``[len(n)]`` (int64) in a layer's cache of the keys of positions ``n`` of the sequence
+    whose block table starts at ``TABLE``, KV head ``kvh`` (values: ``stride_kv`` further)."""
+    page = tl.load(TABLE + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    return page * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+
+
+@triton.jit
 def _paged_kv_tile(CACHE, TABLE, n, n_mask, d, d_mask, kvh, stride_kv, stride_cb, stride_cs, stride_ch,
                    BLOCK_SIZE: tl.constexpr):
     """Keys and values ``[len(n), len(d)]`` of positions ``n`` of the sequence whose block table
     starts at ``TABLE``, KV head ``kvh`` (zeros where masked)."""
-    page = tl.load(TABLE + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    offs = page * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+    offs = _paged_offsets(TABLE, n, n_mask, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(CACHE + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(CACHE + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -207,18 +210,15 @@ def _rotated_heads(ROW, heads, h_mask, i, i_mask, cos, sin, NORM_W, eps, HEAD_DI
                    QK_NORM: tl.constexpr):
     """Heads ``heads`` of the q/k/v row at ROW as ``rotary_kv_write`` computes them, as halves
     ``[len(heads), BLOCK_HALF]`` in float32: (QK_NORM: each head RMS-normed with NORM_W, rounded
-    as ``_head_rms_norm`` rounds,) then rotated by ``cos``, ``sin`` (``[BLOCK_HALF]``)."""
+    as ``rotary_kv_write`` does,) then rotated by ``cos``, ``sin`` (``[BLOCK_HALF]``)."""
     mask = h_mask[:, None] & i_mask[None, :]
     src = ROW + heads[:, None] * HEAD_DIM + i[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        dtype = ROW.dtype.element_ty
-        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(NORM_W + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(NORM_W + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        x1, x2 = _head_rms_norm(x1, x2, tl.load(NORM_W + i, mask=i_mask, other=0.0).to(tl.float32),
+                                tl.load(NORM_W + HALF + i, mask=i_mask, other=0.0).to(tl.float32), eps, HEAD_DIM,
+                                ROW.dtype.element_ty)
     return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
 
 
@@ -280,8 +280,7 @@ def _decode_attention_kernel(
     for n0 in range(lo, cached, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < cached
-        page = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        keys = CACHE + page[:, None] * stride_cb + (n % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch
+        keys = CACHE + _paged_offsets(table, n, n_mask, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)[:, None]
         k_mask = n_mask[:, None] & i_mask[None, :]
         k1 = tl.load(keys + i[None, :], mask=k_mask, other=0.0)
         k2 = tl.load(keys + HALF + i[None, :], mask=k_mask, other=0.0)
@@ -528,9 +527,10 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 
 @triton.jit
 def _head_rms_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
-    """RMSNorm of one head given as its halves ``x1``, ``x2`` (float32, zeros where masked), as
-    vivace's RMSNorm rounds it: the normalized value rounded to DTYPE, times the weight, rounded."""
-    inv = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+    """RMSNorm of heads given as their halves ``x1``, ``x2`` (float32, zeros where masked; one head
+    ``[BLOCK_HALF]`` or several ``[heads, BLOCK_HALF]``), as vivace's RMSNorm rounds it: the
+    normalized value rounded to DTYPE, times the weight (``[BLOCK_HALF]``), rounded."""
+    inv = tl.rsqrt((tl.sum(x1 * x1, -1, keep_dims=True) + tl.sum(x2 * x2, -1, keep_dims=True)) / HEAD_DIM + eps)
     y1 = ((x1 * inv).to(DTYPE).to(tl.float32) * w1).to(DTYPE).to(tl.float32)
     y2 = ((x2 * inv).to(DTYPE).to(tl.float32) * w2).to(DTYPE).to(tl.float32)
     return y1, y2
