@@ -376,7 +376,6 @@ def format_matrix_rows(formats: list[str], prefill_rows: int = 512) -> dict:
             default = gemv_us(None)
             best, best_config = min(((gemv_us(c), str(c).removeprefix("GemvConfig")) for c in first.gemv_candidates()),
                                     default=(default, "defaults"))
-            gemv_us(None)
             gemm = timed(lambda: first(xm), 10)
             row[weight_format] = {"gemv_us": default, "gemv_tb_s": nbytes / default / 1e6,
                                   "best_gemv_us": best, "best_gemv_tb_s": nbytes / best / 1e6,
