@@ -35,6 +35,18 @@ def default_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' float32 model of the default GGUF, read by its own GGUF loader (~15 s, so
+    once a session): the reference the default model's exactness tests compare with."""
+    import torch
+    import transformers
+
+    gguf = default_gguf_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def make_tiny_llama(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path):
     """``make_tiny_llama(seed=0, **config)``: a random Llama (2 layers, 64 wide, 4 heads,
     2 KV heads unless overridden) plus the default tokenizer, saved as safetensors."""

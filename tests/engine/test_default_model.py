@@ -2,11 +2,8 @@
 
 import pytest
 import torch
-import transformers
 
 from vivace import LLM, SamplingParams
-
-from vivace.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +14,7 @@ CHATS = [
 ]
 
 
-def test_greedy_chat_equals_transformers():
+def test_greedy_chat_equals_transformers(hf_default_model):
     llm = LLM("default", dtype="float32", quantization="none", kv_cache_memory_gb=0.25)
     tokenizer = llm.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
@@ -27,11 +24,8 @@ def test_greedy_chat_equals_transformers():
     ours = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
     llm.check_integrity()
 
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
     for ids, answer in zip(prompt_ids, ours):
-        expected = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
+        expected = hf_default_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
         assert answer == expected[0, len(ids):].tolist()
     assert "Paris" in tokenizer.decode(ours[0])
 
