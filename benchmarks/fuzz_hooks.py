@@ -2,7 +2,8 @@
 
 A positive case is valid by the JSON schema; a few of vivace's rules tie fields together, which a
 JSON schema can't say (top_logprobs needs logprobs, stream_options needs stream, min_tokens <=
-max_tokens, best_of == n, no echo with logprobs, prompt plus max_tokens within the context), and
+max_tokens, best_of == n, no echo with logprobs, continue_final_message without
+add_generation_prompt, prompt plus max_tokens within the context), and
 the grammar-carrying fields (a JSON schema, regex or grammar to constrain the output, tools and
 their calls) are valid only if the grammar engine compiles them, which no JSON schema can say.
 For positive cases only, this hook makes such a body obey the rules and drops those fields, and
@@ -62,6 +63,8 @@ def _fit(body: dict[str, Any]) -> None:
         body.pop("top_logprobs", None)
     if body.get("echo") and body.get("logprobs") is not None:
         body["echo"] = False
+    if body.get("continue_final_message"):
+        body["add_generation_prompt"] = False
 
 
 @schemathesis.hook

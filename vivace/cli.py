@@ -116,6 +116,8 @@ SERVER_FLAGS = (
     Flag("--ssl-ca-certs", None, "CA certificates (PEM): clients must present a certificate they "
          "signed (mutual TLS)"),
     Flag("--no-ui", False, "do not serve the web playground at /", kind="switch"),
+    Flag("--allowed-origins", ["*"], "web origins whose pages may call the API (CORS; repeatable; "
+         "* any; an empty value: none)", kind="list"),
     Flag("--otlp-traces-endpoint", None, "OTLP/HTTP collector URL receiving one OpenTelemetry "
          "span per request, e.g. http://localhost:4318 (OTEL_* variables apply; default: off)"),
 )
@@ -220,7 +222,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         key_tiers=key_file.key_tiers, default_tier=key_file.default_tier,
         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-        ui=not args.no_ui, otlp_traces_endpoint=args.otlp_traces_endpoint)
+        ui=not args.no_ui, otlp_traces_endpoint=args.otlp_traces_endpoint,
+        allowed_origins=tuple(origin for origin in args.allowed_origins if origin))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 
 from vivace.server.auth import check_api_key
@@ -16,8 +17,9 @@ from vivace.server.openapi import error_responses, generation_route, install_ope
 from vivace.server.playground import mount_playground
 from vivace.server.protocol import ChatCompletionRequest, CompletionRequest
 from vivace.server.request_id import RequestIdMiddleware
-from vivace.server.responses import ChatCompletionResponse, CompletionResponse, HealthResponse, ModelList
-from vivace.server.routes import debug_timings, health, list_models, metrics
+from vivace.server.responses import (
+    ChatCompletionResponse, CompletionResponse, HealthResponse, ModelCard, ModelList)
+from vivace.server.routes import debug_timings, health, list_models, metrics, retrieve_model
 from vivace.server.settings import ServerSettings
 from vivace.server.state import ServerState, server_state
 
@@ -43,6 +45,9 @@ def build_app(engine: AsyncEngine | None, settings: ServerSettings,
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
+    if settings.allowed_origins:  # outermost: a browser's preflight is answered before the rest
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_api_route("/health", health, methods=["GET"], response_model=HealthResponse,
                       responses=error_responses(405, 503))
     app.add_api_route("/metrics", metrics, methods=["GET"], responses={
@@ -51,6 +56,8 @@ def build_app(engine: AsyncEngine | None, settings: ServerSettings,
     authenticated = [Depends(_require_api_key)]
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=authenticated,
                       response_model=ModelList, responses=error_responses(401, 405, 503))
+    app.add_api_route("/v1/models/{model:path}", retrieve_model, methods=["GET"], dependencies=authenticated,
+                      response_model=ModelCard, responses=error_responses(401, 404, 405, 503))
     app.add_api_route("/debug/timings", debug_timings, methods=["GET"], dependencies=authenticated,
                       responses=error_responses(400, 401, 405, 503))
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"],

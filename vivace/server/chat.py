@@ -93,7 +93,7 @@ def _message(text: str, finish_reason: str | None, calls: bool) -> tuple[Assista
     if not calls:
         return AssistantMessage(content=text), finish_reason
     content, parsed = parse_tool_calls(text)
-    tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name or "", arguments=c.arguments))
+    tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                   for c in parsed]
     return AssistantMessage(content=content, tool_calls=tool_calls), _finish(finish_reason, bool(parsed))
 
@@ -120,7 +120,7 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput,
         text, tool_deltas = parser.feed(delta.text)
         if reason is not None:
             text += parser.finish()[0]
-            reason = _finish(reason, bool(parser.calls))
+            reason = _finish(reason, any(call.name is not None for call in parser.calls))
     # One event per token, even one that adds no text yet (part of a character, a possible stop
     # string's start, an id the tokenizer lacks), as vLLM does: the stream keeps the step's cadence.
     # Text a tool-call parser holds back sends nothing, so a call's message never gets content "".

@@ -72,7 +72,11 @@ def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None,
     for lp in logprobs or []:
         result.tokens.append(lp.token)
         result.token_logprobs.append(lp.logprob)
-        result.top_logprobs.append({text: value for _, text, value in lp.top})
+        # As in OpenAI's API (and vLLM), the chosen token is among its step's top_logprobs:
+        # up to ``logprobs + 1`` entries.
+        top = {text: value for _, text, value in lp.top}
+        top.setdefault(lp.token, lp.logprob)
+        result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(lp.token)
     return result

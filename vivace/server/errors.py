@@ -100,9 +100,12 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return from_validation_error(exc).response()
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+    message = str(exc.detail)
+    if exc.status_code == 404 and message == "Not Found":  # no such route: say which, as OpenAI does
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    return APIError(exc.status_code, message, headers=exc.headers).response()
 
 
 async def _server_error(_: Request, exc: Exception) -> JSONResponse:

@@ -69,8 +69,9 @@ def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, tool_choice: st
     messages, tools = chat_messages(body, tokenizer, tool_choice)
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=body.add_generation_prompt, tokenize=False)
-    except jinja2.TemplateError as exc:
+            messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, tokenize=False)
+    except (jinja2.TemplateError, ValueError) as exc:  # ValueError: no final message to continue
         raise APIError(400, f"The chat template rejected the messages: {exc}",
                        param="messages") from None
     return nonempty(tokenizer.encode(text, add_special_tokens=False), "messages")

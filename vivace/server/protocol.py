@@ -1,13 +1,16 @@
 """OpenAI request schemas, strict: a field that is unknown, or known but would change the
 result in a way vivace does not support yet, is rejected (400 naming it), never ignored; and a
 value of the wrong JSON type is not coerced (``"stream": "yes"`` is a 400, as in OpenAI's API).
+``null`` for an optional field means its default, as in OpenAI's API and vLLM (clients that
+serialize every field send ``"temperature": null``).
 These models are also the published contract: ``/openapi.json`` is generated from them."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator)
 
 from vivace.engine.sampling_params import SamplingParams
 
@@ -27,6 +30,12 @@ def Integer(**bounds: int) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
+def Number(**bounds: float) -> Any:
+    """A float field type with JSON Schema bounds (a ``Field`` on an optional would write
+    pydantic's own ``ge`` keys instead)."""
+    return Annotated[float, Field(**bounds)]
+
+
 TokenIds = Annotated[list[Integer(ge=0)], Field(min_length=1)]
 # An empty prompt has nothing to continue from: the schema says so, and the server agrees.
 PromptText = Annotated[str, Field(min_length=1)]
@@ -35,9 +44,28 @@ PromptText = Annotated[str, Field(min_length=1)]
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
+    @model_validator(mode="after")
+    def _null_means_default(self) -> Self:
+        """A field typed ``T | None`` with a default other than None takes that default for
+        ``null``, so the rest of vivace never sees None there."""
+        for name, info in type(self).model_fields.items():
+            if getattr(self, name) is None and not info.is_required():
+                setattr(self, name, info.get_default(call_default_factory=True))
+        return self
+
+
+def _unsupported(what: str, empty: dict[str, int]) -> tuple[AfterValidator, Any]:
+    """Rejects any value but an empty one: the field exists in OpenAI's API, not in vivace yet.
+    ``empty`` is the JSON-schema bound that publishes the same rule (e.g. ``maxItems: 0``)."""
+    def reject(value: Any) -> Any:
+        if value:
+            raise ValueError(f"{what} are not supported")
+        return value
+    return AfterValidator(reject), Field(json_schema_extra=empty)
+
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class JsonSchemaFormat(_Strict):
@@ -106,54 +134,52 @@ class ChatMessage(_Strict):
     name: str | None = None  # a participant's name; the chat template decides whether it shows
     tool_calls: list[ToolCall] | None = None  # assistant messages only
     tool_call_id: str | None = None  # tool messages only: the call this is the result of
+    # What an OpenAI client's ``message.model_dump()`` carries when an answer is sent back.
+    refusal: str | None = None  # an assistant's refusal: its text when it has no content
+    annotations: Annotated[list[Any] | None, *_unsupported("annotations", {"maxItems": 0})] = None
+    audio: None = None
+    function_call: Annotated[dict[str, Any] | None, *_unsupported(
+        "function_call values (the legacy form of tool_calls)", {"maxProperties": 0})] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
-
-
-def _unsupported(what: str, empty: dict[str, int]) -> tuple[AfterValidator, Any]:
-    """Rejects any value but an empty one: the field exists in OpenAI's API, not in vivace yet.
-    ``empty`` is the JSON-schema bound that publishes the same rule (e.g. ``maxItems: 0``)."""
-    def reject(value: Any) -> Any:
-        if value:
-            raise ValueError(f"{what} are not supported")
-        return value
-    return AfterValidator(reject), Field(json_schema_extra=empty)
+        return self.content or self.refusal or ""
 
 
 class SamplingRequest(_Strict):
     """Fields shared by chat and text completions (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
-    n: Integer(ge=1, le=128) = 1
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    n: Integer(ge=1, le=128) | None = 1
+    temperature: Number(ge=0.0, le=100.0) | None = 1.0
+    top_p: Number(gt=0.0, le=1.0) | None = 1.0
+    presence_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
+    frequency_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
     seed: Integer(ge=-(2**63), lt=2**64) | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Bookkeeping fields OpenAI clients send; none of them changes the result.
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor of ``user``, with prompt_cache_key
+    prompt_cache_key: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     logit_bias: Annotated[dict[str, float] | None, *_unsupported("logit_bias values", {"maxProperties": 0})] = None
     # vLLM extras
-    top_k: Integer(ge=-1) = 0
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    ignore_eos: bool = False
-    min_tokens: Integer(ge=0) = 0
+    top_k: Integer(ge=-1) | None = 0
+    min_p: Number(ge=0.0, le=1.0) | None = 0.0
+    repetition_penalty: Number(gt=0.0, le=100.0) | None = 1.0
+    ignore_eos: bool | None = False
+    min_tokens: Integer(ge=0) | None = 0
     stop_token_ids: list[Integer(ge=0)] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
     priority: Integer() | None = None  # lower is sooner; the key's tier sets its default and floor
     # vivace's extra: false keeps this request out of speculative decoding (when the server has it)
-    speculative: bool = True
+    speculative: bool | None = True
     # Structured output (vivace.server.structured): OpenAI's response_format, vLLM's extras.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -194,12 +220,21 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Integer(ge=1) | None = None
     max_completion_tokens: Integer(ge=1) | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Integer(ge=0, le=20) | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
+    parallel_tool_calls: bool | None = True
+    add_generation_prompt: bool | None = True
+    # vLLM's extra: the last (assistant) message is left open and the answer continues it.
+    continue_final_message: bool | None = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_without_new_turn(cls, value: bool | None, info: Any) -> bool | None:
+        if value and info.data.get("add_generation_prompt") is not False:
+            raise ValueError("continue_final_message needs add_generation_prompt set to false")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -218,8 +253,8 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
-    max_tokens: Integer(ge=1) = 16
-    echo: bool = False
+    max_tokens: Integer(ge=1) | None = 16
+    echo: bool | None = False
     logprobs: Integer(ge=0, le=20) | None = None
     best_of: Integer() | None = None
     suffix: Annotated[str | None, *_unsupported("suffix (fill-in-the-middle) values", {"maxLength": 0})] = None
@@ -227,7 +262,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value: int | None, info: Any) -> int | None:
-        if value is not None and value != info.data.get("n", 1):
+        if value is not None and value != (info.data.get("n") or 1):
             raise ValueError("best_of other than n is not supported")
         return value
 

@@ -1,8 +1,10 @@
-"""The small endpoints: ``/health``, ``/v1/models``, ``/metrics`` and ``/debug/timings``."""
+"""The small endpoints: ``/health``, ``/v1/models`` (and one model's card), ``/metrics`` and
+``/debug/timings``."""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -11,6 +13,9 @@ from vivace.server.errors import APIError
 from vivace.server.metrics import CONTENT_TYPE
 from vivace.server.state import server_state
 
+if TYPE_CHECKING:
+    from vivace.engine.async_engine import AsyncEngine
+
 
 async def health(request: Request) -> Response:
     """200 while the server can serve (model loaded, warmed up, engine running); 503 otherwise."""
@@ -18,12 +23,20 @@ async def health(request: Request) -> Response:
     return problem.response() if problem is not None else JSONResponse({"status": "ok"})
 
 
+def _card(name: str, engine: AsyncEngine) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "vivace",
+            "max_model_len": engine.max_model_len}
+
+
 async def list_models(request: Request) -> Response:
     """The served models, in OpenAI's list shape."""
-    cards = [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "vivace",
-              "max_model_len": engine.max_model_len}
-             for name, engine in server_state(request).served_models()]
+    cards = [_card(name, engine) for name, engine in server_state(request).served_models()]
     return JSONResponse({"object": "list", "data": cards})
+
+
+async def retrieve_model(request: Request, model: str) -> Response:
+    """One served model's card; 404 ``model_not_found`` for a name this server doesn't serve."""
+    return JSONResponse(_card(model, server_state(request).engine_for(model)))
 
 
 async def metrics(request: Request) -> Response:

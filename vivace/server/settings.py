@@ -22,7 +22,9 @@ class ServerSettings:
     ``ssl_certfile`` serve https; with ``ssl_ca_certs`` too, clients must present a certificate
     signed by one of those CAs (mutual TLS).
     ``ui`` serves the web playground at ``/``; ``otlp_traces_endpoint`` (an OTLP/HTTP URL,
-    None: no tracing) receives one OpenTelemetry span per request.
+    None: no tracing) receives one OpenTelemetry span per request. ``allowed_origins`` are the
+    web origins whose pages may call the API (CORS; ``*`` any, as vLLM and llama.cpp's server
+    allow by default; empty: none but the server's own).
     """
 
     host: str = "127.0.0.1"
@@ -41,6 +43,7 @@ class ServerSettings:
     ssl_ca_certs: str | None = None  # given: clients must present a certificate it signed
     ui: bool = True
     otlp_traces_endpoint: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -100,7 +100,7 @@ class ToolCallParser:
         if self._scan is None:
             head = _HEAD.match(self._pending)
             if head is None:
-                return self._close_unparsed(call)
+                return self._close_unparsed(call, index, deltas)
             call.name = json.loads(head.group(1))
             deltas.append(ToolCallDelta(index, call.id, call.name, ""))
             self._pending, self._scan = self._pending[head.end():], _Scan()
@@ -119,15 +119,16 @@ class ToolCallParser:
         self._pending, self._in_call = self._pending[end + len(CALL_CLOSE):], False
         return True
 
-    def _close_unparsed(self, call: ParsedCall) -> bool:
+    def _close_unparsed(self, call: ParsedCall, index: int, deltas: list[ToolCallDelta]) -> bool:
         """A call whose head doesn't read as name-then-arguments: wait for its end, then take
-        both from the whole object (its deltas come at the end)."""
+        both from the whole object, in one delta (none if it names no function)."""
         end = self._pending.find(CALL_CLOSE)
         if end < 0:
             return False
         try:
             whole = json.loads(self._pending[:end])
             call.name, call.arguments = str(whole["name"]), json.dumps(whole["arguments"])
+            deltas.append(ToolCallDelta(index, call.id, call.name, call.arguments))
         except (json.JSONDecodeError, KeyError, TypeError):
             call.arguments = self._pending[:end].strip()
         self._pending, self._in_call = self._pending[end + len(CALL_CLOSE):], False
@@ -150,9 +151,11 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """The content before the calls (None if empty) and the calls of a whole output."""
+    """The content before the calls (None if empty) and the calls of a whole output: those
+    that name a function, as a stream of the same text would give them (a call cut off before
+    its name, e.g. by max_tokens, is none)."""
     parser = ToolCallParser()
     content, _ = parser.feed(text)
     rest, _ = parser.finish()
     content = (content + rest).strip()
-    return content or None, parser.calls
+    return content or None, [call for call in parser.calls if call.name is not None]
