@@ -1,9 +1,9 @@
-"""The CUDA runner behind the engine seam, end to end: greedy tokens of tiny random Llama, Qwen3
-and Gemma 3 models equal transformers' and the CPU runner's, through whole-prompt and chunked
-prefill, prefix-cache hits, mixed batches and n-gram verification rows; a prompt's logits equal
-transformers'; tokens drawn by the device sampler (penalties, logprobs, seeds) match the CPU
-engine's host sampler or reproduce across runs and batches (on CPU under Triton's interpreter
-where there is no GPU: few tokens, tiny models)."""
+"""The CUDA runner behind the engine seam, end to end: greedy tokens of tiny random Llama, Qwen3,
+Gemma 3 and Phi-3 (partial rotary, LongRoPE) models equal transformers' and the CPU runner's,
+through whole-prompt and chunked prefill, prefix-cache hits, mixed batches and n-gram verification
+rows; a prompt's logits equal transformers'; tokens drawn by the device sampler (penalties,
+logprobs, seeds) match the CPU engine's host sampler or reproduce across runs and batches (on CPU
+under Triton's interpreter where there is no GPU: few tokens, tiny models)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from vivace.gpu import kernels  # noqa: E402
 from vivace.gpu.forward import GpuBatch, forward  # noqa: E402
 from vivace.gpu.runner import CudaRunner, PrefillGraphs, graph_buckets, prefill_buckets  # noqa: E402
 from vivace.models import load_model  # noqa: E402
-from tests.models.tiny import save_hf_dir, tiny_model  # noqa: E402
+from tests.models.tiny import PHI3_LONGROPE, save_hf_dir, tiny_model  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
 
@@ -26,7 +26,11 @@ NEW = 6
 # What sets each family's forward apart: Qwen3's per-head q/k norms; Gemma 3's (1 + w) and sandwich
 # norms, scaled embeddings, GELU MLP, sliding layers (window 6) with their own rope base, a query
 # scale apart from head_dim, and final logit soft-capping.
-FAMILIES = {"qwen3": ("qwen3", {}), "gemma3": ("gemma3_pattern2", dict(final_logit_softcapping=2.0))}
+# Phi-4-mini's partial rotary (12 of 16 dims) with LongRoPE's short factors (served within the
+# original context) and an attention factor.
+FAMILIES = {"qwen3": ("qwen3", {}), "gemma3": ("gemma3_pattern2", dict(final_logit_softcapping=2.0)),
+            "phi3": ("phi3", dict(PHI3_LONGROPE, original_max_position_embeddings=128,
+                                  rope_scaling=dict(PHI3_LONGROPE["rope_scaling"], attention_factor=1.25)))}
 
 
 def greedy(**params: object) -> SamplingParams:
@@ -225,8 +229,8 @@ def test_batch1_gemv_in_the_forward_keeps_greedy_tokens(family, request) -> None
     """The Triton GEMV (down projection with its activation fused) in every batch-1 projection,
     as ``choose_gemv`` sets it where it beats cuBLAS: the same greedy tokens as the CPU runner
     (on CPU for SiLU and GELU: Llama and Gemma 3)."""
-    if DEVICE != "cuda" and request.node.callspec.params["family"] == "qwen3":
-        pytest.skip("Qwen3's MLP is Llama's")
+    if DEVICE != "cuda" and request.node.callspec.params["family"] in ("qwen3", "phi3"):
+        pytest.skip("Qwen3's and Phi-3's MLPs are Llama's")
     path, _ = family
     config = dict(num_kv_blocks=32, block_size=4, max_model_len=64, device="cpu")
     want = LLM(path, **config).generate(PROMPTS[1], greedy())[0].outputs[0].token_ids

@@ -1,7 +1,8 @@
 """Write a tiny transformers model as a GGUF the way llama.cpp's convert_hf_to_gguf.py does:
 its metadata keys, tensor names, q/k row permutation (llama arch only), rope_freqs for
-llama3 scaling, Gemma's norms stored as 1 + w, norms and biases in F32, and a byte-level
-("gpt2") tokenizer."""
+llama3 scaling, Phi-3's LongRoPE factor tensors, YaRN's keys, the rotary dims of partial
+rotary, Gemma's norms stored as 1 + w, norms and biases in F32, and a byte-level ("gpt2")
+tokenizer."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
     rope = config.rope_parameters
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    if rope.get("rope_type") == "longrope":
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -72,7 +76,7 @@ def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig,
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
     if head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -85,6 +89,18 @@ def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig,
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+    if rope["rope_type"] in ("longrope", "yarn"):
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope["rope_type"] == "longrope":  # Phi3MiniModel's attention factor, from the context ratio
+        scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"]))
+        writer.add_rope_scaling_attn_factors(attn_factor if scale > 1.0 else 1.0)
+    if rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        for key in ("beta_fast", "beta_slow"):
+            if rope.get(key) is not None:
+                getattr(writer, f"add_rope_scaling_yarn_{key}")(rope[key])
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter) -> None:

@@ -29,6 +29,11 @@ _COMMON = dict(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=96, num
                rms_norm_eps=1e-5, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=False)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
+# Phi-4-mini's rope at tiny size: 12 of 16 dims rotating, LongRoPE past 32 positions, its factors
+# exact in float32 (as a GGUF stores them).
+PHI3_LONGROPE = dict(partial_rotary_factor=0.75, original_max_position_embeddings=32, rope_theta=10000.0,
+                     rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.125, 1.25, 1.5, 2.0, 2.5],
+                                   "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0]})
 KINDS = {
     "llama": (transformers.LlamaConfig, {}),
     "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=4)),

@@ -26,7 +26,7 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ValueError(f"--speculative draft:<model> runs on CPU only; on {device} use ngram")
     check_quantization(config.quantization, device)
     loaded = load_model(config.model, config.torch_dtype, config.quantization, config.load_format,
-                        config.tokenizer, device)
+                        config.tokenizer, device, max_model_len=config.max_model_len)
     prepare(loaded, device)
     return loaded
 

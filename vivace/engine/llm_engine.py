@@ -86,7 +86,7 @@ class LLMEngine:
         self.draft: DraftProposer | None = None
         if config.speculative and config.speculative.startswith("draft:"):
             draft_model = load_model(config.speculative.removeprefix("draft:"), config.torch_dtype,
-                                     config.quantization)
+                                     config.quantization, max_model_len=self.max_model_len)
             prepack_linears(draft_model.model)
             self.draft = DraftProposer(draft_model, num_blocks, config.block_size, config.torch_dtype,
                                        self.loaded.config.vocab_size)

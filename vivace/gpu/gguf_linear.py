@@ -28,6 +28,7 @@ from vivace.models.dummy import random_gguf_blocks
 from vivace.models.gguf import _hf_name, hf_rows
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.loader import vivace_name
+from vivace.models.partial_rotary import to_vivace_rows
 
 
 class GgufLinear(nn.Module):
@@ -98,11 +99,15 @@ def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:
 
 def pack_linears(model: nn.Module, path: Path, config: ModelConfig, plan: dict[str, tuple[str, ...]]) -> None:
     """Replace each module of ``plan`` in ``model`` by a ``GgufLinear`` of its GGUF tensors' blocks
-    (read from ``path``, rows in Hugging Face order), keeping the module's bias."""
+    (read from ``path``, rows in Hugging Face order, then vivace's for partial rotary), keeping the
+    module's bias."""
     file = GGUFFile(path)
+    arch = file.metadata["general.architecture"]
     for module_name, names in plan.items():
         infos = [file.tensors[name] for name in names]
-        blocks = np.concatenate([hf_rows(file.blocks(info), info.name, config) for info in infos])
+        blocks = np.concatenate([to_vivace_rows(_hf_name(info.name, arch),
+                                                hf_rows(file.blocks(info), info.name, config), config)
+                                 for info in infos])
         parent_name, _, child_name = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         child = getattr(parent, child_name)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import transformers
+
+from vivace.layers.rotary import longrope_attention_factor, yarn_attention_factor
 
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -15,14 +19,17 @@ _MODEL_TYPES = {
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
 SLIDING, FULL = "sliding_attention", "full_attention"
 # "freq_factors" is llama.cpp's form of llama3 scaling: per-frequency divisors stored in the GGUF.
-ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "yarn")
 _ACTIVATIONS = {"Gemma3ForCausalLM": "gelu_pytorch_tanh"}  # every other architecture: "silu"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a decoder of the supported families. ``rope_scaling`` is None for
-    plain RoPE, else a dict with ``rope_type`` in ``ROPE_TYPES`` and that type's parameters.
+    plain RoPE, else a dict with ``rope_type`` in ``ROPE_TYPES`` and that type's parameters
+    (``vivace.layers.rotary.inverse_frequencies``); LongRoPE's and YaRN's carry their resolved
+    ``attention_factor``. ``rotary_dim`` is set when only the first dims of each head rotate
+    (Phi-4-mini's ``partial_rotary_factor``; ``vivace.models.partial_rotary``).
 
     ``layer_types`` lists each layer's attention, ``"full_attention"`` or ``"sliding_attention"``
     (the last ``sliding_window`` positions, the query's own included); empty means all full.
@@ -52,6 +59,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each q and k head before the rotation (Qwen3, Gemma 3)
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma 3), else head_dim's
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2 style)
+    rotary_dim: int | None = None  # dims of each head that rotate (the first ones); None: all
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -65,6 +73,7 @@ class ModelConfig:
             hint = (" (its frequencies depend on the longest sequence in the batch, so logits would "
                     "depend on batch composition)" if rope_type == "dynamic" else "")
             raise ValueError(f"unsupported rope scaling {rope_type!r}{hint}; supported: {', '.join(ROPE_TYPES)}")
+        self._check_rotary_dim()
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_hidden_layers}")
         if set(self.layer_types) - {SLIDING, FULL}:
@@ -72,6 +81,24 @@ class ModelConfig:
                              f"supported: {FULL}, {SLIDING}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+
+    def _check_rotary_dim(self) -> None:
+        if self.rotary_dim is None:
+            return
+        if self.architecture != "Phi3ForCausalLM":
+            raise ValueError(f"unsupported partial rotary ({self.rotary_dim} of {self.head_dim} dims) for "
+                             f"{self.architecture}; supported for Phi3ForCausalLM only")
+        if not 0 < self.rotary_dim < self.head_dim or self.rotary_dim % 2 or self.head_dim % 2:
+            raise ValueError(f"unsupported partial rotary: {self.rotary_dim} of {self.head_dim} dims "
+                             "(both must be even, the rotary ones fewer)")
+
+    def served_with(self, max_model_len: int | None) -> ModelConfig:
+        """This config serving at most ``max_model_len`` positions (None: as many as the model has):
+        ``max_position_embeddings`` becomes the served context, which sizes the rotary tables and
+        picks LongRoPE's factors (long ones only when it exceeds the original context)."""
+        if max_model_len is None or max_model_len >= self.max_position_embeddings:
+            return self
+        return dataclasses.replace(self, max_position_embeddings=max_model_len)
 
     def window(self, layer: int) -> int | None:
         """The attention window of ``layer`` in tokens, or None for full attention."""
@@ -86,14 +113,15 @@ class ModelConfig:
         """Build from a ``config.json`` dict or a transformers config.
 
         Raises ValueError for an unsupported architecture (naming the supported ones) or a
-        feature vivace does not implement (another activation, MLP bias, partial rotary,
-        dynamic or long RoPE, attention logit soft-capping).
+        feature vivace does not implement (another activation, MLP bias, partial rotary outside
+        Phi-3, dynamic RoPE, attention logit soft-capping).
         """
         if isinstance(config, dict):
             config = _to_transformers_config(config)
         architecture = _architecture(config.architectures, config.model_type)
         _check_supported_features(config, architecture)
-        theta, scaling, local_theta = _rope(config)
+        theta, scaling, local_theta, partial_rotary_factor = _rope(config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         attention_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
         window, layer_types = _sliding_layers(config)
         return cls(
@@ -104,11 +132,11 @@ class ModelConfig:
             num_hidden_layers=config.num_hidden_layers,
             num_attention_heads=config.num_attention_heads,
             num_key_value_heads=config.num_key_value_heads or config.num_attention_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=config.max_position_embeddings,
+            max_position_embeddings=context_length(config.max_position_embeddings, scaling),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
             attention_out_bias=architecture != "Qwen2ForCausalLM" and attention_bias,
@@ -120,6 +148,7 @@ class ModelConfig:
             qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             query_pre_attn_scalar=getattr(config, "query_pre_attn_scalar", None),
             final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+            rotary_dim=None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor),
         )
 
 
@@ -165,9 +194,10 @@ def _sliding_layers(config: transformers.PretrainedConfig) -> tuple[int | None, 
     return (window, layer_types) if SLIDING in layer_types else (None, ())
 
 
-def _rope(config: transformers.PretrainedConfig) -> tuple[float, dict[str, Any] | None, float | None]:
-    """``(theta, scaling, local theta)`` from transformers 5's ``rope_parameters`` (per layer type
-    for Gemma 3) or 4's ``rope_theta``/``rope_scaling``."""
+def _rope(config: transformers.PretrainedConfig) -> tuple[float, dict[str, Any] | None, float | None, float]:
+    """``(theta, scaling, local theta, partial rotary factor)`` from transformers 5's
+    ``rope_parameters`` (per layer type for Gemma 3) or 4's ``rope_theta``/``rope_scaling``;
+    LongRoPE's and YaRN's parameters resolved as transformers resolves them."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     local_theta = None
     if FULL in params:  # one set of parameters per layer type
@@ -177,12 +207,60 @@ def _rope(config: transformers.PretrainedConfig) -> tuple[float, dict[str, Any] 
         local_theta = local.get("rope_theta")
         params = dict(params[FULL])
     theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", 10000.0)
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("unsupported partial_rotary_factor != 1")
+    partial_rotary_factor = params.pop("partial_rotary_factor", None) or 1.0
     rope_type = params.pop("type", None) or params.get("rope_type", "default")
     if rope_type == "default":
-        return theta, None, local_theta
-    return theta, {**params, "rope_type": rope_type}, local_theta
+        return theta, None, local_theta, partial_rotary_factor
+    scaling = {**params, "rope_type": rope_type}
+    if rope_type == "longrope":
+        scaling = _resolve_longrope(scaling, config.max_position_embeddings)
+    elif rope_type == "yarn":
+        scaling = _resolve_yarn(scaling, config.max_position_embeddings)
+    return theta, scaling, local_theta, partial_rotary_factor
+
+
+def _resolve_longrope(params: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """transformers' ``_compute_longrope_parameters`` inputs, resolved (``_resolve_factors``;
+    the attention factor's default ``longrope_attention_factor``)."""
+    original, _, attention_factor = _resolve_factors(params, max_positions, longrope_attention_factor)
+    return {"rope_type": "longrope", "short_factor": tuple(params["short_factor"]),
+            "long_factor": tuple(params["long_factor"]), "original_max_position_embeddings": original,
+            "attention_factor": attention_factor}
+
+
+def _resolve_yarn(params: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """transformers' ``_compute_yarn_parameters`` inputs, resolved (``_resolve_factors``; the
+    attention factor's default YaRN's mscale, of ``mscale`` and ``mscale_all_dim`` when both are
+    set), ``beta_fast``/``beta_slow`` defaulting to 32/1, ``truncate`` to True."""
+    mscales = params.get("mscale"), params.get("mscale_all_dim")
+    original, factor, attention_factor = _resolve_factors(params, max_positions,
+                                                          lambda f, _: yarn_attention_factor(f, *mscales))
+    return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
+            "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+            "truncate": bool(params.get("truncate", True)), "attention_factor": attention_factor}
+
+
+def _resolve_factors(params: dict[str, Any], max_positions: int,
+                     default_attention_factor: Callable[[float, int], float]) -> tuple[int, float, float]:
+    """``(original context, factor, attention factor)``: ``factor`` defaults to ``max_positions /
+    original``, the attention factor to ``default_attention_factor(factor, original)``."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_positions / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = default_attention_factor(factor, original)
+    return original, factor, float(attention_factor)
+
+
+def context_length(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
+    """The positions a model serves: ``max_position_embeddings``, or YaRN's ``factor`` times its
+    original context when longer (Qwen's long-context configs keep the original in
+    ``max_position_embeddings``; vLLM serves them likewise extended)."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return max_position_embeddings
+    return max(max_position_embeddings, int(scaling["factor"] * scaling["original_max_position_embeddings"]))
 
 
 def _as_tuple(token_ids: int | list[int] | None) -> tuple[int, ...]:

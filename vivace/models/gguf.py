@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import transformers
 
-from vivace.models.config import FULL, SLIDING, ModelConfig
+from vivace.layers.rotary import longrope_attention_factor, yarn_attention_factor
+from vivace.models.config import FULL, SLIDING, ModelConfig, context_length
 from vivace.models.gguf_file import GGUFFile
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -35,6 +36,11 @@ _ARCH_LAYER_NAMES = {
 # llama.cpp's Gemma 3: every 6th layer global, sliding layers rotate with base 10000.
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
+_LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}  # Phi-3
+_ROPE_TENSORS = (_ROPE_FREQS, *_LONGROPE.values())
+# YaRN keys llama.cpp reads that transformers' YaRN has no counterpart of, with their neutral values.
+_YARN_NEUTRAL = {"yarn_ext_factor": (-1.0, 1.0), "yarn_attn_factor": (1.0,), "yarn_log_multiplier": (0.0,),
+                 "attn_factor": (1.0,)}
 
 
 @dataclass
@@ -52,7 +58,7 @@ def open_gguf(path: Path, skip: Collection[str] = ()) -> GGUFModel:
     but those named in ``skip`` (GGUF names; kept as blocks by the caller).
 
     Raises ValueError for an architecture other than those of ``_ARCHITECTURES``, missing metadata, an
-    unsupported rope scaling, or a tensor it cannot place or dequantize.
+    unsupported rope scaling (or partial rotary outside Phi-3), or a tensor it cannot place or dequantize.
     """
     file = GGUFFile(path)
     config = model_config(file)
@@ -75,6 +81,9 @@ def model_config(file: GGUFFile) -> ModelConfig:
 
     hidden, heads = get("{arch}.embedding_length"), get("{arch}.attention.head_count")
     layers, context = get("{arch}.block_count"), get("{arch}.context_length")
+    head_dim = get("{arch}.attention.key_length", hidden // heads)
+    rotary_dim = get("{arch}.rope.dimension_count", head_dim)
+    scaling = _rope_scaling(file, arch, context)
     eos = [file.metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]
     config = ModelConfig(
         architecture=_ARCHITECTURES[arch],
@@ -84,17 +93,18 @@ def model_config(file: GGUFFile) -> ModelConfig:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=get("{arch}.attention.head_count_kv", heads),
-        head_dim=get("{arch}.attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=get("{arch}.attention.layer_norm_rms_epsilon"),
         rope_theta=float(get("{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(file, arch),
-        max_position_embeddings=context,
+        rope_scaling=scaling,
+        max_position_embeddings=context_length(context, scaling),
         tie_word_embeddings="output.weight" not in file.tensors,
         attention_bias="blk.0.attn_q.bias" in file.tensors,
         attention_out_bias="blk.0.attn_output.bias" in file.tensors,
         bos_token_id=file.metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(token for token in eos if token is not None)),
         qk_norm="blk.0.attn_q_norm.weight" in file.tensors,
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
     )
     window = file.metadata.get(f"{arch}.attention.sliding_window")
     if arch == "phi3" and window and window < context:
@@ -115,21 +125,62 @@ def _gemma3(config: ModelConfig, window: int, local_theta: float) -> ModelConfig
                                query_pre_attn_scalar=scalar)
 
 
-def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
+def _rope_scaling(file: GGUFFile, arch: str, context: int) -> dict[str, Any] | None:
+    """``ModelConfig.rope_scaling`` from llama.cpp's keys: none, linear, YaRN (``rope.scaling.type``),
+    llama3 as ``rope_freqs`` tensor, Phi-3's LongRoPE as its two factor tensors."""
     rope_type = file.metadata.get(f"{arch}.rope.scaling.type", "none")
     factor = file.metadata.get(f"{arch}.rope.scaling.factor") or file.metadata.get(f"{arch}.rope.scale_linear")
-    if rope_type == "none" and factor in (None, 1.0):
-        rope_type = None
-    elif rope_type in ("none", "linear"):
+    if rope_type == "none" and factor not in (None, 1.0):
         rope_type = "linear"
-    else:
-        raise ValueError(f"unsupported GGUF rope scaling {rope_type!r}; supported: none, linear")
-    if _ROPE_FREQS not in file.tensors:
-        return None if rope_type is None else {"rope_type": "linear", "factor": factor}
-    if rope_type is not None:
-        raise ValueError(f"GGUF has both {_ROPE_FREQS} and linear rope scaling")
-    factors = file.dequantize(file.tensors[_ROPE_FREQS])
-    return {"rope_type": "freq_factors", "freq_factors": tuple(factors.tolist())}
+    tensors = [name for name in _ROPE_TENSORS if name in file.tensors]
+    if tensors and rope_type != "none":
+        raise ValueError(f"GGUF has both {tensors[0]} and {rope_type} rope scaling")
+    if rope_type == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if rope_type == "yarn":
+        return _yarn(file, arch, factor)
+    if rope_type != "none":
+        raise ValueError(f"unsupported GGUF rope scaling {rope_type!r}; supported: none, linear, yarn")
+    if not tensors:
+        return None
+    if tensors == [_ROPE_FREQS]:
+        factors = file.dequantize(file.tensors[_ROPE_FREQS])
+        return {"rope_type": "freq_factors", "freq_factors": tuple(factors.tolist())}
+    if tensors != list(_LONGROPE.values()):
+        raise ValueError(f"GGUF rope factor tensors {tensors} are neither {_ROPE_FREQS} "
+                         f"nor {' and '.join(_LONGROPE.values())}")
+    return _longrope(file, arch, context)
+
+
+def _longrope(file: GGUFFile, arch: str, context: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE as convert_hf_to_gguf writes it: the factors as tensors, the attention
+    factor (else LongRoPE's default for ``context``) and the original context as keys."""
+    original = file.metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ValueError(f"GGUF metadata lacks '{arch}.rope.scaling.original_context_length' (LongRoPE)")
+    attention_factor = file.metadata.get(f"{arch}.rope.scaling.attn_factor")
+    if attention_factor is None:
+        attention_factor = longrope_attention_factor(context / original, original)
+    factors = {key: tuple(file.dequantize(file.tensors[name]).tolist()) for key, name in _LONGROPE.items()}
+    return {"rope_type": "longrope", **factors, "original_max_position_embeddings": original,
+            "attention_factor": float(attention_factor)}
+
+
+def _yarn(file: GGUFFile, arch: str, factor: float | None) -> dict[str, Any]:
+    """YaRN from ``rope.scaling.factor``, ``.original_context_length`` and ``.yarn_beta_fast``/``_slow``,
+    as transformers computes it (llama.cpp's corrections are truncated, its attention factor
+    transformers' default). Raises ValueError for llama.cpp's other YaRN keys at other values."""
+    key = f"{arch}.rope.scaling."
+    original = file.metadata.get(key + "original_context_length")
+    if not factor or original is None:
+        raise ValueError(f"GGUF YaRN needs '{key}factor' and '{key}original_context_length'")
+    for name, neutral in _YARN_NEUTRAL.items():
+        if file.metadata.get(key + name, neutral[0]) not in neutral:
+            raise ValueError(f"unsupported GGUF YaRN '{key}{name}' = {file.metadata[key + name]}")
+    return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
+            "beta_fast": float(file.metadata.get(key + "yarn_beta_fast", 32.0)),
+            "beta_slow": float(file.metadata.get(key + "yarn_beta_slow", 1.0)),
+            "truncate": True, "attention_factor": yarn_attention_factor(factor)}
 
 
 def _tokenizer(path: Path, file: GGUFFile) -> transformers.PreTrainedTokenizerFast:
@@ -142,7 +193,7 @@ def _tokenizer(path: Path, file: GGUFFile) -> transformers.PreTrainedTokenizerFa
 def _tensors(file: GGUFFile, config: ModelConfig, arch: str,
              skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, info in file.tensors.items():
-        if name == _ROPE_FREQS:
+        if name in _ROPE_TENSORS:
             continue
         hf_name = _hf_name(name, arch)
         if name in skip:

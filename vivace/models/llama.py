@@ -4,7 +4,8 @@ Inputs are one flat batch: tokens of every sequence back to back, no batch dimen
 q/k/v and gate/up are each one fused Linear, so a decode step issues fewer kernels;
 the loader concatenates the checkpoint's separate weights in that order (Phi-3 ships them fused).
 What sets the members apart, all read from ``ModelConfig``: q/k/v biases (Qwen2), per-head q/k
-RMSNorm (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen2/3 with ``use_sliding_window``).
+RMSNorm (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen2/3 with ``use_sliding_window``),
+partial rotary (Phi-4-mini: q/k head dims reordered at load, ``vivace.models.partial_rotary``).
 Gemma 3 (``vivace.models.gemma3``) builds on the attention and model classes here.
 """
 
@@ -121,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                      config.rope_theta, config.rope_scaling, dtype)
+                                      config.rope_theta, config.rope_scaling, dtype, config.rotary_dim)
         self.local_rotary = None
         if config.local_rope_theta and config.sliding_window:
             self.local_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,

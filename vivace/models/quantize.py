@@ -26,9 +26,10 @@ from torch import nn
 from vivace.layers.gguf_blocks import NATIVE_TYPES, from_gguf_blocks
 from vivace.layers.linear import QuantizedLinear
 from vivace.layers.quant_format import QuantizedWeight
-from vivace.models.gguf import _hf_name, _unpermute
+from vivace.models.gguf import _hf_name, hf_rows
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.llama import LlamaForCausalLM
+from vivace.models.partial_rotary import to_vivace_rows
 
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 T = gguf.GGMLQuantizationType
@@ -108,9 +109,6 @@ def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, Q
     (the logits projection: a form of 6 or 8 bits, or Q8_0 outside "gguf" mode)."""
     file = GGUFFile(path)
     arch = file.metadata["general.architecture"]
-    config = model.config
-    rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    permuted = config.architecture == "LlamaForCausalLM"  # as vivace.models.gguf undoes on load
     weights, fallback = {}, Counter()
     for name, info in file.tensors.items():
         logits = name in ("output.weight", "token_embd.weight")
@@ -121,11 +119,12 @@ def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, Q
             if mode == "gguf" and info.ggml_type not in _FLOAT_TYPES:
                 fallback[info.ggml_type.name] += 1
             continue
+        hf_name = _hf_name(name, arch)
+        # Rows as the float model holds them: llama.cpp's order undone, then vivace's (partial rotary).
+        rows = np.arange(info.shape[0])
+        order = to_vivace_rows(hf_name, hf_rows(rows, name, model.config), model.config)
         weight = from_gguf_blocks(file.blocks(info), info.ggml_type)
-        part = name.split(".")[-2]
-        if permuted and part in rotary_heads:
-            weight = _unpermute_rows(weight, rotary_heads[part])
-        weights[_hf_name(name, arch)] = weight
+        weights[hf_name] = weight if np.array_equal(order, rows) else _take_rows(weight, order)
     if fallback:
         logger.warning("vivace: GGUF types without a native kernel run as dequantized float: %s (native: %s)",
                        ", ".join(f"{t} ({n} tensors)" for t, n in sorted(fallback.items())),
@@ -133,9 +132,9 @@ def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, Q
     return weights
 
 
-def _unpermute_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeight:
+def _take_rows(weight: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
     def rows(t: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(_unpermute(t.numpy(), num_heads)))
+        return t[torch.from_numpy(order)]
 
     mins, sub_scales, sub_mins = (None if t is None else rows(t) for t in (weight.mins, weight.sub_scales,
                                                                            weight.sub_mins))
