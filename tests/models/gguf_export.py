@@ -88,7 +88,7 @@ def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig,
     writer.add_vocab_size(config.vocab_size)
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+        writer.add_rope_scaling_factor(rope["factor"])
     if rope["rope_type"] in ("longrope", "yarn"):
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if rope["rope_type"] == "longrope":  # Phi3MiniModel's attention factor, from the context ratio

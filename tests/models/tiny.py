@@ -34,6 +34,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 PHI3_LONGROPE = dict(partial_rotary_factor=0.75, original_max_position_embeddings=32, rope_theta=10000.0,
                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.125, 1.25, 1.5, 2.0, 2.5],
                                    "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0]})
+# llama.cpp's layout (5 sliding layers, 1 global, 1 sliding), two rope bases, head_dim apart from
+# hidden/heads, and llama.cpp's attention scale (1/sqrt(head_dim)), so that a GGUF export holds it all.
+GEMMA3 = dict(num_hidden_layers=7, hidden_size=32, intermediate_size=48, head_dim=32, query_pre_attn_scalar=32,
+              sliding_window=6, tie_word_embeddings=True, rope_theta=1e6, rope_local_base_freq=1e4)
 KINDS = {
     "llama": (transformers.LlamaConfig, {}),
     "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=4)),
@@ -47,11 +51,10 @@ KINDS = {
     "mistral_sliding": (transformers.MistralConfig, dict(sliding_window=7)),
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32, rope_theta=1e6)),
     "phi3": (transformers.Phi3Config, dict(sliding_window=9, pad_token_id=None)),
-    # llama.cpp's layout (5 sliding layers, 1 global, 1 sliding), two rope bases, head_dim apart from
-    # hidden/heads, and llama.cpp's attention scale (1/sqrt(head_dim)), so that a GGUF export holds it all.
-    "gemma3": (transformers.Gemma3TextConfig, dict(
-        num_hidden_layers=7, hidden_size=32, intermediate_size=48, head_dim=32, query_pre_attn_scalar=32,
-        sliding_window=6, tie_word_embeddings=True, rope_theta=1e6, rope_local_base_freq=1e4)),
+    "gemma3": (transformers.Gemma3TextConfig, GEMMA3),
+    # gemma-3-4b/12b/27b's rope: linear scaling on the global layers only (a GGUF carries it too).
+    "gemma3_linear_rope": (transformers.Gemma3TextConfig,
+                           dict(GEMMA3, rope_scaling={"rope_type": "linear", "factor": 8.0})),
     # Transformers-only choices a GGUF can't carry: an attention scale apart from head_dim, pattern 2.
     "gemma3_pattern2": (transformers.Gemma3TextConfig, dict(
         num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=6, sliding_window_pattern=2,
@@ -66,10 +69,15 @@ def tiny_config(kind: str, **overrides: object) -> transformers.PretrainedConfig
 
 
 def tiny_model(kind: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
-    """A random model (``overrides`` change its config) whose every weight (norms and biases too) is
-    non-trivial and exactly representable in float16, so an F16 export is lossless."""
+    """A random model (``overrides`` change its config), as ``random_model`` makes it."""
+    return random_model(tiny_config(kind, **overrides), seed)
+
+
+def random_model(config: transformers.PretrainedConfig, seed: int = 0) -> transformers.PreTrainedModel:
+    """A random model of ``config`` whose every weight (norms and biases too) is non-trivial and
+    exactly representable in float16, so an F16 export is lossless."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.1)

@@ -11,12 +11,15 @@ from typing import Any
 import transformers
 
 from vivace.layers.rotary import longrope_attention_factor, yarn_attention_factor
+from vivace.models.multimodal import MULTIMODAL_TYPES, text_config
 
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
+_CONFIG_TYPES = {**_MODEL_TYPES, **MULTIMODAL_TYPES}  # what a config.json may name
+_SUPPORTED = f"{', '.join(SUPPORTED_ARCHITECTURES)}; for their text, {', '.join(MULTIMODAL_TYPES.values())}"
 SLIDING, FULL = "sliding_attention", "full_attention"
 # "freq_factors" is llama.cpp's form of llama3 scaling: per-frequency divisors stored in the GGUF.
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "yarn")
@@ -110,7 +113,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | transformers.PretrainedConfig) -> ModelConfig:
-        """Build from a ``config.json`` dict or a transformers config.
+        """Build from a ``config.json`` dict or a transformers config; of a multimodal wrapper
+        (``vivace.models.multimodal``), its text model's.
 
         Raises ValueError for an unsupported architecture (naming the supported ones) or a
         feature vivace does not implement (another activation, MLP bias, partial rotary outside
@@ -118,6 +122,7 @@ class ModelConfig:
         """
         if isinstance(config, dict):
             config = _to_transformers_config(config)
+        config = text_config(config)
         architecture = _architecture(config.architectures, config.model_type)
         _check_supported_features(config, architecture)
         theta, scaling, local_theta, partial_rotary_factor = _rope(config)
@@ -157,15 +162,15 @@ def _to_transformers_config(config: dict[str, Any]) -> transformers.PretrainedCo
     config = copy.deepcopy(config)  # transformers edits nested dicts (rope) in place
     model_type = config.pop("model_type", None)
     architecture = _architecture(config.get("architectures"), model_type)
-    model_type = model_type or next(t for t, a in _MODEL_TYPES.items() if a == architecture)
+    model_type = model_type or next(t for t, a in _CONFIG_TYPES.items() if a == architecture)
     return transformers.AutoConfig.for_model(model_type, **config)
 
 
 def _architecture(architectures: list[str] | None, model_type: str | None) -> str:
-    architecture = (architectures or [_MODEL_TYPES.get(model_type or "", repr(model_type))])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architecture!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    """The architecture a config names: one of ``SUPPORTED_ARCHITECTURES`` or a multimodal wrapper."""
+    architecture = (architectures or [_CONFIG_TYPES.get(model_type or "", repr(model_type))])[0]
+    if architecture not in _CONFIG_TYPES.values():
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {_SUPPORTED}")
     return architecture
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from vivace.models.gguf import open_gguf
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.gemma3 import Gemma3ForCausalLM
 from vivace.models.llama import LlamaForCausalLM
+from vivace.models.multimodal import multimodal_architecture, text_tensor_name
 from vivace.models.partial_rotary import to_vivace_rows
 from vivace.models.quantize import native_quantization, quantize_model
 
@@ -40,6 +42,7 @@ _FUSED = {
 }
 # The model class of each architecture; the Llama family's members differ only in their config.
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM}
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -263,7 +266,12 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokeni
     config = ModelConfig.from_hf(raw)
     config = dataclasses.replace(config, eos_token_ids=_eos_token_ids(path, config))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    return config, tokenizer, _read_safetensors(safetensors_files(path))
+    rename = None
+    if (wrapper := multimodal_architecture(raw)) is not None:
+        logger.info("vivace: %s is %s: serving its language model, for text; image inputs are not supported",
+                    path.name, wrapper)
+        rename = text_tensor_name
+    return config, tokenizer, _read_safetensors(safetensors_files(path), rename)
 
 
 def _eos_token_ids(path: Path, config: ModelConfig) -> tuple[int, ...]:
@@ -291,8 +299,13 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_safetensors(files: list[Path], rename: Callable[[str], str | None] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of ``files`` under ``rename(name)`` (its own name without ``rename``); one it
+    renames to None is skipped unread."""
     for file in files:
         with safe_open(file, framework="pt") as reader:
             for name in reader.keys():
-                yield name, reader.get_tensor(name)
+                new_name = name if rename is None else rename(name)
+                if new_name is not None:
+                    yield new_name, reader.get_tensor(name)
