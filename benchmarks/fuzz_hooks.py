@@ -1,14 +1,16 @@
 """schemathesis hooks for fuzzing vivace (loaded with SCHEMATHESIS_HOOKS=fuzz_hooks).
 
 A positive case is valid by the JSON schema; a few of vivace's rules tie fields together, which a
-JSON schema can't say (top_logprobs needs logprobs, stream_options needs stream, min_tokens <=
-max_tokens, best_of == n, no echo with logprobs, continue_final_message without
-add_generation_prompt, prompt plus max_tokens within the context), and
+JSON schema can't say (top_logprobs needs logprobs, stream_options needs stream,
+continuous_usage_stats needs include_usage, min_tokens <= max_tokens, best_of == n, no echo with
+logprobs, continue_final_message without add_generation_prompt, prompt plus max_tokens within the
+context), and
 the grammar-carrying fields (a JSON schema, regex or grammar to constrain the output, tools and
 their calls) are valid only if the grammar engine compiles them, which no JSON schema can say.
 For positive cases only, this hook makes such a body obey the rules and drops those fields, and
-keeps each case short (at most 8 tokens, 2 choices) so a bounded run covers many cases. Negative
-cases go out untouched. Structured output and tools have their own tests.
+keeps each case short (at most 8 tokens, 2 choices) so a bounded run covers many cases; the
+messages of a ``/tokenize`` body get the same care (its tools stay). Negative cases go out
+untouched. Structured output and tools have their own tests.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def _drop_grammars(body: dict[str, Any]) -> None:
         body.pop(field, None)
     if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") not in ("text", "json_object"):
         body.pop("response_format")
+    _drop_calls(body)
+
+
+def _drop_calls(body: dict[str, Any]) -> None:
+    """Messages without tool calls or results (their ids must pair up)."""
     for message in body.get("messages") or []:
         if isinstance(message, dict):
             message.pop("tool_calls", None)
@@ -59,10 +66,16 @@ def _fit(body: dict[str, Any]) -> None:
         body["min_tokens"] = min(body["min_tokens"], limit)
     if not body.get("stream"):
         body.pop("stream_options", None)
+    elif isinstance(body.get("stream_options"), dict) and body["stream_options"].get("continuous_usage_stats"):
+        body["stream_options"]["include_usage"] = True
     if body.get("logprobs") is not True and "messages" in body:
         body.pop("top_logprobs", None)
     if body.get("echo") and body.get("logprobs") is not None:
         body["echo"] = False
+    _fit_template(body)
+
+
+def _fit_template(body: dict[str, Any]) -> None:
     if body.get("continue_final_message"):
         body["add_generation_prompt"] = False
 
@@ -71,4 +84,8 @@ def _fit(body: dict[str, Any]) -> None:
 def before_call(ctx: Any, case: Any, kwargs: Any) -> None:
     meta = case.meta
     if meta is not None and meta.generation.mode.is_positive and isinstance(case.body, dict):
-        _fit(case.body)
+        if case.path.startswith("/v1/"):
+            _fit(case.body)
+        elif case.path == "/tokenize":
+            _drop_calls(case.body)
+            _fit_template(case.body)

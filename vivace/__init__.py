@@ -1,8 +1,15 @@
 """vivace: a latency-first LLM inference server."""
 
+import importlib.metadata
+
 from vivace.config import EngineConfig
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from vivace.engine.sampling_params import SamplingParams
+
+try:
+    __version__ = importlib.metadata.version("vivace")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = ["EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason",
            "LLM", "AsyncEngine"]

@@ -99,3 +99,21 @@ def test_metrics_label_each_replica_and_count_routing(server: ClusterServer) -> 
     decisions = {s["outcome"]: v for s, v in samples(server, "vivace:routing_decisions_total")
                  if s["model"] == "tiny"}
     assert decisions["prefix_hit"] >= 1 and decisions["no_prefix"] >= 1
+
+
+def test_tokenize_and_logit_bias_through_the_ingress(server: ClusterServer) -> None:
+    tokenizer = server.engine.tokenizer  # the ingress tokenizes with its copy of the replicas' tokenizer
+    chosen = tokenizer.encode(" castle", add_special_tokens=False)[0]
+    with server.http() as http:
+        tokens = http.post("/tokenize", json={"model": "split", "prompt": "Once upon a time"}).json()
+        text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
+        biased = http.post("/v1/completions", json={"model": "tiny", "prompt": "Once", "max_tokens": 3,
+                                                    "temperature": 0, "logit_bias": {str(chosen): 100}})
+        outside = http.post("/v1/completions", json={"model": "tiny", "prompt": "Once", "max_tokens": 1,
+                                                     "logit_bias": {"99999999": 1}})
+        unkeyed = http.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"})
+    assert tokens["tokens"] == tokenizer.encode("Once upon a time") and tokens["count"] == len(tokens["tokens"])
+    assert text == {"prompt": "Once upon a time"}
+    assert biased.json()["choices"][0]["text"] == tokenizer.decode([chosen] * 3)
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "logit_bias"
+    assert unkeyed.status_code == 401

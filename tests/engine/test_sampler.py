@@ -108,3 +108,31 @@ def test_every_accepted_seed_works(seed):
     logits = torch.randn(1, 50)
     first = sampler(logits.clone(), [request(temperature=1.0, seed=seed)]).token_ids
     assert sampler(logits.clone(), [request(temperature=1.0, seed=seed)]).token_ids == first
+
+
+def test_logit_bias_is_added_first_and_only_to_its_own_row():
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]] * 3)
+    rows = [request(temperature=0, logit_bias={3: 100.0}), request(temperature=0, logprobs=0),
+            request(tokens=(0,), output=(2,), temperature=0, logit_bias={1: -100.0}, repetition_penalty=2.0,
+                    logprobs=0)]
+    out = sampler(logits.clone(), rows)
+    assert out.token_ids == [3, 1, 2]
+    assert out.logprobs[1] == pytest.approx(logits[1].log_softmax(-1)[1].item())
+    # The bias, then the repetition penalty on the seen tokens 0 and 2.
+    expected = torch.tensor([0.5, 3.0 - 100.0, 1.0, 0.5])
+    assert math.isclose(out.logprobs[2], expected.log_softmax(-1)[2].item(), rel_tol=1e-6)
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {-1: 1.0}, {1: float("nan")}, {t: 1.0 for t in range(301)}])
+def test_bad_logit_bias_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_verification_sees_the_logit_bias():
+    sampler = Sampler(eos_token_ids=(0,))
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]] * 3)
+    r = request(temperature=0, logit_bias={3: 100.0})
+    assert sampler.verify(logits.clone(), r, [3, 1]).token_ids == [3, 3]  # the proposal's 1 is rejected

@@ -32,7 +32,8 @@ CASES = [
     # (path, body, status, the field the error's param must name (or lie under), or None)
     (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
     (CHAT, chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema"),
-    (CHAT, chat(logit_bias={"42": 5}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"42": 500}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"99999999": 5}), 400, "logit_bias"),
     (CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
     (CHAT, chat(frobnicate=True), 400, "frobnicate"),
     (CHAT, chat(messages=[]), 400, "messages"),

@@ -9,7 +9,7 @@ needs it for something else.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vivace.engine.request import Request
 

@@ -8,6 +8,14 @@ from dataclasses import dataclass
 from vivace.engine.sampling_params import SamplingParams
 
 
+class LimitError(ValueError):
+    """A request these limits can never serve; ``param`` names the request field at fault, if one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """An engine's vocabulary, context length and KV pool (``num_blocks`` of ``block_size``)."""
@@ -18,19 +26,21 @@ class RequestLimits:
     num_blocks: int
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError when the request can never be served."""
+        """Raise LimitError (a ValueError) when the request can never be served."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
-            raise ValueError("the prompt is empty")
+            raise LimitError("the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise LimitError(f"prompt token ids must be in [0, {self.vocab_size})")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
+            raise LimitError(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
+        if any(not 0 <= t < self.vocab_size for t in params.logit_bias or ()):
+            raise LimitError(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
         wanted = num_prompt + (params.max_tokens or 1)
         if wanted > self.max_model_len:
-            raise ValueError(
+            raise LimitError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{num_prompt} prompt tokens plus {params.max_tokens or 1} max_tokens were requested")
         if -(-wanted // self.block_size) > self.num_blocks:
-            raise ValueError(f"the request needs {wanted} tokens of KV cache; the pool holds "
+            raise LimitError(f"the request needs {wanted} tokens of KV cache; the pool holds "
                              f"{self.num_blocks * self.block_size}")

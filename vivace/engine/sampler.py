@@ -1,9 +1,9 @@
 """Turn a batch of logits into next tokens, one row per request with its own parameters.
 
-Order: penalties, min_tokens masking, then (for non-greedy rows) temperature, top-k,
-top-p and min-p, then a draw from the request's own generator, so a seeded request
+Order: logit bias, penalties, min_tokens masking, then (for non-greedy rows) temperature,
+top-k, top-p and min-p, then a draw from the request's own generator, so a seeded request
 samples the same tokens whatever else shares its batch. Logprobs are those of the
-model's distribution after penalties, before temperature and truncation.
+model's distribution after bias and penalties, before temperature and truncation.
 
 Safe for every value the request schema accepts: overflow (a tiny repetition penalty or
 temperature) saturates at the largest finite float instead of becoming inf, every filter keeps
@@ -44,6 +44,14 @@ class DeviceSamples:
 
     tokens: SampledTokens
     finite: list[bool]
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Add each request's ``logit_bias`` to its row (as vLLM, before the penalties)."""
+    for row, request in enumerate(requests):
+        bias = request.params.logit_bias
+        if bias:
+            logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -103,8 +111,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
         logits = logits.float()
-        if any(r.params.has_penalties for r in requests):  # the only source of inf here
+        biased = any(r.params.logit_bias for r in requests)
+        penalized = any(r.params.has_penalties for r in requests)
+        if biased:
+            apply_logit_bias(logits, requests)
+        if penalized:
             apply_penalties(logits, requests)
+        if biased or penalized:  # the only sources of inf here
             saturate(logits)
         mask_stop_tokens(logits, requests, self.eos_token_ids)
         token_ids = logits.argmax(-1).tolist()
@@ -116,9 +129,14 @@ class Sampler:
     def verify(self, logits: torch.Tensor, request: Request, proposal: list[int]) -> SampledTokens:
         """Verify a proposal from the target's ``len(proposal) + 1`` logits rows; one row of the
         result per emitted token. Callers propose only for requests without penalties or
-        pending min_tokens, whose rows need no processing beyond temperature and truncation."""
+        pending min_tokens, whose rows need no processing beyond logit bias, temperature and
+        truncation."""
         logits = logits.float()
         params = request.params
+        if params.logit_bias:
+            logits = logits.clone()
+            apply_logit_bias(logits, [request] * len(logits))
+            saturate(logits)
         if params.greedy:
             scores = logits
         else:

@@ -19,6 +19,8 @@ class StructuredOutput:
 
 # Temperatures below this sample greedily: dividing logits by less overflows float32 (as vLLM).
 SAMPLING_EPS = 1e-5
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # a bias lies in [-100, 100] (OpenAI's range)
 
 
 @dataclass
@@ -27,7 +29,8 @@ class SamplingParams:
 
     ``temperature < SAMPLING_EPS`` (0 included) means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``logprobs`` is None (none) or the number of top alternatives to return
-    besides the chosen token's logprob (0 = only the chosen token).
+    besides the chosen token's logprob (0 = only the chosen token). ``logit_bias`` maps token
+    ids to what is added to their logits before anything else (an empty map is None).
     """
 
     n: int = 1
@@ -49,11 +52,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     speculative: bool = True  # allow speculative decoding for this request (when the engine has it)
     structured: StructuredOutput | None = None  # constrain the output (such requests never speculate)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        bias = self.logit_bias or {}
         checks = [
             (self.n >= 1, "n must be >= 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
@@ -68,6 +74,10 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "min_tokens must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (len(bias) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens"),
+            (all(t >= 0 for t in bias), "logit_bias token ids must be >= 0"),
+            (all(-LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE for b in bias.values()),
+             f"logit_bias values must be in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -3,12 +3,13 @@ leaving the GPU. Every parameter is a per-row device tensor filled before the st
 one captured CUDA graph per ``SamplerPlan`` serves any mix of requests; ``sample`` does no host
 sync and allocates only shapes fixed by the rows and the vocabulary.
 
-The host sampler's (``vivace.engine.sampler``) semantics, in its order: penalties (repetition on
+The host sampler's (``vivace.engine.sampler``) semantics, in its order: logit bias (up to
+``MAX_LOGIT_BIAS`` tokens a row, from two small buffers), penalties (repetition on
 prompt and output, presence and frequency on output) then saturation, the stop and eos tokens
 banned until ``min_tokens``; greedy rows take the first argmax; sampled rows divide by their
 temperature, keep top-k, then min-p, then the top-p nucleus (from one sort of the row: the three
 keep a prefix of it, cut at one value, so ties at the cut are all kept), and draw. Logprobs are
-``log_softmax`` of the logits after penalties and bans, as the host returns them. Softmax sums run
+``log_softmax`` of the logits after bias, penalties and bans, as the host returns them. Softmax sums run
 in another order than on the host, so a token within float rounding of a min-p / top-p cut may fall
 on the other side.
 
@@ -38,6 +39,7 @@ import triton.language as tl
 
 from vivace.engine.request import Request
 from vivace.engine.sampler import MIN_LOGPROB, DeviceSamples, SampledTokens, saturate
+from vivace.engine.sampling_params import MAX_LOGIT_BIAS
 from vivace.gpu.kernels import INTERPRETED
 
 MAX_BANNED = 16  # stop + eos tokens a row can ban until its min_tokens
@@ -55,7 +57,7 @@ TOP_K, SEED, COUNTER, STREAM, PROMPT_LEN, HISTORY_LEN, BANNED = range(7)
 class SamplerPlan:
     """Which optional stages a batch needs; each combination is its own captured graph."""
 
-    process: bool = False  # penalties, or tokens banned until min_tokens
+    process: bool = False  # logit bias, penalties, or tokens banned until min_tokens
     filter: bool = False  # top-k / top-p / min-p on a sampled row
     logprobs: bool = False
 
@@ -71,8 +73,9 @@ def signed64(seed: int) -> int:
 
 def workspace_bytes(rows: int, vocab_size: int, max_model_len: int) -> int:
     """An upper bound of the device memory ``DeviceSampler`` takes for ``rows`` rows: its history
-    buffer and the transient tensors of its widest plan (a sort and a few row copies)."""
-    return rows * (max_model_len * 4 + vocab_size * 40)
+    buffer, its logit-bias buffers and the transient tensors of its widest plan (a sort and a few
+    row copies)."""
+    return rows * (max_model_len * 4 + MAX_LOGIT_BIAS * 12 + vocab_size * 44)
 
 
 class DeviceSampler:
@@ -89,6 +92,10 @@ class DeviceSampler:
         self.floats = torch.zeros(max_rows, FREQUENCY + 1, dtype=torch.float32, device=device)
         self.ints = torch.zeros(max_rows, BANNED + MAX_BANNED, dtype=torch.int64, device=device)
         self.history = torch.zeros(max_rows, max_model_len, dtype=torch.int32, device=device)
+        # Each row's biased token ids and biases; unused entries add 0 to the column past the vocabulary.
+        self.bias_ids = torch.full((max_rows, MAX_LOGIT_BIAS), vocab_size, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros(max_rows, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
+        self.biased_rows = 0  # rows 0..biased_rows-1 may hold a bias from an earlier step
         self.num_steps = 0
         self.stage([None] * max_rows)
 
@@ -127,6 +134,7 @@ class DeviceSampler:
                     penalized.append(row)
         if penalized:
             self._stage_history([rows[row] for row in penalized], penalized, ints)
+        self._stage_bias(rows)
         self._upload(self.floats[:n], floats)
         self._upload(self.ints[:n], ints)
         return plan
@@ -145,8 +153,8 @@ class DeviceSampler:
                                                      params.frequency_penalty)
         banned = self._banned(request, ahead)
         ints[BANNED:BANNED + len(banned)] = banned
-        return SamplerPlan(plan.process or params.has_penalties or bool(banned), plan.filter or filtered,
-                           plan.logprobs or params.logprobs is not None)
+        process = params.has_penalties or bool(banned) or bool(params.logit_bias)
+        return SamplerPlan(plan.process or process, plan.filter or filtered, plan.logprobs or params.logprobs is not None)
 
     def _stage_history(self, requests: list[Request], rows: list[int], ints: np.ndarray) -> None:
         """The token ids of the penalized rows (other rows' history lengths stay 0)."""
@@ -156,6 +164,26 @@ class DeviceSampler:
             history[row, :request.num_tokens] = request.token_ids
             ints[row, [PROMPT_LEN, HISTORY_LEN]] = request.num_prompt_tokens, request.num_tokens
         self._upload(self.history[:len(history), :width], history)
+
+    def _stage_bias(self, rows: list[Request | None]) -> None:
+        """The logit bias of rows ``0..len(rows)-1``. A batch without any costs nothing, unless a
+        former one left biases in the buffer: those are zeroed once."""
+        biases = [request.params.logit_bias if request is not None else None for request in rows]
+        if not any(biases):
+            if self.biased_rows:
+                self.bias_values[:self.biased_rows].zero_()
+                self.biased_rows = 0
+            return
+        n, width = len(rows), max(len(bias or ()) for bias in biases)
+        ids = np.full((n, width), self.vocab_size, dtype=np.int64)
+        values = np.zeros((n, width), dtype=np.float32)
+        for row, bias in enumerate(biases):
+            if bias:
+                ids[row, :len(bias)], values[row, :len(bias)] = list(bias), list(bias.values())
+        self.bias_values[:max(n, self.biased_rows)].zero_()
+        self._upload(self.bias_ids[:n, :width], ids)
+        self._upload(self.bias_values[:n, :width], values)
+        self.biased_rows = n
 
     def _upload(self, buffer: torch.Tensor, array: np.ndarray) -> None:
         host = torch.from_numpy(array)
@@ -172,6 +200,7 @@ class DeviceSampler:
         # The race reads any float dtype; the other stages work on a float32 copy, as the host does.
         scores = logits.float() if plan.process or plan.filter or plan.logprobs else logits
         if plan.process:
+            scores = add_logit_bias(scores, self.bias_ids[:rows], self.bias_values[:rows])
             scores = penalize(scores, floats, ints, self.history[:rows])
         temperature = floats[:, TEMPERATURE]
         if plan.filter:
@@ -205,6 +234,14 @@ class DeviceSampler:
         """Stage, sample and read, eagerly: row i of ``logits`` belongs to ``requests[i]``."""
         packed = self.sample(logits, self.stage(list(requests)))
         return self.read(packed, list(range(len(requests))), requests)
+
+
+def add_logit_bias(scores: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``apply_logit_bias`` of the host sampler, every row at once: ``values [rows, n]`` added at
+    ``ids [rows, n]`` (an id equal to the vocabulary size adds to a spare column)."""
+    rows, vocab = scores.shape
+    bias = torch.zeros(rows, vocab + 1, device=scores.device).scatter_add_(1, ids, values)
+    return scores + bias[:, :vocab]
 
 
 def penalize(scores: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, history: torch.Tensor) -> torch.Tensor:

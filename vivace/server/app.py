@@ -13,15 +13,18 @@ from vivace.server.body_limit import BodyLimitMiddleware
 from vivace.server.chat import create_chat_completion
 from vivace.server.completions import create_completion
 from vivace.server.errors import install_error_handlers
-from vivace.server.openapi import error_responses, generation_route, install_openapi
+from vivace.server.openapi import error_responses, generation_route, install_openapi, json_route, schema_ref
 from vivace.server.playground import mount_playground
-from vivace.server.protocol import ChatCompletionRequest, CompletionRequest
+from vivace.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest)
 from vivace.server.request_id import RequestIdMiddleware
 from vivace.server.responses import (
-    ChatCompletionResponse, CompletionResponse, HealthResponse, ModelCard, ModelList)
-from vivace.server.routes import debug_timings, health, list_models, metrics, retrieve_model
+    ChatCompletionResponse, CompletionResponse, DetokenizeResponse, HealthResponse, ModelCard, ModelList,
+    TokenizeResponse, VersionResponse)
+from vivace.server.routes import debug_timings, health, list_models, metrics, retrieve_model, version
 from vivace.server.settings import ServerSettings
 from vivace.server.state import ServerState, server_state
+from vivace.server.tokens import detokenize, tokenize
 
 if TYPE_CHECKING:
     from vivace.engine.async_engine import AsyncEngine
@@ -50,6 +53,8 @@ def build_app(engine: AsyncEngine | None, settings: ServerSettings,
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_api_route("/health", health, methods=["GET"], response_model=HealthResponse,
                       responses=error_responses(405, 503))
+    app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse,
+                      responses=error_responses(405))
     app.add_api_route("/metrics", metrics, methods=["GET"], responses={
         200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **error_responses(405)})
@@ -65,6 +70,11 @@ def build_app(engine: AsyncEngine | None, settings: ServerSettings,
                       **generation_route(ChatCompletionRequest, ChatCompletionResponse))
     app.add_api_route("/v1/completions", create_completion, methods=["POST"],
                       dependencies=authenticated, **generation_route(CompletionRequest, CompletionResponse))
+    tokenize_body = {"oneOf": [schema_ref(TokenizeCompletionRequest), schema_ref(TokenizeChatRequest)]}
+    app.add_api_route("/tokenize", tokenize, methods=["POST"], dependencies=authenticated,
+                      **json_route(tokenize_body, TokenizeResponse))
+    app.add_api_route("/detokenize", detokenize, methods=["POST"], dependencies=authenticated,
+                      **json_route(schema_ref(DetokenizeRequest), DetokenizeResponse))
     _install_extras(app, settings)
     install_openapi(app, app.state.vivace)
     return app

@@ -49,8 +49,8 @@ async def create_chat_completion(request: Request) -> Response:
                         caller.priority(body.priority), caller.deadlines)
     ticket = state.admission.admit(caller.api_key, caller.tier, [job])
     if body.stream:
-        return sse_response(_chunks(job, state.model_name(body.model), body.include_usage(), calls), ticket.release,
-                            state.metrics.work["sse_write"])
+        return sse_response(_chunks(job, state.model_name(body.model), body.include_usage(), body.continuous_usage(),
+                                    calls), ticket.release, state.metrics.work["sse_write"])
     try:
         await unless_disconnected(request, job.run())
     except ClientDisconnected:
@@ -135,9 +135,12 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput,
                            finish_reason=reason)
 
 
-async def _chunks(job: EngineRequest, model: str, include_usage: bool,
+async def _chunks(job: EngineRequest, model: str, include_usage: bool, continuous_usage: bool,
                   calls: bool) -> AsyncGenerator[str, None]:
+    """The stream's chunks; with ``continuous_usage`` each carries the usage so far."""
     def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
+        if continuous_usage:
+            extra.setdefault("usage", usage_of([job]))
         return sse_event(ChatCompletionChunk(id=job.request_id, model=model, choices=choices,
                                              **extra))
 

@@ -46,8 +46,8 @@ async def create_completion(request: Request) -> Response:
                       if body.echo else "")
     ticket = state.admission.admit(caller.api_key, caller.tier, jobs)
     if body.stream:
-        return sse_response(_chunks(jobs, echoes, request_id, state.model_name(body.model),
-                                    body.include_usage()), ticket.release, state.metrics.work["sse_write"])
+        return sse_response(_chunks(jobs, echoes, request_id, state.model_name(body.model), body.include_usage(),
+                                    body.continuous_usage()), ticket.release, state.metrics.work["sse_write"])
     try:
         await unless_disconnected(request, _run_all(jobs))
     except ClientDisconnected:
@@ -109,8 +109,11 @@ async def _tagged(i: int, job: EngineRequest
 
 
 async def _chunks(jobs: list[EngineRequest], echoes: list[str], request_id: str, model: str,
-                  include_usage: bool) -> AsyncGenerator[str, None]:
+                  include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
+    """The stream's chunks; with ``continuous_usage`` each carries the usage so far (all prompts')."""
     def chunk(choices: list[CompletionChoice], **extra: object) -> str:
+        if continuous_usage:
+            extra.setdefault("usage", usage_of(jobs))
         return sse_event(CompletionResponse(id=request_id, model=model, choices=choices, **extra))
 
     n = jobs[0].params.n

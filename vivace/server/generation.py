@@ -73,7 +73,7 @@ class EngineRequest:
         try:
             engine.validate(prompt_ids, params)
         except ValueError as exc:  # e.g. more KV cache than the whole pool: a 400 before any stream starts
-            raise APIError(400, str(exc), code="invalid_request") from None
+            raise APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_request") from None
 
     @property
     def completion_tokens(self) -> int:

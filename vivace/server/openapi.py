@@ -14,8 +14,10 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+import vivace
 from vivace.server.errors import ErrorResponse
-from vivace.server.protocol import ChatCompletionRequest, CompletionRequest
+from vivace.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest)
 from vivace.server.request_id import HEADER, MAX_LENGTH, PATTERN
 from vivace.server.state import ServerState
 
@@ -31,7 +33,8 @@ _ERRORS = {
     503: "Not ready, overloaded, or waited too long to be scheduled (Retry-After)",
     504: "Ran past the request timeout",
 }
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
 # One server-sent event of a streamed answer (OpenAPI 3.1 gives an event stream's media type
 # the schema of each event, as tools like schemathesis read it): ``data`` is a chunk, as JSON,
 # or ``[DONE]`` at the end; an error ends the stream as an error body, then ``[DONE]``.
@@ -45,11 +48,27 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
 
 
+def schema_ref(model: type[BaseModel]) -> dict[str, str]:
+    """A reference to ``model``'s schema (every model of REQUEST_MODELS is in the document)."""
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def json_route(body: dict[str, Any], response_model: type[BaseModel]) -> dict[str, Any]:
+    """``add_api_route`` keywords documenting a POST of a JSON body (``body``: its schema) answered
+    by one JSON body, and its error statuses."""
+    ok = {"model": response_model, "description": "The answer"}
+    return {"openapi_extra": {"requestBody": _json_body(body)},
+            "responses": {200: ok, **error_responses(400, 401, 404, 405, 413, 415, 503)}}
+
+
 def generation_route(request_model: type[BaseModel], response_model: type[BaseModel]) -> dict[str, Any]:
     """``add_api_route`` keywords documenting a generation endpoint: its JSON body, the whole or
     streamed (SSE) answer, the X-Request-Id header, and its error statuses."""
-    body = {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{request_model.__name__}"}}}}
+    body = _json_body(schema_ref(request_model))
     header = {"name": HEADER, "in": "header", "required": False,
               "description": "The request's id; echoed in the response header and body",
               "schema": {"type": "string", "minLength": 1, "maxLength": MAX_LENGTH, "pattern": PATTERN}}
@@ -68,16 +87,36 @@ def _limit(schema: dict[str, Any], key: str, value: int) -> None:
         _limit(child, key, value)
 
 
+def decimal_below(n: int) -> str:
+    """A regular expression of the decimal integers in ``[0, n)`` (``n >= 1``; no sign, no leading
+    zero): a JSON object's keys have no ``maximum``, so a token-id key is bounded by its pattern."""
+    digits = str(n)
+    width = len(digits)
+    branches = ["0"] + ([f"[1-9][0-9]{{0,{width - 2}}}"] if width > 1 else [])  # the shorter numbers
+    for i, digit in enumerate(map(int, digits)):  # as long as n: n's first i digits, then a smaller one
+        low = 1 if i == 0 else 0
+        if digit > low:
+            rest = f"[0-9]{{{width - i - 1}}}" if i < width - 1 else ""
+            smaller = f"[{low}-{digit - 1}]" if digit - 1 > low else str(low)
+            branches.append(f"{digits[:i]}{smaller}{rest}")
+    return f"^({'|'.join(branches)})$"
+
+
 def _served_limits(schemas: dict[str, Any], state: ServerState) -> None:
     engine = state.engine
     assert engine is not None
+    vocab_size = len(engine.tokenizer)
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         properties = schemas[name]["properties"]
         for field in ("max_tokens", "max_completion_tokens"):
             if field in properties:
                 _limit(properties[field], "maximum", engine.max_model_len - 1)
-        _limit(properties["stop_token_ids"], "maximum", len(engine.tokenizer) - 1)
-    _limit(schemas["CompletionRequest"]["properties"]["prompt"], "maximum", len(engine.tokenizer) - 1)
+        _limit(properties["stop_token_ids"], "maximum", vocab_size - 1)
+        bias = properties["logit_bias"]["anyOf"][0]
+        (value,) = bias["patternProperties"].values()
+        bias["patternProperties"] = {decimal_below(vocab_size): value}
+    _limit(schemas["CompletionRequest"]["properties"]["prompt"], "maximum", vocab_size - 1)
+    _limit(schemas["DetokenizeRequest"]["properties"]["tokens"], "maximum", vocab_size - 1)
 
 
 def install_openapi(app: FastAPI, state: ServerState) -> None:
@@ -85,7 +124,7 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
-        schema = get_openapi(title="vivace", version="0.1.0", routes=app.routes, openapi_version="3.1.0",
+        schema = get_openapi(title="vivace", version=vivace.__version__, routes=app.routes, openapi_version="3.1.0",
                              description="An OpenAI-compatible, latency-first LLM inference server.")
         _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
                                      ref_template="#/components/schemas/{model}")
@@ -93,8 +132,9 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
         schemas.update(defs["$defs"])
         if state.settings.api_keys:
             schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            keyed = {route.path_format for route in app.routes if getattr(route, "dependencies", None)}
             for path, item in schema["paths"].items():
-                if path.startswith("/v1/"):
+                if path in keyed:
                     for operation in item.values():
                         operation["security"] = [{"bearer": []}]
         if state.engine is not None:

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.step_timing import TimingLog, timed
 from vivace.server.errors import APIError, from_validation_error
-from vivace.server.protocol import ChatCompletionRequest, SamplingRequest
+from vivace.server.protocol import ChatTemplateRequest, SamplingRequest
 from vivace.server.tools import chat_messages
 
 Schema = TypeVar("Schema", bound=BaseModel)
@@ -60,9 +60,11 @@ async def off_the_loop(log: TimingLog, work: Callable[..., T], *args: Any, size:
     return await asyncio.to_thread(timed_work)
 
 
-def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, tool_choice: str = "none") -> list[int]:
+def chat_prompt_ids(tokenizer: Any, body: ChatTemplateRequest, tool_choice: str = "none",
+                    add_special_tokens: bool = False) -> list[int]:
     """Token ids of the messages (and tools, unless ``tool_choice`` is "none") rendered with
-    the model's chat template, or its Hermes-style convention (``vivace.server.tools``)."""
+    the model's chat template, or its Hermes-style convention (``vivace.server.tools``), with
+    the request's ``chat_template_kwargs`` as template variables."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "This model has no chat template; use /v1/completions",
                        param="messages")
@@ -70,11 +72,17 @@ def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, tool_choice: st
     try:
         text = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, tokenize=False)
+            continue_final_message=body.continue_final_message, tokenize=False,
+            **(body.chat_template_kwargs or {}))
     except (jinja2.TemplateError, ValueError) as exc:  # ValueError: no final message to continue
         raise APIError(400, f"The chat template rejected the messages: {exc}",
                        param="messages") from None
-    return nonempty(tokenizer.encode(text, add_special_tokens=False), "messages")
+    except (TypeError, ArithmeticError) as exc:  # a template variable the template can't compute with
+        if not body.chat_template_kwargs:
+            raise
+        raise APIError(400, f"The chat template could not use chat_template_kwargs: {exc}",
+                       param="chat_template_kwargs") from None
+    return nonempty(tokenizer.encode(text, add_special_tokens=add_special_tokens), "messages")
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int]:

@@ -12,8 +12,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator)
 
-from vivace.engine.sampling_params import SamplingParams
-
+from vivace.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, SamplingParams
 
 
 def _integral(value: Any) -> Any:
@@ -37,6 +36,29 @@ def Number(**bounds: float) -> Any:
 
 
 TokenIds = Annotated[list[Integer(ge=0)], Field(min_length=1)]
+# A token id as a JSON object's key (logit_bias): decimal, no sign, no leading zero.
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]{0,9})$"
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)], Number(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)],
+    Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
+# What transformers' apply_chat_template and the template renderer set themselves: a template
+# variable of chat_template_kwargs can't be one of these (the request has its own field for some).
+RESERVED_TEMPLATE_VARIABLES = (
+    "messages", "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _free_template_variables(value: dict[str, Any]) -> dict[str, Any]:
+    taken = [name for name in value if name in RESERVED_TEMPLATE_VARIABLES]
+    if taken:
+        raise ValueError(f"{taken[0]!r} can't be a template variable: vivace sets it (add_generation_prompt, "
+                         "continue_final_message and tools are fields of the request itself)")
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_free_template_variables), Field(
+    json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_VARIABLES)}}})]
 # An empty prompt has nothing to continue from: the schema says so, and the server agrees.
 PromptText = Annotated[str, Field(min_length=1)]
 
@@ -66,6 +88,15 @@ def _unsupported(what: str, empty: dict[str, int]) -> tuple[AfterValidator, Any]
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    # vLLM's extra: every chunk carries the usage so far (with include_usage only)
+    continuous_usage_stats: bool | None = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _needs_usage(cls, value: bool | None, info: Any) -> bool | None:
+        if value and not info.data.get("include_usage"):
+            raise ValueError("continuous_usage_stats needs include_usage set to true")
+        return value
 
 
 class JsonSchemaFormat(_Strict):
@@ -167,7 +198,7 @@ class SamplingRequest(_Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    logit_bias: Annotated[dict[str, float] | None, *_unsupported("logit_bias values", {"maxProperties": 0})] = None
+    logit_bias: LogitBias | None = None  # token id (as text) -> bias added to its logit
     # vLLM extras
     top_k: Integer(ge=-1) | None = 0
     min_p: Number(ge=0.0, le=1.0) | None = 0.0
@@ -201,6 +232,10 @@ class SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises ValueError on a combination it rejects."""
         return SamplingParams(
@@ -213,21 +248,20 @@ class SamplingRequest(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             speculative=self.speculative,
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
         )
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateRequest(_Strict):
+    """What the chat template renders (chat completions and ``/tokenize``)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Integer(ge=1) | None = None
-    max_completion_tokens: Integer(ge=1) | None = None
-    logprobs: bool | None = False
-    top_logprobs: Integer(ge=0, le=20) | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = True
     add_generation_prompt: bool | None = True
-    # vLLM's extra: the last (assistant) message is left open and the answer continues it.
+    # vLLM's extras: the last (assistant) message is left open and the answer continues it;
+    # variables for the template (e.g. Qwen3's {"enable_thinking": false}).
     continue_final_message: bool | None = False
+    chat_template_kwargs: TemplateKwargs | None = None
 
     @field_validator("continue_final_message")
     @classmethod
@@ -235,6 +269,15 @@ class ChatCompletionRequest(SamplingRequest):
         if value and info.data.get("add_generation_prompt") is not False:
             raise ValueError("continue_final_message needs add_generation_prompt set to false")
         return value
+
+
+class ChatCompletionRequest(ChatTemplateRequest, SamplingRequest):
+    max_tokens: Integer(ge=1) | None = None
+    max_completion_tokens: Integer(ge=1) | None = None
+    logprobs: bool | None = False
+    top_logprobs: Integer(ge=0, le=20) | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -273,3 +316,25 @@ class CompletionRequest(SamplingRequest):
         if isinstance(self.prompt[0], int):
             return [self.prompt]  # type: ignore[list-item]
         return self.prompt  # type: ignore[return-value]
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's ``/tokenize`` of a text."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatTemplateRequest):
+    """vLLM's ``/tokenize`` of messages, rendered as chat completions renders them."""
+
+    model: str | None = None
+    add_special_tokens: bool | None = False
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Integer(ge=0)]

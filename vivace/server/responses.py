@@ -166,7 +166,6 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
 
 
-
 class HealthResponse(BaseModel):
     status: Literal["ok"]
 
@@ -182,3 +181,20 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    """vLLM's answer to ``/tokenize``: ``token_strs`` only when asked for (else null)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

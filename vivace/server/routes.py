@@ -1,5 +1,5 @@
-"""The small endpoints: ``/health``, ``/v1/models`` (and one model's card), ``/metrics`` and
-``/debug/timings``."""
+"""The small endpoints: ``/health``, ``/version``, ``/v1/models`` (and one model's card),
+``/metrics`` and ``/debug/timings``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+import vivace
 from vivace.server.errors import APIError
 from vivace.server.metrics import CONTENT_TYPE
 from vivace.server.state import server_state
@@ -21,6 +22,11 @@ async def health(request: Request) -> Response:
     """200 while the server can serve (model loaded, warmed up, engine running); 503 otherwise."""
     problem = server_state(request).unavailable()
     return problem.response() if problem is not None else JSONResponse({"status": "ok"})
+
+
+async def version(request: Request) -> Response:
+    """vivace's version, as vLLM's ``/version`` gives its own."""
+    return JSONResponse({"version": vivace.__version__})
 
 
 def _card(name: str, engine: AsyncEngine) -> dict[str, object]:

@@ -20,7 +20,7 @@ from typing import Any
 from vivace.engine.grammar import JSON_LAYOUT
 from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
-from vivace.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from vivace.server.protocol import ChatCompletionRequest, ChatMessage, ChatTemplateRequest, Tool
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CONVENTION = """# Tools
@@ -138,7 +138,7 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     return rendered
 
 
-def chat_messages(body: ChatCompletionRequest, tokenizer: Any, choice: str
+def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages for ``apply_chat_template`` and its ``tools`` argument (None when the
     template doesn't take tools, or no tool may be called)."""
