@@ -38,8 +38,8 @@ CASES = [
     (CHAT, chat(frobnicate=True), 400, "frobnicate"),
     (CHAT, chat(messages=[]), 400, "messages"),
     (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.tool_call_id"),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
-     "messages.0.content.0.type"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "messages.0.content.0"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"text": "hi"}]}]), 400, "messages.0.content.0.type"),
     (CHAT, chat(temperature=-1), 400, "temperature"),
     (CHAT, chat(top_p=0), 400, "top_p"),
     (CHAT, chat(n=0), 400, "n"),
@@ -74,6 +74,17 @@ def test_bad_input_is_answered_then_serving_goes_on(server: RunningServer, path:
         if param is not None:
             assert error["param"] == param or error["param"].startswith(param + "."), error
         assert http.post(path, json=GOOD_CHAT if path == CHAT else GOOD_COMPLETION).status_code == 200
+
+
+def test_an_image_part_is_refused_by_name(server: RunningServer) -> None:
+    """A multimodal request says what is unsupported, not which literal the schema wanted."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with server.http() as http:
+        response = http.post(CHAT, json=chat(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, image]}]))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages.0.content.1" and "'image_url'" in error["message"], error
 
 
 def test_context_overflow_names_both_numbers(server: RunningServer) -> None:

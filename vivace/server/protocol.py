@@ -158,6 +158,14 @@ class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "text":
+            raise ValueError(f"content parts of type {data['type']!r} are not supported: the model "
+                             "takes text only (parts of type 'text')")
+        return data
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
