@@ -212,11 +212,17 @@ def _rope(config: transformers.PretrainedConfig) -> tuple[float, dict[str, Any] 
         local_theta = local.get("rope_theta")
         params = dict(params[FULL])
     theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", 10000.0)
-    partial_rotary_factor = params.pop("partial_rotary_factor", None) or 1.0
+    # transformers 4 keeps these two on the config itself; 5 moves them into the rope parameters
+    partial_rotary_factor = (params.pop("partial_rotary_factor", None)
+                             or getattr(config, "partial_rotary_factor", None) or 1.0)
     rope_type = params.pop("type", None) or params.get("rope_type", "default")
     if rope_type == "default":
         return theta, None, local_theta, partial_rotary_factor
     scaling = {**params, "rope_type": rope_type}
+    if rope_type in ("longrope", "yarn") and not scaling.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = getattr(config, "original_max_position_embeddings", None)
+        if not scaling["original_max_position_embeddings"]:
+            raise ValueError(f"{rope_type} rope scaling needs original_max_position_embeddings")
     if rope_type == "longrope":
         scaling = _resolve_longrope(scaling, config.max_position_embeddings)
     elif rope_type == "yarn":
