@@ -2,14 +2,15 @@
 
 A positive case is valid by the JSON schema; a few of vivace's rules tie fields together, which a
 JSON schema can't say (top_logprobs needs logprobs, stream_options needs stream,
-continuous_usage_stats needs include_usage, min_tokens <= max_tokens, best_of == n, no echo with
-logprobs, continue_final_message without add_generation_prompt, prompt plus max_tokens within the
-context), and
+continuous_usage_stats needs include_usage, min_tokens <= max_tokens, best_of == n, max_tokens 0
+only with echo, prompt_logprobs not in a stream, continue_final_message without
+add_generation_prompt, prompt plus max_tokens within the context), and
 the grammar-carrying fields (a JSON schema, regex or grammar to constrain the output, tools and
 their calls) are valid only if the grammar engine compiles them, which no JSON schema can say.
 For positive cases only, this hook makes such a body obey the rules and drops those fields, and
 keeps each case short (at most 8 tokens, 2 choices) so a bounded run covers many cases; the
-messages of a ``/tokenize`` body get the same care (its tools stay). Negative cases go out
+messages of a ``/tokenize`` body get the same care (its tools stay), and a ``/v1/responses`` body
+its own (no tools or json_schema format, function calls' arguments ``{}``, few tokens). Negative cases go out
 untouched. Structured output and tools have their own tests.
 """
 
@@ -61,17 +62,19 @@ def _fit(body: dict[str, Any]) -> None:
         body["n"] = min(body["n"], MAX_CHOICES)
     if "best_of" in body and body["best_of"] is not None:
         body["best_of"] = body.get("n", 1)
-    limit = min(body.get("max_tokens") or MAX_TOKENS, body.get("max_completion_tokens") or MAX_TOKENS)
+    limit = min([MAX_TOKENS] + [body[f] for f in ("max_tokens", "max_completion_tokens") if _number(body.get(f))])
     if _number(body.get("min_tokens")):
         body["min_tokens"] = min(body["min_tokens"], limit)
+    if "prompt" in body and _number(body.get("max_tokens")) and body["max_tokens"] == 0:
+        body["echo"] = True
     if not body.get("stream"):
         body.pop("stream_options", None)
     elif isinstance(body.get("stream_options"), dict) and body["stream_options"].get("continuous_usage_stats"):
         body["stream_options"]["include_usage"] = True
     if body.get("logprobs") is not True and "messages" in body:
         body.pop("top_logprobs", None)
-    if body.get("echo") and body.get("logprobs") is not None:
-        body["echo"] = False
+    if body.get("stream"):
+        body.pop("prompt_logprobs", None)
     _fit_template(body)
 
 
@@ -80,11 +83,30 @@ def _fit_template(body: dict[str, Any]) -> None:
         body["add_generation_prompt"] = False
 
 
+def _fit_response(body: dict[str, Any]) -> None:
+    """A /v1/responses body: no tools or json_schema format (grammars), function calls'
+    arguments a JSON object, at most MAX_TOKENS tokens."""
+    for field in ("tools", "tool_choice", "parallel_tool_calls"):
+        body.pop(field, None)
+    text = body.get("text")
+    if isinstance(text, dict) and isinstance(text.get("format"), dict) and text["format"].get("type") == "json_schema":
+        text.pop("format")
+    if isinstance(body.get("input"), list):
+        for item in body["input"]:
+            if isinstance(item, dict) and item.get("type") == "function_call":
+                item["arguments"] = "{}"
+    if not _number(body.get("max_output_tokens")):
+        body["max_output_tokens"] = MAX_TOKENS
+    body["max_output_tokens"] = min(body["max_output_tokens"], MAX_TOKENS)
+
+
 @schemathesis.hook
 def before_call(ctx: Any, case: Any, kwargs: Any) -> None:
     meta = case.meta
     if meta is not None and meta.generation.mode.is_positive and isinstance(case.body, dict):
-        if case.path.startswith("/v1/"):
+        if case.path == "/v1/responses":
+            _fit_response(case.body)
+        elif case.path.startswith("/v1/"):
             _fit(case.body)
         elif case.path == "/tokenize":
             _drop_calls(case.body)

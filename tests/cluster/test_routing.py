@@ -117,3 +117,15 @@ def test_tokenize_and_logit_bias_through_the_ingress(server: ClusterServer) -> N
     assert biased.json()["choices"][0]["text"] == tokenizer.decode([chosen] * 3)
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "logit_bias"
     assert unkeyed.status_code == 401
+
+
+def test_responses_api_through_the_ingress(server: ClusterServer) -> None:
+    body = {"model": "tiny", "input": "Once upon a time", "max_output_tokens": 3, "temperature": 0}
+    with server.http() as http:
+        whole = http.post("/v1/responses", json=body)
+        chat_answer = chat(http, "tiny", [{"role": "user", "content": "Once upon a time"}], max_tokens=3)
+        with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as stream:
+            events = [line.removeprefix("event: ") for line in stream.iter_lines() if line.startswith("event: ")]
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["output"][0]["content"][0]["text"] == chat_answer.json()["choices"][0]["message"]["content"]
+    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")

@@ -48,6 +48,25 @@ def test_prefix_hit_is_confirmed_and_leaves_one_token_to_compute():
     kv.check_integrity()
 
 
+def test_a_request_scoring_its_prompt_takes_hits_only_before_its_first_unscored_position():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    computed_and_freed(kv, make_request("a", list(range(13))))
+    scoring = Request("b", list(range(13)), SamplingParams(prompt_logprobs=1))
+    assert kv.get_computed_blocks(scoring) == []  # token 1's logprob needs position 0's logits
+    scoring.prompt_logprobs += [None] * 9  # tokens 0 to 9 scored (as before a preemption)
+    assert len(kv.get_computed_blocks(scoring)) == 2  # positions 0-7 cached; 9 on need computing
+    scoring.prompt_logprobs += [None] * 3  # every prompt token scored
+    assert len(kv.get_computed_blocks(scoring)) == 3
+
+
+def computed_and_freed(kv: KVCacheManager, request: Request) -> None:
+    """``request`` computed whole, its full blocks cached, then finished."""
+    assert kv.allocate_slots(request, request.num_tokens)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_full_blocks(request)
+    kv.free(request)
+
+
 def kv_first_block(kv: KVCacheManager, first_tokens: tuple[int, ...]) -> list[int]:
     return [b.block_id for b in kv.blocks if b.token_ids == first_tokens]
 

@@ -140,6 +140,36 @@ def test_prompt_step_graphs_keep_greedy_tokens(tiny_model_dir, monkeypatch) -> N
     engine.check_integrity()
 
 
+def test_prompt_logprobs_equal_the_cpu_engine(tiny_model_dir, monkeypatch) -> None:
+    """Prompt logprobs from the CUDA runner's rows: chunks beside decode rows (more rows than the
+    prompt-step graphs hold: eager), and a short prompt whose rows a graph replays; the tokens are
+    drawn on the host for those steps and equal the CPU engine's, as do the logprobs."""
+    config = dict(num_kv_blocks=48, block_size=4, max_num_batched_tokens=5, max_model_len=64, device="cpu",
+                  kv_cache_dtype="float32")
+    params = greedy(prompt_logprobs=2)
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    cpu = LLM(str(tiny_model_dir), **config)
+    want = cpu.generate(prompts + [[8, 100]], params)
+    llm = LLM(str(tiny_model_dir), **config)
+    engine = llm.engine
+    engine.runner = CudaRunner(load_model(str(tiny_model_dir), torch.float32, device=DEVICE), len(engine.kv.blocks),
+                               engine.kv.block_size, torch.float32, engine.max_model_len, device=DEVICE,
+                               cuda_graph_max_batch=2, prefill_graph_tokens=5)
+    replayed: list[list[int]] = []
+    replay = PrefillGraphs.replay
+    monkeypatch.setattr(PrefillGraphs, "replay", lambda self, host, rows: (replayed.append(rows), replay(self, host, rows))[1])
+    got = llm.generate(prompts, params) + llm.generate([8, 100], params)  # 1 prompt row and 1 sampling row
+    assert replayed[-1] == [0, 1]
+    for mine, theirs in zip(got, want):
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert mine.prompt_logprobs[0] is None and len(mine.prompt_logprobs) == len(theirs.prompt_logprobs)
+        for a, b in zip(mine.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 2e-3  # float rounding apart
+            assert [t for t, _, _ in a.top] == [t for t, _, _ in b.top]
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == 48
+
+
 def test_prefill_buckets() -> None:
     assert prefill_buckets(5) == [8]
     assert prefill_buckets(512) == [16, 32, 64, 128, 256, 512]

@@ -54,6 +54,26 @@ def default_server(default_float_engine: AsyncEngine) -> Iterator[RunningServer]
     assert_engine_idle(default_float_engine)
 
 
+@pytest.fixture(scope="module")
+def tools_server_module(tiny_model_dir: Path) -> Iterator[RunningServer]:
+    """The tiny model with a context that has room for the tool listing the Hermes-style
+    convention puts in the prompt, on its own engine, served for one module."""
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_kv_blocks=256))
+    try:
+        with serving(engine, ServerSettings(served_model_name="tiny")) as running:
+            yield running
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def tools_server(tools_server_module: RunningServer) -> Iterator[RunningServer]:
+    """That server; its engine idle, every KV block free, after each test."""
+    yield tools_server_module
+    assert tools_server_module.engine is not None
+    assert_engine_idle(tools_server_module.engine)
+
+
 @pytest.fixture(autouse=True)
 def _engine_integrity(tiny_engine: AsyncEngine) -> Iterator[None]:
     yield

@@ -58,7 +58,8 @@ CASES = [
     (COMPLETIONS, completion(prompt=[1, "a"]), 400, "prompt"),
     (COMPLETIONS, completion(suffix="end"), 400, "suffix"),
     (COMPLETIONS, completion(best_of=3), 400, "best_of"),
-    (COMPLETIONS, completion(echo=True, logprobs=1), 400, "echo"),
+    (COMPLETIONS, completion(max_tokens=0), 400, "max_tokens"),  # 0 only with echo
+    (COMPLETIONS, completion(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
     (COMPLETIONS, completion(prompt="x" * 2000, max_tokens=1), 400, "prompt"),
 ]
 

@@ -6,17 +6,10 @@ from __future__ import annotations
 import json
 import re
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import jsonschema
 import pytest
 
-from vivace.config import EngineConfig
-from vivace.engine.async_engine import AsyncEngine
-from vivace.server import ServerSettings
-
-from .harness import RunningServer, assert_engine_idle, serving
+from .harness import RunningServer
 
 SCHEMA = {
     "type": "object",
@@ -39,22 +32,9 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[RunningServer]:
-    """A context with room for the tool listing the Hermes-style convention puts in the prompt."""
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_kv_blocks=256))
-    try:
-        with serving(engine, ServerSettings(served_model_name="tiny")) as running:
-            yield running
-    finally:
-        engine.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def _idle_after_each(server: RunningServer) -> Iterator[None]:
-    yield
-    assert server.engine is not None
-    assert_engine_idle(server.engine)
+@pytest.fixture
+def server(tools_server: RunningServer) -> RunningServer:
+    return tools_server
 
 
 def test_response_format_json_schema_and_json_object(server: RunningServer) -> None:

@@ -59,13 +59,14 @@ class KVCacheManager:
         return [b.block_id for b in self.tables.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> list[Block]:
-        """The longest run of cached full blocks that prefixes the request's tokens.
+        """The longest run of cached full blocks that prefixes the request's tokens, within
+        ``request.num_cacheable_tokens`` (a request collecting prompt logprobs needs its logits).
 
         At least one token is always left to compute, so the step yields logits.
         """
         if not self.enable_prefix_caching:
             return []
-        num_full = (request.num_tokens - 1) // self.block_size
+        num_full = min(request.num_tokens - 1, request.num_cacheable_tokens) // self.block_size
         hits: list[Block] = []
         parent = None
         for i in range(num_full):

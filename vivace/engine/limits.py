@@ -36,11 +36,12 @@ class RequestLimits:
             raise LimitError(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
         if any(not 0 <= t < self.vocab_size for t in params.logit_bias or ()):
             raise LimitError(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
-        wanted = num_prompt + (params.max_tokens or 1)
+        max_tokens = 1 if params.max_tokens is None else params.max_tokens
+        wanted = num_prompt + max_tokens
         if wanted > self.max_model_len:
             raise LimitError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{num_prompt} prompt tokens plus {params.max_tokens or 1} max_tokens were requested")
+                f"{num_prompt} prompt tokens plus {max_tokens} max_tokens were requested")
         if -(-wanted // self.block_size) > self.num_blocks:
             raise LimitError(f"the request needs {wanted} tokens of KV cache; the pool holds "
                              f"{self.num_blocks * self.block_size}")

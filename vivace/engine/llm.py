@@ -52,6 +52,7 @@ class LLM:
             for delta in self.engine.step():
                 total = results[delta.request_id]
                 _accumulate(total.outputs[0], delta.outputs[0])
+                total.prompt_logprobs = delta.prompt_logprobs or total.prompt_logprobs
                 total.finished, total.num_cached_tokens = delta.finished, delta.num_cached_tokens
                 total.error = delta.error
         return [self._merge([results[i] for i in ids]) for ids in order]

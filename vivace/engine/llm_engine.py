@@ -21,7 +21,7 @@ from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from vivace.engine.pacer import Pacer, PromptPath, pacer_for
 from vivace.engine.request import Request
-from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler
+from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler, score_tokens
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import ScheduledBatch, Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
@@ -208,30 +208,20 @@ class LLMEngine:
             return []
         now = time.perf_counter()
         marks.append(now)
-        plan: list[tuple[Request, int, int]] = []  # request, first logits row, number of rows
-        logit_indices: list[int] = []
-        offset = 0
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
-            if request.timings.scheduled is None:
-                request.timings.scheduled = now
-            if request.num_tokens - request.num_computed_tokens > 1:
-                request.timings.prefill_chunks.append((now, num_new))
-            offset += num_new
-            num_spec = len(request.spec_token_ids)
-            if request.num_computed_tokens + num_new == request.num_tokens + num_spec:
-                plan.append((request, len(logit_indices), num_spec + 1))
-                logit_indices.extend(range(offset - 1 - num_spec, offset))
+        plan, prompt_plan, logit_indices = self._plan_logits(batch, now)
         constrained = [(request, row) for request, row, _ in plan if request.matcher is not None]
         masks = self.token_masks.fill_async([r.matcher for r, _ in constrained]) if constrained else None
         path = self.runner.path(batch)
-        if self._overlaps and masks is None and len(plan) == len(batch.requests) and self._samples_on_device(plan):
+        # Prompt rows are read on the host, so their step's tokens are drawn there too.
+        on_device = not prompt_plan and self._samples_on_device(plan)
+        if self._overlaps and masks is None and len(plan) == len(batch.requests) and on_device:
             try:
                 launched = self.runner.launch(batch, self.kv, logit_indices, [request for request, _, _ in plan])
             except Exception as exc:
                 return self._fail_step(batch.requests, exc)
             return self._finish_launched(launched, (batch, path), marks)
         try:
-            if self._samples_on_device(plan):
+            if on_device:
                 logits, drawn = None, self.runner.execute_sampled(batch, self.kv, logit_indices,
                                                                   [request for request, _, _ in plan])
             else:
@@ -240,18 +230,15 @@ class LLMEngine:
             if masks is not None:
                 masks.exception()  # let the mask worker finish with these requests' matchers
             return self._fail_step(batch.requests, exc)
+        finite: list[bool] = []  # per logits row (the device checks its draws' rows itself)
         if drawn is None:
             # A row's sum is finite exactly when each of its logits is (NaN and inf propagate; sane
             # logits can't overflow float32): one read of the rows, taken before masks add -inf.
-            finite = torch.isfinite(logits.sum(-1)).tolist() if plan else []
+            finite = torch.isfinite(logits.sum(-1)).tolist() if logits is not None else []
             if masks is not None:  # filled while the forward ran
                 self.token_masks.apply(logits, [row for _, row in constrained], masks.result())
         marks.append(time.perf_counter())
-        sampling = {request.request_id for request, _, _ in plan}
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
-            if request.request_id not in sampling:
-                request.num_computed_tokens += num_new  # a prompt chunk that samples nothing yet
-        samples = self._sample(plan, logits, finite) if drawn is None else self._drawn(plan, drawn)
+        samples = self._step_samples(batch, plan, prompt_plan, logits, finite, drawn)
         marks.append(time.perf_counter())
         outputs = self._emit_all(samples)
         marks.append(time.perf_counter())
@@ -262,6 +249,52 @@ class LLMEngine:
                                  path.value)
         self.scheduler.observe_step(batch, marks[-1] - marks[0], path)
         return outputs
+
+    @staticmethod
+    def _plan_logits(batch: ScheduledBatch, now: float
+                     ) -> tuple[list[tuple[Request, int, int]], list[tuple[Request, int, int]], list[int]]:
+        """The logits rows of this step, as flat token indices; and per request, its first row in
+        them and how many: ``plan``, of the requests that sample (the last row, and a row per
+        proposal to verify); ``prompt_plan``, of those scoring their prompt, the positions whose
+        logits they have not read (``Request.prompt_logprob_positions``). Notes each request's
+        first scheduling and prompt chunk in its timings."""
+        plan: list[tuple[Request, int, int]] = []
+        prompt_plan: list[tuple[Request, int, int]] = []
+        logit_indices: list[int] = []
+        offset = 0
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            if request.timings.scheduled is None:
+                request.timings.scheduled = now
+            if request.num_tokens - request.num_computed_tokens > 1:
+                request.timings.prefill_chunks.append((now, num_new))
+            positions = request.prompt_logprob_positions(num_new)
+            if positions:
+                prompt_plan.append((request, len(logit_indices), len(positions)))
+                logit_indices.extend(offset + p - request.num_computed_tokens for p in positions)
+            offset += num_new
+            num_spec = len(request.spec_token_ids)
+            if request.params.max_tokens and request.num_computed_tokens + num_new == request.num_tokens + num_spec:
+                plan.append((request, len(logit_indices), num_spec + 1))
+                logit_indices.extend(range(offset - 1 - num_spec, offset))
+        return plan, prompt_plan, logit_indices
+
+    def _step_samples(self, batch: ScheduledBatch, plan: list[tuple[Request, int, int]],
+                      prompt_plan: list[tuple[Request, int, int]], logits: torch.Tensor | None, finite: list[bool],
+                      drawn: DeviceSamples | None) -> list[tuple[Request, SampledTokens | Exception | None]]:
+        """After the forward: what each request gets this step (``_emit_all``). Prompt chunks that
+        sample nothing count as computed, and a request for no tokens whose whole prompt now is
+        gets None; prompt logprobs are collected; a request whose prompt rows failed gets the
+        exception instead of its tokens."""
+        sampling = {request.request_id for request, _, _ in plan}
+        samples: list[tuple[Request, SampledTokens | Exception | None]] = []
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            if request.request_id not in sampling:
+                request.num_computed_tokens += num_new
+                if request.num_computed_tokens == request.num_tokens:
+                    samples.append((request, None))
+        failed = self._collect_prompt_logprobs(prompt_plan, logits, finite) if prompt_plan else {}
+        samples += self._sample(plan, logits, finite) if drawn is None else self._drawn(plan, drawn)
+        return [(request, failed.pop(request, sampled)) for request, sampled in samples] + list(failed.items())
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
         """A forward failed: end its requests (still live ones) with an error; their blocks,
@@ -332,13 +365,15 @@ class LLMEngine:
                 return None
         return self.runner.launch_next(launched, going_on, self.kv)
 
-    def _emit_all(self, samples: list[tuple[Request, SampledTokens | Exception]]) -> list[RequestOutput]:
+    def _emit_all(self, samples: list[tuple[Request, SampledTokens | Exception | None]]) -> list[RequestOutput]:
+        """Each request's output of this step: its sampled tokens, its failure, or (None) the end
+        of a request for no tokens whose prompt is computed."""
         outputs: list[RequestOutput] = []
         for request, sampled in samples:
             try:
                 if isinstance(sampled, Exception):
                     raise sampled
-                outputs.extend(self._emit(request, sampled))
+                outputs.extend(self._emit(request, sampled) if sampled is not None else [self._end_after_prompt(request)])
             except Exception as exc:  # this request's own fault: it alone ends
                 logger.error("request %s failed", request.request_id, exc_info=exc)
                 outputs.append(self._end(request, FinishReason.ABORT, f"this request failed: {exc}",
@@ -374,6 +409,26 @@ class LLMEngine:
             else:
                 results.append((request, self._verify(request, logits[row:row + num_rows])))
         return self._sample_plain(plain, logits) + results
+
+    def _collect_prompt_logprobs(self, prompt_plan: list[tuple[Request, int, int]], logits: torch.Tensor,
+                                 finite: list[bool]) -> dict[Request, Exception]:
+        """Append to each request's prompt logprobs those its rows of ``logits`` score (in order:
+        ``Request.prompt_logprob_positions``). A request whose rows held a non-finite logit, or
+        whose scoring raises, is returned with the exception (it alone fails)."""
+        failed: dict[Request, Exception] = {}
+        for request, row, num_rows in prompt_plan:
+            if not all(finite[row:row + num_rows]):
+                failed[request] = NonFiniteLogitsError()
+                continue
+            first = len(request.prompt_logprobs)
+            token_ids = request.prompt_token_ids[first:first + num_rows]
+            try:
+                scored, ranks = score_tokens(logits[row:row + num_rows], token_ids, request.params.prompt_logprobs)
+                request.prompt_logprobs.extend(self._token_logprob(token_id, scored, i, ranks[i])
+                                               for i, token_id in enumerate(token_ids))
+            except Exception as exc:
+                failed[request] = exc
+        return failed
 
     def _samples_on_device(self, plan: list[tuple[Request, int, int]]) -> bool:
         """Whether the runner draws this step's tokens itself: it can (the CUDA runner), no request
@@ -446,6 +501,14 @@ class LLMEngine:
             for request, k in zip(chosen, ks):
                 request.spec_token_ids = propose_ngram(request.token_ids, k)
 
+    def _end_after_prompt(self, request: Request) -> RequestOutput:
+        """End a request for no tokens (``max_tokens`` 0) once its prompt is computed: finish
+        reason length, with its prompt logprobs. ``_settle`` releases its blocks."""
+        request.finish_reason = FinishReason.LENGTH
+        request.timings.finished = time.perf_counter()
+        delta = CompletionOutput(0, "", [], [] if request.logprobs is not None else None, FinishReason.LENGTH)
+        return self._output(request, delta, True, request.prompt_logprobs)
+
     def _emit(self, request: Request, sampled: SampledTokens) -> list[RequestOutput]:
         """Append sampled tokens one by one until the request finishes."""
         # K/V now holds every real token and each accepted proposal.
@@ -487,12 +550,14 @@ class LLMEngine:
             request.timings.finished = now
         delta = CompletionOutput(0, detokenizer.take_new_text(final=finished), [token_id],
                                  [logprob] if logprob is not None else None, request.finish_reason, request.stop_reason)
-        return self._output(request, delta, finished)
+        first = request.num_output_tokens == 1
+        return self._output(request, delta, finished, request.prompt_logprobs if first else None)
 
-    def _token_logprob(self, token_id: int, sampled: SampledTokens, row: int) -> TokenLogprob:
+    def _token_logprob(self, token_id: int, sampled: SampledTokens, row: int, rank: int | None = None
+                       ) -> TokenLogprob:
         decode = self.tokenizer.decode
         top = [(i, decode([i]), lp) for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row])]
-        return TokenLogprob(token_id, decode([token_id]), sampled.logprobs[row], top)
+        return TokenLogprob(token_id, decode([token_id]), sampled.logprobs[row], top, rank)
 
     def _release(self, request: Request) -> None:
         self.scheduler.finish(request)
@@ -501,9 +566,10 @@ class LLMEngine:
         del self.requests[request.request_id]
         del self.detokenizers[request.request_id]
 
-    def _output(self, request: Request, delta: CompletionOutput, finished: bool) -> RequestOutput:
+    def _output(self, request: Request, delta: CompletionOutput, finished: bool,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
         return RequestOutput(request.request_id, request.prompt_token_ids, [delta], finished,
-                             request.num_cached_tokens, request.timings)
+                             request.num_cached_tokens, request.timings, prompt_logprobs=prompt_logprobs)
 
     def stats(self) -> EngineStats:
         kv = self.kv

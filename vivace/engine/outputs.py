@@ -18,6 +18,7 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob)
+    rank: int | None = None  # of the token in its distribution (1: the most likely); prompt tokens only
 
 
 @dataclass
@@ -64,7 +65,9 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """State of a request after a step. In streaming (delta) mode ``outputs`` hold only what is
-    new since the previous output; otherwise they are cumulative."""
+    new since the previous output; otherwise they are cumulative. ``prompt_logprobs`` (asked for
+    with ``SamplingParams.prompt_logprobs``): one entry per prompt token, None for the first, on
+    the request's first output only (as vLLM's delta outputs; whole outputs keep it)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -73,6 +76,7 @@ class RequestOutput:
     num_cached_tokens: int
     timings: Timings
     error: str | None = None  # set (with ``finished``) when this request alone failed
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def prompt_tokens(self) -> int:

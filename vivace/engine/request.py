@@ -46,6 +46,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = field(init=False)
+    # With params.prompt_logprobs: the prompt tokens' logprobs collected so far, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)
     generator: torch.Generator | None = field(init=False)
     timings: Timings = field(init=False)
 
@@ -54,6 +56,7 @@ class Request:
             raise ValueError("the prompt must contain at least one token")
         self.token_ids = list(self.prompt_token_ids)
         self.logprobs = [] if self.params.logprobs is not None else None
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else None
         self.generator = None
         if self.params.seed is not None:
             # Any accepted seed (signed or unsigned 64-bit, plus a choice's index) maps into
@@ -76,6 +79,24 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """How many of its first tokens the prefix cache may serve: all of them, except for a request
+        still collecting prompt logprobs, which must compute every position whose logits it has not
+        read yet (a cached token has no logits)."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) == self.num_prompt_tokens:
+            return self.num_tokens
+        return len(self.prompt_logprobs) - 1
+
+    def prompt_logprob_positions(self, num_new: int) -> range:
+        """Of the next ``num_new`` positions to compute, those whose logits give prompt logprobs not
+        collected yet: the logits at position p score prompt token p + 1, in order, each once
+        (after a preemption, the positions computed again before them give nothing)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        start = self.num_computed_tokens
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + num_new, self.num_prompt_tokens - 1))
 
     @property
     def is_finished(self) -> bool:

@@ -3,7 +3,8 @@
 Order: logit bias, penalties, min_tokens masking, then (for non-greedy rows) temperature,
 top-k, top-p and min-p, then a draw from the request's own generator, so a seeded request
 samples the same tokens whatever else shares its batch. Logprobs are those of the
-model's distribution after bias and penalties, before temperature and truncation.
+model's distribution after bias and penalties, before temperature and truncation; prompt
+logprobs (``score_tokens``) those of the raw model, from the same float32 log-softmax.
 
 Safe for every value the request schema accepts: overflow (a tiny repetition penalty or
 temperature) saturates at the largest finite float instead of becoming inf, every filter keeps
@@ -44,6 +45,36 @@ class DeviceSamples:
 
     tokens: SampledTokens
     finite: list[bool]
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 log-softmax over the whole vocabulary, MIN_LOGPROB for -inf and NaN: the numbers
+    every logprob the engine returns is read from."""
+    return torch.nan_to_num_(logits.float().log_softmax(-1), nan=MIN_LOGPROB, neginf=MIN_LOGPROB)
+
+
+# Prompt rows scored at a time: each batch of rows costs a log-softmax copy of [rows, vocab].
+SCORE_ROWS = 64
+
+
+def score_tokens(logits: torch.Tensor, token_ids: list[int], num_top: int) -> tuple[SampledTokens, list[int]]:
+    """The logprob of ``token_ids[i]`` under row i of ``logits`` as the model gives it (no bias,
+    penalty or mask: prompt logprobs), its rank (1: the most likely), and the row's ``num_top``
+    most likely tokens; rows are scored a few at a time, keeping only these numbers."""
+    chosen: list[float] = []
+    ranks: list[int] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    for start in range(0, len(token_ids), SCORE_ROWS):
+        logprobs = log_probs(logits[start:start + SCORE_ROWS])
+        ids = torch.tensor(token_ids[start:start + SCORE_ROWS]).unsqueeze(1)
+        own = logprobs.gather(1, ids)
+        chosen += own.squeeze(1).tolist()
+        ranks += ((logprobs > own).sum(-1) + 1).tolist()
+        values, indices = logprobs.topk(num_top, dim=-1)
+        top_ids += indices.tolist()
+        top_logprobs += values.tolist()
+    return SampledTokens(list(token_ids), chosen, top_ids, top_logprobs), ranks
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -160,7 +191,7 @@ class Sampler:
         wanted = [r.params.logprobs for r in requests]
         if all(n is None for n in wanted):
             return SampledTokens(token_ids, None, [[] for _ in requests], [[] for _ in requests])
-        logprobs = torch.nan_to_num_(logits.log_softmax(-1), nan=MIN_LOGPROB, neginf=MIN_LOGPROB)
+        logprobs = log_probs(logits)
         chosen = logprobs.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
         max_n = max(n or 0 for n in wanted)
         top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)

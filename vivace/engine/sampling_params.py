@@ -20,6 +20,7 @@ class StructuredOutput:
 # Temperatures below this sample greedily: dividing logits by less overflows float32 (as vLLM).
 SAMPLING_EPS = 1e-5
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+MAX_LOGPROBS = 20  # top alternatives a request may ask for, per generated or prompt token (OpenAI's)
 LOGIT_BIAS_RANGE = 100.0  # a bias lies in [-100, 100] (OpenAI's range)
 
 
@@ -29,8 +30,10 @@ class SamplingParams:
 
     ``temperature < SAMPLING_EPS`` (0 included) means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``logprobs`` is None (none) or the number of top alternatives to return
-    besides the chosen token's logprob (0 = only the chosen token). ``logit_bias`` maps token
-    ids to what is added to their logits before anything else (an empty map is None).
+    besides the chosen token's logprob (0 = only the chosen token); ``prompt_logprobs`` the same
+    for each prompt token after the first, under the raw model (vLLM's). ``max_tokens`` 0 computes
+    the prompt and ends (finish reason length). ``logit_bias`` maps token ids to what is added to
+    their logits before anything else (an empty map is None).
     """
 
     n: int = 1
@@ -48,6 +51,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # allow speculative decoding for this request (when the engine has it)
@@ -69,11 +73,13 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must be >= 0"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "min_tokens must be <= max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
             (len(bias) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens"),
             (all(t >= 0 for t in bias), "logit_bias token ids must be >= 0"),
             (all(-LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE for b in bias.values()),

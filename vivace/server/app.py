@@ -18,6 +18,9 @@ from vivace.server.playground import mount_playground
 from vivace.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest)
 from vivace.server.request_id import RequestIdMiddleware
+from vivace.server.responses_api import create_response
+from vivace.server.responses_objects import ResponseObject
+from vivace.server.responses_protocol import ResponsesRequest
 from vivace.server.responses import (
     ChatCompletionResponse, CompletionResponse, DetokenizeResponse, HealthResponse, ModelCard, ModelList,
     TokenizeResponse, VersionResponse)
@@ -70,6 +73,8 @@ def build_app(engine: AsyncEngine | None, settings: ServerSettings,
                       **generation_route(ChatCompletionRequest, ChatCompletionResponse))
     app.add_api_route("/v1/completions", create_completion, methods=["POST"],
                       dependencies=authenticated, **generation_route(CompletionRequest, CompletionResponse))
+    app.add_api_route("/v1/responses", create_response, methods=["POST"], dependencies=authenticated,
+                      **generation_route(ResponsesRequest, ResponseObject, done=False))
     tokenize_body = {"oneOf": [schema_ref(TokenizeCompletionRequest), schema_ref(TokenizeChatRequest)]}
     app.add_api_route("/tokenize", tokenize, methods=["POST"], dependencies=authenticated,
                       **json_route(tokenize_body, TokenizeResponse))

@@ -12,15 +12,14 @@ from starlette.responses import JSONResponse, Response
 from vivace.engine.outputs import CompletionOutput, TokenLogprob
 from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
-from vivace.server.generation import (
-    ClientDisconnected, EngineRequest, timings_of, unless_disconnected, usage_of)
+from vivace.server.generation import EngineRequest, run_whole, timings_of, usage_of
 from vivace.server.prompts import chat_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params
 from vivace.server.request_id import request_id_of
 from vivace.server.protocol import ChatCompletionRequest
 from vivace.server.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
     ChatLogprobs, ChatTokenLogprob, DeltaMessage, FunctionCall, FunctionCallDelta, ToolCall,
-    ToolCallDelta, TopLogprob)
+    ToolCallDelta, TopLogprob, prompt_logprobs_of)
 from vivace.server.sse import sse_event, sse_response
 from vivace.server.structured import check_compiles, json_schema, requested_constraint, structured_output
 from vivace.server.tool_parser import ToolCallParser, parse_tool_calls
@@ -29,12 +28,29 @@ from vivace.server.state import server_state
 
 if TYPE_CHECKING:
     from vivace.engine.async_engine import AsyncEngine
+    from vivace.server.admission import Ticket
 
 
 async def create_chat_completion(request: Request) -> Response:
     """OpenAI chat completions; see ``vivace.server.protocol.ChatCompletionRequest``."""
     state = server_state(request)
     body = await parse_body(request, ChatCompletionRequest, state.metrics.work["parse"])
+    job, ticket, calls = await start_chat(request, body, "chatcmpl")
+    if body.stream:
+        return sse_response(_chunks(job, state.model_name(body.model), body.include_usage(), body.continuous_usage(),
+                                    calls), ticket.release, state.metrics.work["sse_write"])
+    if not await run_whole(request, job, ticket.release):
+        return Response(status_code=499)
+    return JSONResponse(_response(job, state.model_name(body.model), calls, body.prompt_logprobs)
+                        .model_dump(mode="json"))
+
+
+async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: str
+                     ) -> tuple[EngineRequest, Ticket, bool]:
+    """The engine request for ``body`` (templated, its limits and grammar checked) and its
+    admission ticket, which the caller releases when the answer ends; and whether tool calls
+    may be in its output. Raises APIError (400, 404, 429, 503) before anything runs."""
+    state = server_state(request)
     caller = state.caller(request)
     engine = state.engine_for(body.model, caller)
     choice = tool_choice(body)
@@ -42,22 +58,12 @@ async def create_chat_completion(request: Request) -> Response:
                                     size=sum(len(m.text()) for m in body.messages))
     max_tokens = fit_max_tokens(len(prompt_ids), body.requested_max_tokens(),
                                 engine.max_model_len, "messages")
-    params = sampling_params(body, max_tokens, body.requested_logprobs())
+    params = sampling_params(body, max_tokens, body.requested_logprobs(), body.prompt_logprobs)
     params.structured = await _constraint(engine, body, choice)
-    calls = choice != "none"
-    job = EngineRequest(engine, state.metrics, prompt_ids, params, request_id_of(request, "chatcmpl"),
+    job = EngineRequest(engine, state.metrics, prompt_ids, params, request_id_of(request, id_prefix),
                         caller.priority(body.priority), caller.deadlines)
     ticket = state.admission.admit(caller.api_key, caller.tier, [job])
-    if body.stream:
-        return sse_response(_chunks(job, state.model_name(body.model), body.include_usage(), body.continuous_usage(),
-                                    calls), ticket.release, state.metrics.work["sse_write"])
-    try:
-        await unless_disconnected(request, job.run())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        ticket.release()
-    return JSONResponse(_response(job, state.model_name(body.model), calls).model_dump(mode="json"))
+    return job, ticket, choice != "none"
 
 
 async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: str
@@ -102,14 +108,19 @@ def _finish(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def _response(job: EngineRequest, model: str, calls: bool) -> ChatCompletionResponse:
+def _response(job: EngineRequest, model: str, calls: bool, prompt_logprobs: int | None) -> ChatCompletionResponse:
+    """The whole answer; with ``prompt_logprobs`` asked for, the rendered prompt's logprobs (vLLM's,
+    beside the choices: every choice has the same prompt)."""
     choices = []
     for c in job.choices:
         message, reason = _message(c.text, c.finish_reason, calls)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(job, c.logprobs),
                                   finish_reason=reason))
+    scored = job.choices[0].prompt_logprobs
     return ChatCompletionResponse(id=job.request_id, model=model, choices=choices,
-                                  usage=usage_of([job]), timings=timings_of(job))
+                                  usage=usage_of([job]), timings=timings_of(job),
+                                  prompt_logprobs=None if prompt_logprobs is None or scored is None
+                                  else prompt_logprobs_of(scored, prompt_logprobs))
 
 
 def _chunk_choice(job: EngineRequest, delta: CompletionOutput,

@@ -17,7 +17,7 @@ from vivace.server.prompts import (
     completion_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params)
 from vivace.server.request_id import request_id_of
 from vivace.server.protocol import CompletionRequest
-from vivace.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
+from vivace.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, prompt_logprobs_of
 from vivace.server.sse import sse_event, sse_response
 from vivace.server.structured import requested_constraint
 from vivace.server.state import server_state
@@ -29,8 +29,9 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest, state.metrics.work["parse"])
     caller = state.caller(request)
     engine = state.engine_for(body.model, caller)
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone, as in vLLM)",
+                       param="max_tokens")
     structured = await requested_constraint(engine, body)
     request_id = request_id_of(request, "cmpl")
     jobs, echoes = [], []
@@ -38,7 +39,7 @@ async def create_completion(request: Request) -> Response:
         ids = await off_the_loop(state.metrics.work["prompt"], completion_prompt_ids, engine.tokenizer, prompt,
                                  size=len(prompt) if isinstance(prompt, str) else 0)
         max_tokens = fit_max_tokens(len(ids), body.max_tokens, engine.max_model_len, "prompt")
-        params = sampling_params(body, max_tokens, body.logprobs)
+        params = sampling_params(body, max_tokens, body.logprobs, body.requested_prompt_logprobs())
         params.structured = structured
         jobs.append(EngineRequest(engine, state.metrics, ids, params, f"{request_id}-{i}",
                                   caller.priority(body.priority), caller.deadlines))
@@ -47,14 +48,15 @@ async def create_completion(request: Request) -> Response:
     ticket = state.admission.admit(caller.api_key, caller.tier, jobs)
     if body.stream:
         return sse_response(_chunks(jobs, echoes, request_id, state.model_name(body.model), body.include_usage(),
-                                    body.continuous_usage()), ticket.release, state.metrics.work["sse_write"])
+                                    body.continuous_usage(), body.echo and body.logprobs is not None),
+                            ticket.release, state.metrics.work["sse_write"])
     try:
         await unless_disconnected(request, _run_all(jobs))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
         ticket.release()
-    return JSONResponse(_response(jobs, echoes, request_id, state.model_name(body.model))
+    return JSONResponse(_response(jobs, echoes, request_id, state.model_name(body.model), body)
                         .model_dump(mode="json"))
 
 
@@ -64,37 +66,57 @@ async def _run_all(jobs: list[EngineRequest]) -> None:
             pass
 
 
-def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None,
-              offset: int) -> CompletionLogprobs | None:
-    if job.params.logprobs is None:
+def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None, offset: int,
+              prompt: list[TokenLogprob | None] | None = None) -> CompletionLogprobs | None:
+    """Completions' logprobs (with ``logprobs`` asked for): the echoed ``prompt``'s tokens, their
+    text offsets from 0, then the generated ``logprobs``, theirs from ``offset``."""
+    num_top = job.params.logprobs
+    if num_top is None:
         return None
     result = CompletionLogprobs()
+    start = 0
+    for lp in prompt or []:
+        token = job.engine.tokenizer.decode([job.prompt_ids[0]]) if lp is None else lp.token
+        _add_token(result, token, lp, start, num_top)
+        start += len(token)
     for lp in logprobs or []:
-        result.tokens.append(lp.token)
-        result.token_logprobs.append(lp.logprob)
-        # As in OpenAI's API (and vLLM), the chosen token is among its step's top_logprobs:
-        # up to ``logprobs + 1`` entries.
-        top = {text: value for _, text, value in lp.top}
-        top.setdefault(lp.token, lp.logprob)
-        result.top_logprobs.append(top)
-        result.text_offset.append(offset)
+        _add_token(result, lp.token, lp, offset, num_top)
         offset += len(lp.token)
     return result
 
 
-def _response(jobs: list[EngineRequest], echoes: list[str], request_id: str,
-              model: str) -> CompletionResponse:
+def _add_token(result: CompletionLogprobs, token: str, lp: TokenLogprob | None, offset: int, num_top: int) -> None:
+    """One token's entries; None (an echoed prompt's first token) has no logprob."""
+    result.tokens.append(token)
+    result.text_offset.append(offset)
+    if lp is None:
+        result.token_logprobs.append(None)
+        result.top_logprobs.append(None)
+        return
+    result.token_logprobs.append(lp.logprob)
+    # As in OpenAI's API (and vLLM), the chosen token is among its step's top_logprobs:
+    # up to ``logprobs + 1`` entries.
+    top = {text: value for _, text, value in lp.top[:num_top]}
+    top.setdefault(lp.token, lp.logprob)
+    result.top_logprobs.append(top)
+
+
+def _response(jobs: list[EngineRequest], echoes: list[str], request_id: str, model: str,
+              body: CompletionRequest) -> CompletionResponse:
     choices = [
         CompletionChoice(index=i * job.params.n + c.index, text=echo + c.text,
-                         logprobs=_logprobs(job, c.logprobs, 0), finish_reason=c.finish_reason)
+                         logprobs=_logprobs(job, c.logprobs, len(echo), c.prompt_logprobs if body.echo else None),
+                         finish_reason=c.finish_reason,
+                         prompt_logprobs=None if body.prompt_logprobs is None or c.prompt_logprobs is None
+                         else prompt_logprobs_of(c.prompt_logprobs, body.prompt_logprobs))
         for i, (job, echo) in enumerate(zip(jobs, echoes)) for c in job.choices]
     timings = timings_of(jobs[0]) if len(jobs) == 1 else None
     return CompletionResponse(id=request_id, model=model, choices=choices,
                               usage=usage_of(jobs), timings=timings)
 
 
-def _chunk_choice(job: EngineRequest, delta: CompletionOutput, first_index: int) -> CompletionChoice:
-    offset = len(job.choices[delta.index].text) - len(delta.text)  # ``delta`` is already folded in
+def _chunk_choice(job: EngineRequest, delta: CompletionOutput, first_index: int, echo: str) -> CompletionChoice:
+    offset = len(echo) + len(job.choices[delta.index].text) - len(delta.text)  # ``delta`` is already folded in
     return CompletionChoice(
         index=first_index + delta.index, text=delta.text,
         finish_reason=delta.finish_reason.value if delta.finish_reason else None,
@@ -109,20 +131,26 @@ async def _tagged(i: int, job: EngineRequest
 
 
 async def _chunks(jobs: list[EngineRequest], echoes: list[str], request_id: str, model: str,
-                  include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
-    """The stream's chunks; with ``continuous_usage`` each carries the usage so far (all prompts')."""
+                  include_usage: bool, continuous_usage: bool, echo_logprobs: bool) -> AsyncGenerator[str, None]:
+    """The stream's chunks; with ``continuous_usage`` each carries the usage so far (all prompts').
+    The echoed prompts come first, or, with ``echo_logprobs``, each choice's with its logprobs
+    once they are known (with the choice's first output)."""
     def chunk(choices: list[CompletionChoice], **extra: object) -> str:
         if continuous_usage:
             extra.setdefault("usage", usage_of(jobs))
         return sse_event(CompletionResponse(id=request_id, model=model, choices=choices, **extra))
 
     n = jobs[0].params.n
-    if any(echoes):
+    if any(echoes) and not echo_logprobs:
         yield chunk([CompletionChoice(index=i * n + c, text=echo)
                      for i, echo in enumerate(echoes) for c in range(n)])
     async with contextlib.aclosing(merge([_tagged(i, job) for i, job in enumerate(jobs)])) as outs:
         async for i, job, out in outs:
-            choices = [_chunk_choice(job, delta, i * n) for delta in out.outputs
+            if echo_logprobs and out.prompt_logprobs is not None:
+                yield chunk([CompletionChoice(index=i * n + delta.index, text=echoes[i],
+                                              logprobs=_logprobs(job, [], 0, out.prompt_logprobs))
+                             for delta in out.outputs])
+            choices = [_chunk_choice(job, delta, i * n, echoes[i]) for delta in out.outputs
                        if delta.token_ids or delta.finish_reason or delta.logprobs]  # one per token
             if choices or out.finished:
                 yield chunk(choices, timings=timings_of(job) if out.finished else None)

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -41,6 +41,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, from its first output
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
@@ -92,6 +93,8 @@ class EngineRequest:
                 async for out in stream:
                     for delta in out.outputs:
                         self.choices[delta.index].add(delta)
+                        if out.prompt_logprobs is not None:
+                            self.choices[delta.index].prompt_logprobs = out.prompt_logprobs
                     self.last = out
                     yield out
         except ValueError as exc:  # the engine refuses requests that can never fit its KV pool
@@ -138,6 +141,18 @@ def timings_of(job: EngineRequest) -> ResponseTimings | None:
     if job.last is None:
         return None
     return ResponseTimings.of(job.last, job.completion_tokens, job.params.n)
+
+
+async def run_whole(request: Request, job: EngineRequest, release: Callable[[], None]) -> bool:
+    """Runs ``job`` to its end, then calls ``release``; False (the job aborted) if the client
+    disconnected first."""
+    try:
+        await unless_disconnected(request, job.run())
+    except ClientDisconnected:
+        return False
+    finally:
+        release()
+    return True
 
 
 async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[T, None]:

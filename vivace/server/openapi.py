@@ -19,6 +19,7 @@ from vivace.server.errors import ErrorResponse
 from vivace.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest)
 from vivace.server.request_id import HEADER, MAX_LENGTH, PATTERN
+from vivace.server.responses_protocol import ResponsesRequest
 from vivace.server.state import ServerState
 
 _ERRORS = {
@@ -34,7 +35,8 @@ _ERRORS = {
     504: "Ran past the request timeout",
 }
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+    ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
+    ResponsesRequest)
 # One server-sent event of a streamed answer (OpenAPI 3.1 gives an event stream's media type
 # the schema of each event, as tools like schemathesis read it): ``data`` is a chunk, as JSON,
 # or ``[DONE]`` at the end; an error ends the stream as an error body, then ``[DONE]``.
@@ -65,15 +67,17 @@ def json_route(body: dict[str, Any], response_model: type[BaseModel]) -> dict[st
             "responses": {200: ok, **error_responses(400, 401, 404, 405, 413, 415, 503)}}
 
 
-def generation_route(request_model: type[BaseModel], response_model: type[BaseModel]) -> dict[str, Any]:
+def generation_route(request_model: type[BaseModel], response_model: type[BaseModel],
+                     done: bool = True) -> dict[str, Any]:
     """``add_api_route`` keywords documenting a generation endpoint: its JSON body, the whole or
-    streamed (SSE) answer, the X-Request-Id header, and its error statuses."""
+    streamed (SSE) answer (ended by ``data: [DONE]`` if ``done``), the X-Request-Id header, and
+    its error statuses."""
     body = _json_body(schema_ref(request_model))
     header = {"name": HEADER, "in": "header", "required": False,
               "description": "The request's id; echoed in the response header and body",
               "schema": {"type": "string", "minLength": 1, "maxLength": MAX_LENGTH, "pattern": PATTERN}}
     ok = {"model": response_model, "description": "The answer; with \"stream\": true, server-sent "
-          "events of its chunks, ended by data: [DONE]",
+          "events of its chunks" + (", ended by data: [DONE]" if done else ""),
           "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
     return {"openapi_extra": {"requestBody": body, "parameters": [header]},
             "responses": {200: ok, **error_responses(400, 401, 404, 405, 413, 415, 429, 500, 503, 504)}}
@@ -115,6 +119,7 @@ def _served_limits(schemas: dict[str, Any], state: ServerState) -> None:
         bias = properties["logit_bias"]["anyOf"][0]
         (value,) = bias["patternProperties"].values()
         bias["patternProperties"] = {decimal_below(vocab_size): value}
+    _limit(schemas["ResponsesRequest"]["properties"]["max_output_tokens"], "maximum", engine.max_model_len - 1)
     _limit(schemas["CompletionRequest"]["properties"]["prompt"], "maximum", vocab_size - 1)
     _limit(schemas["DetokenizeRequest"]["properties"]["tokens"], "maximum", vocab_size - 1)
 

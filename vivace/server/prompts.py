@@ -117,9 +117,10 @@ def fit_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: in
     return wanted
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams for ``body``; 400 if the engine rejects the combination."""
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None

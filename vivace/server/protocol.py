@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator)
 
-from vivace.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, SamplingParams
+from vivace.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 
 def _integral(value: Any) -> Any:
@@ -219,6 +219,8 @@ class SamplingRequest(_Strict):
     priority: Integer() | None = None  # lower is sooner; the key's tier sets its default and floor
     # vivace's extra: false keeps this request out of speculative decoding (when the server has it)
     speculative: bool | None = True
+    # vLLM's extra: each prompt token's logprob and its k most likely alternatives (not streamed)
+    prompt_logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
     # Structured output (vivace.server.structured): OpenAI's response_format, vLLM's extras.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -234,6 +236,13 @@ class SamplingRequest(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_whole(cls, value: int | None, info: Any) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
+        return value
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -244,7 +253,8 @@ class SamplingRequest(_Strict):
         """Whether every chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; raises ValueError on a combination it rejects."""
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -252,7 +262,7 @@ class SamplingRequest(_Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             speculative=self.speculative,
@@ -283,7 +293,7 @@ class ChatCompletionRequest(ChatTemplateRequest, SamplingRequest):
     max_tokens: Integer(ge=1) | None = None
     max_completion_tokens: Integer(ge=1) | None = None
     logprobs: bool | None = False
-    top_logprobs: Integer(ge=0, le=20) | None = None
+    top_logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
 
@@ -304,9 +314,9 @@ class ChatCompletionRequest(ChatTemplateRequest, SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
-    max_tokens: Integer(ge=1) | None = 16
+    max_tokens: Integer(ge=0) | None = 16  # 0 with echo only: the prompt (and its logprobs), nothing generated
     echo: bool | None = False
-    logprobs: Integer(ge=0, le=20) | None = None
+    logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
     best_of: Integer() | None = None
     suffix: Annotated[str | None, *_unsupported("suffix (fill-in-the-middle) values", {"maxLength": 0})] = None
 
@@ -316,6 +326,12 @@ class CompletionRequest(SamplingRequest):
         if value is not None and value != (info.data.get("n") or 1):
             raise ValueError("best_of other than n is not supported")
         return value
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """The engine's ``prompt_logprobs``: vLLM's field, and with ``echo`` and ``logprobs`` the
+        alternatives the echoed prompt's tokens show (the more of the two when both are set)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompt as a list of strings or a list of token-id lists (one per engine request)."""

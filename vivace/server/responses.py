@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from vivace.engine.outputs import RequestOutput
+from vivace.engine.outputs import RequestOutput, TokenLogprob
 
 
 class PromptTokensDetails(BaseModel):
@@ -72,10 +72,38 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Per token; an echoed prompt's first token has no logprob (null), as in OpenAI's API and vLLM."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: one token of a prompt position, keyed by its id."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def prompt_logprobs_of(entries: list[TokenLogprob | None], num_top: int) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) its own logprob and rank, and
+    its ``num_top`` most likely alternatives (ranks 1 to ``num_top``), keyed by token id."""
+    result: PromptLogprobs = []
+    for lp in entries:
+        if lp is None:
+            result.append(None)
+            continue
+        position = {str(lp.token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.token)}
+        for rank, (token_id, text, logprob) in enumerate(lp.top[:num_top], start=1):
+            position.setdefault(str(token_id), PromptLogprob(logprob=logprob, rank=rank, decoded_token=text))
+        result.append(position)
+    return result
 
 
 class FunctionCall(BaseModel):
@@ -134,6 +162,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)  # vLLM's
 
 
 def _created() -> int:
@@ -152,6 +181,7 @@ class _Response(BaseModel):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)  # vLLM's
 
 
 class ChatCompletionChunk(_Response):

@@ -51,7 +51,7 @@ class _EventStream(StreamingResponse):
                 self.on_close()
 
 
-async def _framed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+async def _framed(events: AsyncGenerator[str, None], end: str) -> AsyncGenerator[str, None]:
     try:
         async with contextlib.aclosing(events):
             async for event in events:
@@ -61,12 +61,13 @@ async def _framed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None
     except Exception as exc:
         logger.exception("stream failed", exc_info=exc)
         yield f"data: {APIError(500, 'Internal server error').response().body.decode()}\n\n"
-    yield SSE_DONE
+    if end:
+        yield end
 
 
 def sse_response(events: AsyncGenerator[str, None], on_close: Callable[[], None] = lambda: None,
-                 writes: TimingLog | None = None) -> StreamingResponse:
-    """A streaming response of ``events``, ended by ``[DONE]`` even after an error;
+                 writes: TimingLog | None = None, end: str = SSE_DONE) -> StreamingResponse:
+    """A streaming response of ``events``, ended by ``end`` (``[DONE]``; "" for none) even after an error;
     ``on_close`` runs once the response has ended, however it ended; each send (headers, every
     frame) is timed into ``writes`` when given."""
-    return _EventStream(_framed(events), on_close, writes)
+    return _EventStream(_framed(events, end), on_close, writes)

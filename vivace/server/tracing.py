@@ -118,7 +118,7 @@ def request_attributes(request: EngineRequest, model: str) -> dict[str, Any]:
     params, out = request.params, request.last
     prompt, completion = len(request.prompt_ids), request.completion_tokens
     attributes: dict[str, Any] = {
-        "gen_ai.operation.name": "chat" if request.request_id.startswith("chatcmpl") else "text_completion",
+        "gen_ai.operation.name": "chat" if request.request_id.startswith(("chatcmpl", "resp")) else "text_completion",
         "gen_ai.request.id": request.request_id, "gen_ai.request.model": model,
         "gen_ai.request.max_tokens": params.max_tokens or 0, "gen_ai.request.n": params.n,
         "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,

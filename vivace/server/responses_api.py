@@ -1,0 +1,92 @@
+"""``POST /v1/responses``: OpenAI's Responses API, stateless, answered on chat completions'
+path (``vivace.server.chat.start_chat``): the same template, sampling, tools, structured
+output, limits, admission, metrics and abort on disconnect. Errors name the Responses API's
+fields (``input``, ``max_output_tokens``, ``tools.0.parameters``), not chat's."""
+
+from __future__ import annotations
+
+import re
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from vivace.server.chat import start_chat
+from vivace.server.errors import APIError
+from vivace.server.generation import EngineRequest, run_whole
+from vivace.server.prompts import parse_body
+from vivace.server.responses_objects import FunctionToolCall, OutputMessage, OutputText, ResponseObject
+from vivace.server.responses_protocol import NamedFunction, ResponsesRequest
+from vivace.server.responses_stream import complete, item_id, response_events
+from vivace.server.sse import sse_response
+from vivace.server.state import server_state
+from vivace.server.tool_parser import parse_tool_calls
+
+# Chat's names (and pydantic's union tags) for the Responses API's fields.
+_RENAMES = [
+    (re.compile(r"^input\.(\d+)\.(?:message|function_call|function_call_output)(?=\.|$)"), r"input.\1"),
+    (re.compile(r"^messages(\..*)?$"), "input"),
+    (re.compile(r"^tools\.(\d+)\.function\."), r"tools.\1."),
+    (re.compile(r"^tool_choice\.function\."), "tool_choice."),
+    (re.compile(r"^response_format\.json_schema\."), "text.format."),
+    (re.compile(r"^response_format$"), "text.format"),
+    (re.compile(r"^max_(?:completion_)?tokens$"), "max_output_tokens"),
+]
+
+
+async def create_response(request: Request) -> Response:
+    """OpenAI's Responses API; see ``vivace.server.responses_protocol.ResponsesRequest``."""
+    state = server_state(request)
+    try:
+        body = await parse_body(request, ResponsesRequest, state.metrics.work["parse"])
+        job, ticket, calls = await start_chat(request, body.chat_request(), "resp")
+    except APIError as exc:
+        raise _in_responses_terms(exc) from None
+    answer = _settings(body, job.request_id, state.model_name(body.model))
+    if body.stream:
+        return sse_response(response_events(job, answer, calls), ticket.release, state.metrics.work["sse_write"],
+                            end="")
+    if not await run_whole(request, job, ticket.release):
+        return Response(status_code=499)
+    _output(answer, job, calls)
+    complete(answer, job)
+    return JSONResponse(answer.model_dump(mode="json"))
+
+
+def _in_responses_terms(exc: APIError) -> APIError:
+    if exc.param is None:
+        return exc
+    param = exc.param
+    for pattern, name in _RENAMES:
+        param = pattern.sub(name, param)
+    exc.message = exc.message.replace(exc.param, param).replace("lower max_tokens", "lower max_output_tokens")
+    exc.param = param
+    return exc
+
+
+def _settings(body: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
+    """The answer before any output: the request's settings, echoed as OpenAI does."""
+    choice = body.tool_choice
+    form = body.text.format if body.text is not None else None
+    return ResponseObject(
+        id=response_id, model=model, instructions=body.instructions, max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, parallel_tool_calls=body.parallel_tool_calls,
+        tool_choice=choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto",
+        tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
+        text={"format": form.model_dump(by_alias=True, exclude_none=True) if form else {"type": "text"}},
+        reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
+        metadata=body.metadata or {}, store=False, user=body.user)
+
+
+def _output(answer: ResponseObject, job: EngineRequest, calls: bool) -> None:
+    """The finished job's output items: its text as a message, then its function calls (the
+    last item is incomplete when the output was cut off)."""
+    text = job.choices[0].text
+    content, parsed = parse_tool_calls(text) if calls else (text, [])
+    if content is not None or not parsed:
+        answer.output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=content or "")]))
+    answer.output += [FunctionToolCall(id=item_id("fc"), call_id=call.id, name=call.name or "",
+                                       arguments=call.arguments) for call in parsed]
+    for item in answer.output:
+        item.status = "completed"
+    if job.choices[0].finish_reason == "length":
+        answer.output[-1].status = "incomplete"

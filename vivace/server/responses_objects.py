@@ -1,0 +1,106 @@
+"""What ``POST /v1/responses`` answers: OpenAI's Response object, its output items and usage,
+in the shape the official client's ``openai.types.responses.Response`` parses."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from vivace.server.responses import ResponseTimings, Usage
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str = ""
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: ItemStatus = "in_progress"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class FunctionToolCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str = ""
+    status: ItemStatus = "in_progress"
+
+
+OutputItem = Annotated[OutputMessage | FunctionToolCall, Field(discriminator="type")]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache
+    cache_write_tokens: int = 0  # OpenAI bills explicit cache writes; vivace has none
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usage: Usage) -> ResponseUsage:
+        return cls(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                   total_tokens=usage.total_tokens,
+                   input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens))
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ResponseObject(BaseModel):
+    """One answer; with ``"stream": true`` its lifecycle events carry it as it stands."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=_now)
+    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    incomplete_details: IncompleteDetails | None = None
+    error: ResponseError | None = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    # The request's settings, as OpenAI echoes them.
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    parallel_tool_calls: bool
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    reasoning: dict[str, Any] | None
+    metadata: dict[str, str]
+    store: bool
+    truncation: Literal["disabled"] = "disabled"
+    user: str | None
+    previous_response_id: None = None
+    background: bool = False
+    timings: ResponseTimings | None = None  # vivace's extra, as on chat completions

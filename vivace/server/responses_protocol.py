@@ -1,0 +1,244 @@
+"""The request of OpenAI's Responses API (``POST /v1/responses``), the stateless subset vLLM
+serves, strict as the other endpoints' (``vivace.server.protocol``): an unknown field, or one
+whose value would change the answer in a way vivace can't honour, is a 400 naming it.
+
+A request is answered as chat completions answer its conversation: :meth:`ResponsesRequest.
+chat_request` turns ``instructions`` and ``input`` into chat messages (function calls into an
+assistant's tool calls, their outputs into tool messages) and the flat function tools into
+chat's, so the template, sampling, tools and structured output are chat's own. Nothing is
+stored: ``previous_response_id`` and ``conversation`` are refused."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Discriminator, Field, Tag
+
+from vivace.server.errors import APIError
+from vivace.server.responses_objects import ItemStatus
+from vivace.server.protocol import (
+    ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Integer, JsonSchemaFormat,
+    NamedToolChoice, Number, ResponseFormat, Tool, ToolCall, ToolChoiceFunction, _Strict)
+
+NOT_STORED = ("vivace stores no responses (it keeps no state between requests): send the whole "
+              "conversation in input")
+
+
+def _refused(message: str) -> BeforeValidator:
+    """Rejects any value but null (the field's schema allows null only) with ``message``."""
+    def refuse(value: Any) -> Any:
+        if value is not None:
+            raise ValueError(message)
+        return value
+    return BeforeValidator(refuse)
+
+
+def _only_types(kinds: tuple[str, ...], what: str, why: str) -> BeforeValidator:
+    """A tagged object whose ``type`` is outside ``kinds`` is a clear 400, not a literal's error."""
+    def check(data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] not in kinds:
+            raise ValueError(f"{what} of type {data['type']!r} are not supported: {why}")
+        return data
+    return BeforeValidator(check)
+
+
+class ContentPart(_Strict):
+    """Text of a message: ``input_text``, or ``output_text`` of an earlier answer sent back."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    # An earlier answer's, as the client dumps it: neither changes what the model sees.
+    annotations: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+
+
+Content = str | list[Annotated[ContentPart, _only_types(
+    ("input_text", "output_text"), "content parts", "the model takes text only (input_text, output_text)")]]
+
+
+def _text(content: str | list[ContentPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+class InputMessage(_Strict):
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Content
+    # What an earlier answer's message carries when it is sent back.
+    id: str | None = None
+    status: ItemStatus | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+
+
+class FunctionCallInput(_Strict):
+    """An earlier answer's function call, sent back with its output."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+class FunctionCallOutputInput(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Content
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+def _item_kind(item: Any) -> str:
+    """An item's tag: its ``type``; a message may leave it out (or null)."""
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind if isinstance(kind, str) else "message"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallInput, Tag("function_call")]
+    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    Discriminator(_item_kind, custom_error_type="unsupported_item",
+                  custom_error_message="input items must be messages, function_call or function_call_output "
+                                       "items (reasoning, item_reference and built-in tools' items are not "
+                                       "supported)")]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class PlainText(_Strict):
+    type: Literal["text"]
+
+
+class JsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaText(_Strict):
+    type: Literal["json_schema"]
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: Annotated[PlainText | JsonObject | JsonSchemaText, Field(discriminator="type")] | None = None
+
+
+def _no_effort(value: Any) -> Any:
+    if isinstance(value, str) and value != "none":
+        raise ValueError("the served model doesn't reason: leave reasoning.effort out or set it to \"none\"")
+    return value
+
+
+class Reasoning(_Strict):
+    """Accepted only as "no reasoning": vivace's models don't reason, so no effort can be spent
+    and no summary exists (vLLM ignores it for models that don't reason; vivace says so)."""
+
+    effort: Annotated[Literal["none"] | None, BeforeValidator(_no_effort)] = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Integer(ge=1) | None = None
+    temperature: Number(ge=0.0, le=100.0) | None = 1.0
+    top_p: Number(gt=0.0, le=1.0) | None = 1.0
+    stream: bool | None = False
+    tools: list[Annotated[FunctionTool, _only_types(("function",), "tools", "vivace serves function tools only")]
+                ] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = True
+    text: TextConfig | None = None
+    reasoning: Reasoning | None = None
+    # No reasoning items are made, so there is no encrypted reasoning to include.
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    truncation: Literal["disabled"] | None = None
+    # Bookkeeping: none of these changes the answer (store: nothing is kept either way).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    previous_response_id: Annotated[None, _refused(NOT_STORED)] = None
+    conversation: Annotated[None, _refused(NOT_STORED)] = None
+    background: Annotated[None, _refused("background responses need stored responses, which vivace "
+                                         "doesn't keep: leave background out")] = None
+    # vLLM's sampling extras, as chat completions take them
+    seed: Integer(ge=-(2**63), lt=2**64) | None = None
+    stop: str | list[str] | None = None
+    top_k: Integer(ge=-1) | None = 0
+    min_p: Number(ge=0.0, le=1.0) | None = 0.0
+    repetition_penalty: Number(gt=0.0, le=100.0) | None = 1.0
+    presence_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
+    frequency_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
+    ignore_eos: bool | None = False
+    priority: Integer() | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The same request as chat completions take it; 400 for a function call's arguments
+        that are not a JSON object."""
+        tools = [Tool(type="function", function=FunctionDefinition(
+            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
+            for t in self.tools or []]
+        choice = self.tool_choice
+        if isinstance(choice, NamedFunction):
+            choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))
+        return ChatCompletionRequest(
+            model=self.model, messages=self._messages(), tools=tools or None, tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p, response_format=self._response_format(),
+            seed=self.seed, stop=self.stop, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos, priority=self.priority)
+
+    def _response_format(self) -> ResponseFormat | None:
+        form = self.text.format if self.text is not None else None
+        if isinstance(form, JsonSchemaText):
+            return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+                name=form.name, description=form.description, schema=form.schema_, strict=form.strict))
+        return ResponseFormat(type=form.type) if form is not None else None
+
+    def _messages(self) -> list[ChatMessage]:
+        messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for index, item in enumerate(items):
+            if isinstance(item, InputMessage):
+                messages.append(ChatMessage(role=item.role, content=_text(item.content)))
+            elif isinstance(item, FunctionCallOutputInput):
+                messages.append(ChatMessage(role="tool", content=_text(item.output), tool_call_id=item.call_id))
+            else:
+                call = ToolCall(id=item.call_id, function=FunctionCall(
+                    name=item.name, arguments=_object_text(item.arguments, f"input.{index}.arguments")))
+                if messages and messages[-1].role == "assistant":  # one turn: its text, then its calls
+                    messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+                else:
+                    messages.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        return messages
+
+
+def _object_text(arguments: str, param: str) -> str:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{param}: must be a JSON object, as text", param=param)
+    return arguments
+

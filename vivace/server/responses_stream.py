@@ -1,0 +1,163 @@
+"""The Responses API's server-sent events for one streamed answer: ``event: <type>`` and
+``data: <json>`` frames, each numbered by ``sequence_number``, in OpenAI's order —
+response.created, response.in_progress; per output item output_item.added, then for a message
+content_part.added, output_text.delta (one per token event, as chat streams) and their .done
+events, for a function call function_call_arguments.delta and .done; output_item.done; and
+response.completed (or response.incomplete when cut off by max_output_tokens)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from vivace.engine.outputs import CompletionOutput
+from vivace.server.errors import APIError
+from vivace.server.generation import EngineRequest, timings_of, usage_of
+from vivace.server.responses_objects import (
+    FunctionToolCall, IncompleteDetails, ItemStatus, OutputMessage, OutputText, ResponseObject, ResponseUsage)
+from vivace.server.tool_parser import ToolCallDelta, ToolCallParser
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseEvents:
+    """Writes the events of one answer as its text and tool calls arrive; ``answer.output``
+    holds the items so far, so the last event's response is the whole answer."""
+
+    def __init__(self, answer: ResponseObject, calls: bool) -> None:
+        self.answer = answer
+        self.sequence_number = 0
+        self.parser = ToolCallParser() if calls else None
+        self.held = ""  # trailing whitespace of the text so far (tool calls may follow)
+        self.open: OutputMessage | FunctionToolCall | None = None
+
+    def event(self, kind: str, **payload: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence_number, **payload}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def lifecycle(self, kind: str) -> str:
+        return self.event(kind, response=self.answer.model_dump(mode="json"))
+
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open.id, "output_index": len(self.answer.output) - 1}
+
+    def _add(self, item: OutputMessage | FunctionToolCall) -> list[str]:
+        frames = self._close("completed")
+        self.answer.output.append(item)
+        self.open = item
+        frames.append(self.event("response.output_item.added", output_index=len(self.answer.output) - 1,
+                                 item=item.model_dump(mode="json")))
+        if isinstance(item, OutputMessage):
+            item.content.append(OutputText())
+            frames.append(self.event("response.content_part.added", **self._where(), content_index=0,
+                                     part=item.content[0].model_dump(mode="json")))
+        return frames
+
+    def _close(self, status: ItemStatus) -> list[str]:
+        item, frames = self.open, []
+        if item is None:
+            return frames
+        where = self._where()
+        item.status = status
+        if isinstance(item, OutputMessage):
+            part = item.content[0]
+            frames += [self.event("response.output_text.done", **where, content_index=0, text=part.text, logprobs=[]),
+                       self.event("response.content_part.done", **where, content_index=0,
+                                  part=part.model_dump(mode="json"))]
+        else:
+            frames.append(self.event("response.function_call_arguments.done", **where, arguments=item.arguments))
+        frames.append(self.event("response.output_item.done", output_index=where["output_index"],
+                                 item=item.model_dump(mode="json")))
+        self.open = None
+        return frames
+
+    def start(self) -> list[str]:
+        frames = [self.lifecycle("response.created"), self.lifecycle("response.in_progress")]
+        if self.parser is None:  # plain text: the message opens at once, as OpenAI's does
+            frames += self._add(OutputMessage(id=item_id("msg")))
+        return frames
+
+    def text(self, text: str) -> list[str]:
+        frames = []
+        if self.parser is not None:  # as the whole answer's message, stripped: held back till more follows
+            text = self.held + text
+            if not isinstance(self.open, OutputMessage):
+                text = text.lstrip()
+            kept = text.rstrip()
+            text, self.held = kept, text[len(kept):]
+            if not text:
+                return frames
+        if not isinstance(self.open, OutputMessage):
+            frames += self._add(OutputMessage(id=item_id("msg")))
+        assert isinstance(self.open, OutputMessage)
+        self.open.content[0].text += text
+        frames.append(self.event("response.output_text.delta", **self._where(), content_index=0,
+                                 delta=text, logprobs=[]))
+        return frames
+
+    def call(self, delta: ToolCallDelta) -> list[str]:
+        frames = []
+        if delta.id is not None:
+            self.held = ""
+            frames += self._add(FunctionToolCall(id=item_id("fc"), call_id=delta.id, name=delta.name or ""))
+        assert isinstance(self.open, FunctionToolCall)
+        if delta.arguments:
+            self.open.arguments += delta.arguments
+            frames.append(self.event("response.function_call_arguments.delta", **self._where(),
+                                     delta=delta.arguments))
+        return frames
+
+    def feed(self, delta: CompletionOutput) -> list[str]:
+        """The events of one token event's output."""
+        if self.parser is None:
+            return self.text(delta.text) if delta.token_ids or delta.text else []
+        text, calls = self.parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            text += self.parser.finish()[0]
+        frames = self.text(text) if text else []
+        for call in calls:
+            frames += self.call(call)
+        return frames
+
+    def finish(self, incomplete: bool) -> list[str]:
+        """The last item closed (incomplete when cut off) and the answer's final event."""
+        frames = []
+        if not self.answer.output:
+            frames += self._add(OutputMessage(id=item_id("msg")))
+        return [*frames, *self._close("incomplete" if incomplete else "completed")]
+
+
+def complete(answer: ResponseObject, job: EngineRequest) -> None:
+    """Fills in the finished ``job``'s status, usage and timings (its items are closed already)."""
+    if job.choices[0].finish_reason == "length":
+        answer.status, answer.incomplete_details = "incomplete", IncompleteDetails(reason="max_output_tokens")
+    else:
+        answer.status = "completed"
+    answer.usage = ResponseUsage.of(usage_of([job]))
+    answer.timings = timings_of(job)
+
+
+async def response_events(job: EngineRequest, answer: ResponseObject, calls: bool) -> AsyncGenerator[str, None]:
+    """The stream of ``job``'s answer, which starts as ``answer`` (the request's settings).
+    An error after the first event ends the stream with an ``error`` event."""
+    events = ResponseEvents(answer, calls)
+    yield "".join(events.start())
+    try:
+        async with contextlib.aclosing(job.deltas()) as deltas:
+            async for out in deltas:
+                frames = [frame for delta in out.outputs for frame in events.feed(delta)]
+                if frames:
+                    yield "".join(frames)
+    except APIError as exc:
+        yield events.event("error", code=exc.code, message=exc.message, param=exc.param)
+        return
+    frames = events.finish(job.choices[0].finish_reason == "length")
+    complete(answer, job)
+    yield "".join([*frames, events.lifecycle(f"response.{answer.status}")])
