@@ -123,6 +123,9 @@ def test_logit_bias_is_added_first_and_only_to_its_own_row():
     expected = torch.tensor([0.5, 3.0 - 100.0, 1.0, 0.5])
     assert math.isclose(out.logprobs[2], expected.log_softmax(-1)[2].item(), rel_tol=1e-6)
     assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={"3": 5}).logit_bias == {3: 5.0}  # keyed as JSON keys them
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"three": 5})
 
 
 @pytest.mark.parametrize("bias", [{1: 100.5}, {-1: 1.0}, {1: float("nan")}, {t: 1.0 for t in range(301)}])

@@ -14,6 +14,7 @@ from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
 from vivace.server.tool_parser import ToolCallParser, parse_tool_calls
 
+from .conftest import MAX_MODEL_LEN
 from .harness import RunningServer, serving
 
 CHAT = "/v1/chat/completions"
@@ -37,8 +38,23 @@ def test_null_means_the_default_as_in_openai(server: RunningServer) -> None:
     assert chat.status_code == 200, chat.text
     assert ChatCompletion.model_validate(chat.json()).choices[0].logprobs is None
     assert text.status_code == 200, text.text
-    assert Completion.model_validate(text.json()).usage.completion_tokens == 16  # the default max_tokens
+    usage = Completion.model_validate(text.json()).usage
+    assert usage.prompt_tokens + usage.completion_tokens == MAX_MODEL_LEN  # null: all the room left, as vLLM
     assert {"type": "null"} in schema["properties"]["temperature"]["anyOf"]  # the contract says so
+
+
+def test_tokenize_renders_tools_as_chat_does(server: RunningServer) -> None:
+    """``/tokenize`` of messages with tools gives the prompt chat completions feeds the engine, for
+    every tool_choice ("none" leaves the tools out of the template)."""
+    counts = {}
+    with server.http() as http:
+        for choice in ("none", "auto", "required"):
+            body = {"messages": HI, "tools": [WEATHER], "tool_choice": choice}
+            tokens = http.post("/tokenize", json=body).json()
+            chat = http.post(CHAT, json={"model": "tiny", "max_tokens": 1, **body}).json()
+            assert tokens["count"] == chat["usage"]["prompt_tokens"], (choice, tokens, chat)
+            counts[choice] = tokens["count"]
+    assert counts["none"] < counts["auto"] == counts["required"]
 
 
 def test_an_answer_sent_back_as_the_client_dumps_it_is_accepted(server: RunningServer) -> None:

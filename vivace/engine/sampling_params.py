@@ -62,7 +62,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
-        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        try:  # token ids as ints, whatever the caller keyed them by ("50256", as JSON has them)
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias maps token ids to numbers") from None
         bias = self.logit_bias or {}
         checks = [
             (self.n >= 1, "n must be >= 1"),

@@ -7,7 +7,7 @@ These models are also the published contract: ``/openapi.json`` is generated fro
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator)
@@ -65,13 +65,17 @@ PromptText = Annotated[str, Field(min_length=1)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    # Fields whose ``null`` means something of its own (not the default): see CompletionRequest.
+    null_is_none: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="after")
     def _null_means_default(self) -> Self:
         """A field typed ``T | None`` with a default other than None takes that default for
-        ``null``, so the rest of vivace never sees None there."""
+        ``null``, so the rest of vivace never sees None there (but ``null_is_none`` fields sent
+        as null)."""
         for name, info in type(self).model_fields.items():
-            if getattr(self, name) is None and not info.is_required():
+            if getattr(self, name) is None and not info.is_required() and not (
+                    name in self.null_is_none and name in self.model_fields_set):
                 setattr(self, name, info.get_default(call_default_factory=True))
         return self
 
@@ -275,6 +279,7 @@ class ChatTemplateRequest(_Strict):
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # "none": tools not rendered
     add_generation_prompt: bool | None = True
     # vLLM's extras: the last (assistant) message is left open and the answer continues it;
     # variables for the template (e.g. Qwen3's {"enable_thinking": false}).
@@ -294,7 +299,6 @@ class ChatCompletionRequest(ChatTemplateRequest, SamplingRequest):
     max_completion_tokens: Integer(ge=1) | None = None
     logprobs: bool | None = False
     top_logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
 
     @field_validator("top_logprobs")
@@ -315,6 +319,7 @@ class CompletionRequest(SamplingRequest):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
     max_tokens: Integer(ge=0) | None = 16  # 0 with echo only: the prompt (and its logprobs), nothing generated
+    null_is_none = frozenset({"max_tokens"})  # vLLM's: max_tokens null is all the room the context has
     echo: bool | None = False
     logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
     best_of: Integer() | None = None

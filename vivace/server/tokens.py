@@ -14,6 +14,7 @@ from vivace.server.prompts import chat_prompt_ids, off_the_loop, parse_body
 from vivace.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from vivace.server.responses import DetokenizeResponse, TokenizeResponse
 from vivace.server.state import server_state
+from vivace.server.tools import tool_choice
 
 
 def _tokenize_schema(raw: bytes) -> type[TokenizeChatRequest] | type[TokenizeCompletionRequest]:
@@ -34,7 +35,7 @@ async def tokenize(request: Request) -> Response:
     tokenizer = engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
         ids = await off_the_loop(state.metrics.work["prompt"], chat_prompt_ids, tokenizer, body,
-                                 "auto" if body.tools else "none", body.add_special_tokens,
+                                 tool_choice(body), body.add_special_tokens,
                                  size=sum(len(m.text()) for m in body.messages))
     else:
         ids = await off_the_loop(state.metrics.work["prompt"],

@@ -20,7 +20,7 @@ from typing import Any
 from vivace.engine.grammar import JSON_LAYOUT
 from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
-from vivace.server.protocol import ChatCompletionRequest, ChatMessage, ChatTemplateRequest, Tool
+from vivace.server.protocol import ChatMessage, ChatTemplateRequest, Tool
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CONVENTION = """# Tools
@@ -40,7 +40,7 @@ For each function call, return a json object with function name and arguments wi
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def tool_choice(body: ChatCompletionRequest) -> str:
+def tool_choice(body: ChatTemplateRequest) -> str:
     """"none", "auto", "required" or the name of the one function to call. 400 for a choice
     that names no tool, or any choice without tools."""
     choice = body.tool_choice
