@@ -267,8 +267,7 @@ class LLMEngine:
                 request.timings.scheduled = now
             if request.num_tokens - request.num_computed_tokens > 1:
                 request.timings.prefill_chunks.append((now, num_new))
-            positions = request.prompt_logprob_positions(num_new)
-            if positions:
+            if request.prompt_logprobs is not None and (positions := request.prompt_logprob_positions(num_new)):
                 prompt_plan.append((request, len(logit_indices), len(positions)))
                 logit_indices.extend(offset + p - request.num_computed_tokens for p in positions)
             offset += num_new
@@ -292,8 +291,11 @@ class LLMEngine:
                 request.num_computed_tokens += num_new
                 if request.num_computed_tokens == request.num_tokens:
                     samples.append((request, None))
-        failed = self._collect_prompt_logprobs(prompt_plan, logits, finite) if prompt_plan else {}
+        # Prompt rows are read before sampling, which may change its own rows of ``logits`` in place.
+        failed = self._collect_prompt_logprobs(prompt_plan, logits, finite) if prompt_plan else None
         samples += self._sample(plan, logits, finite) if drawn is None else self._drawn(plan, drawn)
+        if not failed:
+            return samples
         return [(request, failed.pop(request, sampled)) for request, sampled in samples] + list(failed.items())
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
