@@ -9,7 +9,7 @@ the grammar-carrying fields (a JSON schema, regex or grammar to constrain the ou
 their calls) are valid only if the grammar engine compiles them, which no JSON schema can say.
 For positive cases only, this hook makes such a body obey the rules and drops those fields, and
 keeps each case short (at most 8 tokens, 2 choices) so a bounded run covers many cases; the
-messages of a ``/tokenize`` body get the same care (its tools stay), and a ``/v1/responses`` body
+messages of a ``/tokenize`` body get the same care (its tools stay, with unique names, and no tool_choice), and a ``/v1/responses`` body
 its own (no tools or json_schema format, function calls' arguments ``{}``, few tokens). Negative cases go out
 untouched. Structured output and tools have their own tests.
 """
@@ -83,6 +83,18 @@ def _fit_template(body: dict[str, Any]) -> None:
         body["add_generation_prompt"] = False
 
 
+def _fit_tools(body: dict[str, Any]) -> None:
+    """A /tokenize body's tools as chat requires them: no tool_choice (a named one must name a
+    tool, any but "none" needs tools), and no tools at all where two share a name."""
+    body.pop("tool_choice", None)
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        names = [str((tool.get("function") or {}).get("name")) for tool in tools
+                 if isinstance(tool, dict) and isinstance(tool.get("function"), dict)]
+        if len(set(names)) != len(names):
+            body.pop("tools")
+
+
 def _fit_response(body: dict[str, Any]) -> None:
     """A /v1/responses body: no tools or json_schema format (grammars), function calls'
     arguments a JSON object, at most MAX_TOKENS tokens."""
@@ -111,3 +123,4 @@ def before_call(ctx: Any, case: Any, kwargs: Any) -> None:
         elif case.path == "/tokenize":
             _drop_calls(case.body)
             _fit_template(case.body)
+            _fit_tools(case.body)
