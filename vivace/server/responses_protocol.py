@@ -105,12 +105,10 @@ InputItem = Annotated[
                                        "supported)")]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(FunctionDefinition):
+    """A function tool as the Responses API gives it: chat's definition, flat, with its type."""
+
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(_Strict):
@@ -194,9 +192,8 @@ class ResponsesRequest(_Strict):
     def chat_request(self) -> ChatCompletionRequest:
         """The same request as chat completions take it; 400 for a function call's arguments
         that are not a JSON object."""
-        tools = [Tool(type="function", function=FunctionDefinition(
-            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
-            for t in self.tools or []]
+        tools = [Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))
+                 for t in self.tools or []]
         choice = self.tool_choice
         if isinstance(choice, NamedFunction):
             choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))
