@@ -4,7 +4,8 @@ A positive case is valid by the JSON schema; a few of vivace's rules tie fields 
 JSON schema can't say (top_logprobs needs logprobs, stream_options needs stream,
 continuous_usage_stats needs include_usage, min_tokens <= max_tokens, best_of == n, max_tokens 0
 only with echo, prompt_logprobs not in a stream, continue_final_message without
-add_generation_prompt, prompt plus max_tokens within the context), and
+add_generation_prompt, thinking only in assistant messages, a Responses reasoning effort only
+where the server reasons, prompt plus max_tokens within the context), and
 the grammar-carrying fields (a JSON schema, regex or grammar to constrain the output, tools and
 their calls) are valid only if the grammar engine compiles them, which no JSON schema can say.
 For positive cases only, this hook makes such a body obey the rules and drops those fields, and
@@ -37,13 +38,17 @@ def _drop_grammars(body: dict[str, Any]) -> None:
 
 
 def _drop_calls(body: dict[str, Any]) -> None:
-    """Messages without tool calls or results (their ids must pair up)."""
+    """Messages without tool calls or results (their ids must pair up), and thinking only in
+    assistant messages."""
     for message in body.get("messages") or []:
         if isinstance(message, dict):
             message.pop("tool_calls", None)
             message.pop("tool_call_id", None)
             if message.get("role") == "tool":
                 message["role"] = "user"
+            if message.get("role") != "assistant":
+                message.pop("reasoning_content", None)
+                message.pop("reasoning", None)
 
 
 def _number(value: Any) -> bool:
@@ -97,9 +102,13 @@ def _fit_tools(body: dict[str, Any]) -> None:
 
 def _fit_response(body: dict[str, Any]) -> None:
     """A /v1/responses body: no tools or json_schema format (grammars), function calls'
-    arguments a JSON object, at most MAX_TOKENS tokens."""
+    arguments a JSON object, no reasoning effort but "none" (the fuzzed server has no reasoning
+    parser), at most MAX_TOKENS tokens."""
     for field in ("tools", "tool_choice", "parallel_tool_calls"):
         body.pop(field, None)
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") not in (None, "none"):
+        reasoning.pop("effort")
     text = body.get("text")
     if isinstance(text, dict) and isinstance(text.get("format"), dict) and text["format"].get("type") == "json_schema":
         text.pop("format")

@@ -120,6 +120,8 @@ SERVER_FLAGS = (
          "* any; an empty value: none)", kind="list"),
     Flag("--otlp-traces-endpoint", None, "OTLP/HTTP collector URL receiving one OpenTelemetry "
          "span per request, e.g. http://localhost:4318 (OTEL_* variables apply; default: off)"),
+    Flag("--reasoning-parser", None, "hand a thinking model's <think>...</think> text out apart from its "
+         "answer (reasoning_content and reasoning): qwen3 or deepseek_r1, as vLLM's (default: off)"),
 )
 # Scale-out on Ray Serve: any of these turns `vivace serve` into a Ray Serve application.
 SCALE_FLAGS = (
@@ -223,7 +225,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
         ui=not args.no_ui, otlp_traces_endpoint=args.otlp_traces_endpoint,
-        allowed_origins=tuple(origin for origin in args.allowed_origins if origin))
+        allowed_origins=tuple(origin for origin in args.allowed_origins if origin),
+        reasoning_parser=args.reasoning_parser)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -233,15 +236,16 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(levelname)s %(name)s [%(request_id)s]: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdLogFilter())
+    settings = server_settings(args)  # a bad server flag is an error before anything is built
     if any(getattr(args, flag.dest) is not None for flag in SCALE_FLAGS):
-        return _serve_scaled_out(args, server_settings(args))
+        return _serve_scaled_out(args, settings)
     from vivace.layers import native
 
     native.prebuild()  # every native library at once, before the imports below wait for the first
     from vivace.server.serve import run_server
 
     config = dataclasses.replace(engine_config(args), background_compile=not args.compile_wait)
-    return run_server(config, server_settings(args))
+    return run_server(config, settings)
 
 
 def _yaml_value(flag: Flag) -> Callable[[Any], Any]:

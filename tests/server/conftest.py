@@ -12,7 +12,7 @@ from vivace.config import EngineConfig
 from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
 
-from .harness import RunningServer, assert_engine_idle, serving
+from .harness import RunningServer, assert_engine_idle, serving, serving_own_engine
 
 MAX_MODEL_LEN = 256
 LONG_RUN = 8000  # max_tokens of a request that holds the single-slot engine
@@ -58,12 +58,9 @@ def default_server(default_float_engine: AsyncEngine) -> Iterator[RunningServer]
 def tools_server_module(tiny_model_dir: Path) -> Iterator[RunningServer]:
     """The tiny model with a context that has room for the tool listing the Hermes-style
     convention puts in the prompt, on its own engine, served for one module."""
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_kv_blocks=256))
-    try:
-        with serving(engine, ServerSettings(served_model_name="tiny")) as running:
-            yield running
-    finally:
-        engine.shutdown()
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_kv_blocks=256)
+    with serving_own_engine(config, ServerSettings(served_model_name="tiny")) as running:
+        yield running
 
 
 @pytest.fixture

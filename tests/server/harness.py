@@ -15,6 +15,7 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
+from vivace.config import EngineConfig
 from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings, build_app
 
@@ -59,6 +60,17 @@ def serving(engine: AsyncEngine | None, settings: ServerSettings) -> Iterator[Ru
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def serving_own_engine(config: EngineConfig, settings: ServerSettings) -> Iterator[RunningServer]:
+    """``serving`` an engine of its own, made from ``config`` and shut down when the block exits."""
+    engine = AsyncEngine(config)
+    try:
+        with serving(engine, settings) as running:
+            yield running
+    finally:
+        engine.shutdown()
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

@@ -48,6 +48,9 @@ class ClusterState(ServerState):
         self.handles = handles
         self.replicas: dict[str, list[dict[str, Any]]] = {name: [] for name in deployments}
         super().__init__(settings=settings)
+        for served in models.values():  # a reasoning parser must fit every version's tokenizer
+            for version in served.versions:
+                self.reasoning_parser(version.engine)
 
     def engine_metrics(self) -> Collector:
         return _ClusterCollector(self)

@@ -4,12 +4,15 @@ A request's ``SamplingParams.structured`` names what its output must match. The 
 keeps one ``LLMatcher`` per constrained request; each step it fills the constrained rows of
 a token bitmask (on a worker thread, while the model's forward runs), sets every token the
 grammar forbids to -inf in those logits rows, and after sampling advances each matcher by
-the token it got. Compiled grammars are cached by their spec; a request gets a copy.
+the token it got. Compiled grammars are cached by their spec; a request gets a copy. A spec
+``after_thinking`` a think block is composed behind it, the block's text left free (a thinking
+model's reasoning: ``vivace.server.reasoning``).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +24,8 @@ import numpy as np
 import torch
 from llguidance import LLMatcher
 
-from vivace.engine.sampling_params import StructuredOutput
+from vivace.engine.sampling_params import StructuredOutput, ThinkBlock
+
 # JSON as json.dumps writes it. Free whitespace lets a small model pad forever; a schema's own
 # "x-guidance" options still override this.
 JSON_LAYOUT: llguidance.JsonCompileOptions = {
@@ -66,6 +70,8 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from(structured.kind, structured.spec)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"invalid {structured.kind}: {exc}") from None
+        if structured.after_thinking is not None:
+            grammar = self._after_thinking(grammar, structured.after_thinking)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if is_error:
             raise ValueError(f"unsupported or invalid {structured.kind}: {messages[0]}")
@@ -73,6 +79,29 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"unsupported or invalid {structured.kind}: {matcher.get_error()}")
         return matcher
+
+    def _after_thinking(self, grammar: str, think: ThinkBlock) -> str:
+        """``grammar`` (llguidance's JSON or Lark text) behind ``think``: free text up to the
+        block's closing token, at most two newlines, then ``grammar``. Tags llguidance holds
+        special (added tokens) are matched by id; others as text, the thinking ending lazily at
+        the first closing tag."""
+        tags = [f"<[{t}]>" if self.ll_tokenizer.is_special_token(t) else json.dumps(self._hf_tokenizer.decode([t]))
+                for t in (think.open_id, think.close_id)]
+        head = f"{tags[0]}? thought" if think.opened else f"({tags[0]} thought)?"
+        lazy = "" if tags[1].startswith("<[") else "[lazy]"  # a special token can't end a lazy lexeme
+        lark = "\n".join([f"start: {head} /\\n{{0,2}}/ @answer", f"thought{lazy}: THOUGHT {tags[1]}",
+                          "THOUGHT: /(.|\\n)*/"])
+        return json.dumps({"grammars": [{"lark_grammar": lark}, {**_single_grammar(grammar), "name": "answer"}]})
+
+
+def _single_grammar(grammar: str) -> dict[str, Any]:
+    """The one grammar of ``grammar``: a JSON top-level grammar, or Lark text."""
+    try:
+        top = json.loads(grammar)
+    except json.JSONDecodeError:
+        return {"lark_grammar": grammar}
+    (single,) = top["grammars"]  # every kind compiles to one grammar
+    return single
 
 
 class TokenMasks:

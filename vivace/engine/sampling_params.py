@@ -9,13 +9,26 @@ GrammarKind = Literal["json_schema", "regex", "choice", "grammar"]
 
 
 @dataclass(frozen=True)
+class ThinkBlock:
+    """A think block, between the tokens ``open_id`` and ``close_id``, that a grammar leaves free
+    before the output it constrains. ``opened``: the prompt opened it, so the output starts inside
+    it (a repeated opening token first is allowed); else the output may open one first, or not."""
+
+    open_id: int
+    close_id: int
+    opened: bool
+
+
+@dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must match. ``spec`` is text: a JSON schema (``json_schema``),
     a regular expression (``regex``), a JSON list of strings (``choice``), or a Lark or GBNF
-    grammar in llguidance's dialect (``grammar``). ``vivace.engine.grammar`` compiles it."""
+    grammar in llguidance's dialect (``grammar``). With ``after_thinking``, it constrains only
+    what follows that think block. ``vivace.engine.grammar`` compiles it."""
 
     kind: GrammarKind
     spec: str
+    after_thinking: ThinkBlock | None = None
 
 # Temperatures below this sample greedily: dividing logits by less overflows float32 (as vLLM).
 SAMPLING_EPS = 1e-5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -12,16 +13,17 @@ from starlette.responses import JSONResponse, Response
 from vivace.engine.outputs import CompletionOutput, TokenLogprob
 from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
-from vivace.server.generation import EngineRequest, run_whole, timings_of, usage_of
+from vivace.server.generation import EngineRequest, run_whole, timings_of, usage_with_thinking
 from vivace.server.prompts import chat_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params
+from vivace.server.reasoning import Thinking, ThoughtSplitter
 from vivace.server.request_id import request_id_of
 from vivace.server.protocol import ChatCompletionRequest
 from vivace.server.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-    ChatLogprobs, ChatTokenLogprob, DeltaMessage, FunctionCall, FunctionCallDelta, ToolCall,
-    ToolCallDelta, TopLogprob, prompt_logprobs_of)
+    ChatLogprobs, ChatTokenLogprob, DeltaMessage, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta,
+    TopLogprob, Usage, prompt_logprobs_of, thought)
 from vivace.server.sse import sse_event, sse_response
-from vivace.server.structured import check_compiles, json_schema, requested_constraint, structured_output
+from vivace.server.structured import check_compiles, json_schema, structured_output
 from vivace.server.tool_parser import ToolCallParser, parse_tool_calls
 from vivace.server.tools import call_grammar, parameters_schema, tool_choice
 from vivace.server.state import server_state
@@ -35,21 +37,31 @@ async def create_chat_completion(request: Request) -> Response:
     """OpenAI chat completions; see ``vivace.server.protocol.ChatCompletionRequest``."""
     state = server_state(request)
     body = await parse_body(request, ChatCompletionRequest, state.metrics.work["parse"])
-    job, ticket, calls = await start_chat(request, body, "chatcmpl")
+    chat = await start_chat(request, body, "chatcmpl")
     if body.stream:
-        return sse_response(_chunks(job, state.model_name(body.model), body.include_usage(), body.continuous_usage(),
-                                    calls), ticket.release, state.metrics.work["sse_write"])
-    if not await run_whole(request, job, ticket.release):
+        return sse_response(_chunks(chat, state.model_name(body.model), body.include_usage(), body.continuous_usage()),
+                            chat.ticket.release, state.metrics.work["sse_write"])
+    if not await run_whole(request, chat.job, chat.ticket.release):
         return Response(status_code=499)
-    return JSONResponse(_response(job, state.model_name(body.model), calls, body.prompt_logprobs)
-                        .model_dump(mode="json"))
+    return JSONResponse(_response(chat, state.model_name(body.model), body.prompt_logprobs).model_dump(mode="json"))
 
 
-async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: str
-                     ) -> tuple[EngineRequest, Ticket, bool]:
-    """The engine request for ``body`` (templated, its limits and grammar checked) and its
-    admission ticket, which the caller releases when the answer ends; and whether tool calls
-    may be in its output. Raises APIError (400, 404, 429, 503) before anything runs."""
+@dataclass(frozen=True)
+class StartedChat:
+    """A chat request on its way: its engine request, its admission ticket (the caller releases
+    it when the answer ends), whether tool calls may be in its output, and how a reasoning parser
+    reads its output (None: no parser)."""
+
+    job: EngineRequest
+    ticket: Ticket
+    calls: bool
+    thinking: Thinking | None
+
+
+async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: str) -> StartedChat:
+    """The engine request for ``body`` (templated, its limits and grammar checked), admitted.
+    With a reasoning parser a grammar constrains only what follows the thinking. Raises
+    APIError (400, 404, 429, 503) before anything runs."""
     state = server_state(request)
     caller = state.caller(request)
     engine = state.engine_for(body.model, caller)
@@ -59,27 +71,37 @@ async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: s
     max_tokens = fit_max_tokens(len(prompt_ids), body.requested_max_tokens(),
                                 engine.max_model_len, "messages")
     params = sampling_params(body, max_tokens, body.requested_logprobs(), body.prompt_logprobs)
-    params.structured = await _constraint(engine, body, choice)
+    parser = state.reasoning_parser(engine)
+    thinking = parser.thinking(prompt_ids) if parser is not None else None
+    params.structured = await _constraint(engine, body, choice, thinking)
     job = EngineRequest(engine, state.metrics, prompt_ids, params, request_id_of(request, id_prefix),
                         caller.priority(body.priority), caller.deadlines)
     ticket = state.admission.admit(caller.api_key, caller.tier, [job])
-    return job, ticket, choice != "none"
+    return StartedChat(job, ticket, choice != "none", thinking)
 
 
-async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: str
+async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: str, thinking: Thinking | None
                       ) -> StructuredOutput | None:
     """The output's grammar: the tool-call grammar when tools may be called, else what
-    ``response_format`` or vLLM's extras ask for. Each part is checked to compile (400)."""
+    ``response_format`` or vLLM's extras ask for; behind the thinking with a reasoning parser.
+    Each part is checked to compile (400), on a worker thread."""
     if choice == "none" or not body.tools:
-        return await requested_constraint(engine, body)
-    if structured_output(body) is not None:
-        raise APIError(400, "A structured-output constraint can't be combined with tool calls; "
-                            "set tool_choice to \"none\" or drop it", param="tool_choice")
-    for i, tool in enumerate(body.tools):
-        param = f"tools.{i}.function.parameters"
-        await check_compiles(engine, param, json_schema(parameters_schema(tool), param))
-    grammar = call_grammar(body.tools, choice, body.parallel_tool_calls)
-    await check_compiles(engine, "tools", grammar)
+        found = structured_output(body)
+        if found is None:
+            return None
+        param, grammar = found
+    else:
+        if structured_output(body) is not None:
+            raise APIError(400, "A structured-output constraint can't be combined with tool calls; "
+                                "set tool_choice to \"none\" or drop it", param="tool_choice")
+        for i, tool in enumerate(body.tools):
+            param = f"tools.{i}.function.parameters"
+            await check_compiles(engine, param, json_schema(parameters_schema(tool), param))
+        param, grammar = "tools", call_grammar(body.tools, choice, body.parallel_tool_calls)
+    await check_compiles(engine, param, grammar)
+    if thinking is not None:
+        grammar = thinking.constrained(grammar)
+        await check_compiles(engine, param, grammar)
     return grammar
 
 
@@ -94,75 +116,108 @@ def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> ChatLo
         for lp in logprobs or []])
 
 
-def _message(text: str, finish_reason: str | None, calls: bool) -> tuple[AssistantMessage, str | None]:
-    """The assistant's message, tool calls read out of its text when they may be there."""
+def _message(text: str | None, finish_reason: str | None, calls: bool, reasoning: str | None
+             ) -> tuple[AssistantMessage, str | None]:
+    """The assistant's message, tool calls read out of its text (the answer, after any thinking)
+    when they may be there."""
     if not calls:
-        return AssistantMessage(content=text), finish_reason
-    content, parsed = parse_tool_calls(text)
+        return AssistantMessage(content=text, **thought(reasoning)), finish_reason
+    content, parsed = parse_tool_calls(text or "")
     tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                   for c in parsed]
-    return AssistantMessage(content=content, tool_calls=tool_calls), _finish(finish_reason, bool(parsed))
+    return (AssistantMessage(content=content, tool_calls=tool_calls, **thought(reasoning)),
+            _finish(finish_reason, bool(parsed)))
 
 
 def _finish(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def _response(job: EngineRequest, model: str, calls: bool, prompt_logprobs: int | None) -> ChatCompletionResponse:
+def _response(chat: StartedChat, model: str, prompt_logprobs: int | None) -> ChatCompletionResponse:
     """The whole answer; with ``prompt_logprobs`` asked for, the rendered prompt's logprobs (vLLM's,
     beside the choices: every choice has the same prompt)."""
-    choices = []
+    job, choices, thought_flags = chat.job, [], []
     for c in job.choices:
-        message, reason = _message(c.text, c.finish_reason, calls)
+        split = chat.thinking.split(c.text) if chat.thinking is not None else None
+        message, reason = _message(c.text if split is None else split.content, c.finish_reason, chat.calls,
+                                   None if split is None else split.reasoning)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(job, c.logprobs),
                                   finish_reason=reason))
+        thought_flags.append(split is not None and split.thought)
     scored = job.choices[0].prompt_logprobs
     return ChatCompletionResponse(id=job.request_id, model=model, choices=choices,
-                                  usage=usage_of([job]), timings=timings_of(job),
+                                  usage=usage_with_thinking(job, chat.thinking, thought_flags),
+                                  timings=timings_of(job),
                                   prompt_logprobs=None if prompt_logprobs is None or scored is None
                                   else prompt_logprobs_of(scored, prompt_logprobs))
 
 
-def _chunk_choice(job: EngineRequest, delta: CompletionOutput,
-                  parser: ToolCallParser | None) -> ChatChunkChoice | None:
+@dataclass
+class _HeldBack:
+    """What reads one choice's stream before the client sees it: the thinking's splitter (with a
+    reasoning parser) and then the tool-call parser (when calls may come)."""
+
+    splitter: ThoughtSplitter | None
+    parser: ToolCallParser | None
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolCallDelta]]:
+        """The (reasoning, content, tool-call deltas) that ``text`` releases."""
+        reasoning = ""
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(text, final=finished)
+        tool_deltas = []
+        if self.parser is not None:
+            text, tool_deltas = self.parser.feed(text)
+            if finished:
+                text += self.parser.finish()[0]
+        return reasoning, text, tool_deltas
+
+
+def _chunk_choice(job: EngineRequest, delta: CompletionOutput, held: _HeldBack) -> ChatChunkChoice | None:
     reason = delta.finish_reason.value if delta.finish_reason else None
-    text, tool_deltas = delta.text, []
-    if parser is not None:
-        text, tool_deltas = parser.feed(delta.text)
-        if reason is not None:
-            text += parser.finish()[0]
-            reason = _finish(reason, any(call.name is not None for call in parser.calls))
+    reasoning, text, tool_deltas = held.feed(delta.text, reason is not None)
+    if held.parser is not None and reason is not None:
+        reason = _finish(reason, any(call.name is not None for call in held.parser.calls))
     # One event per token, even one that adds no text yet (part of a character, a possible stop
     # string's start, an id the tokenizer lacks), as vLLM does: the stream keeps the step's cadence.
-    # Text a tool-call parser holds back sends nothing, so a call's message never gets content "".
-    silent = not (text or tool_deltas) if parser is not None else not delta.token_ids
+    # Text a tool-call parser or the thinking's splitter holds back sends nothing, so a call's
+    # message never gets content "", nor a thought an empty answer.
+    holding = held.parser is not None or held.splitter is not None
+    silent = not (reasoning or text or tool_deltas) if holding else not delta.token_ids
     if silent and reason is None and not delta.logprobs:
         return None
-    message = DeltaMessage(content=text if text or not tool_deltas else None, tool_calls=[
-        ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,
-                      function=FunctionCallDelta(name=d.name, arguments=d.arguments))
-        for d in tool_deltas])
+    message = DeltaMessage(
+        content=text if text or not (tool_deltas or held.splitter is not None) else None, **thought(reasoning or None),
+        tool_calls=[ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,
+                                  function=FunctionCallDelta(name=d.name, arguments=d.arguments))
+                    for d in tool_deltas])
     return ChatChunkChoice(index=delta.index, delta=message, logprobs=_logprobs(job, delta.logprobs),
                            finish_reason=reason)
 
 
-async def _chunks(job: EngineRequest, model: str, include_usage: bool, continuous_usage: bool,
-                  calls: bool) -> AsyncGenerator[str, None]:
+async def _chunks(chat: StartedChat, model: str, include_usage: bool, continuous_usage: bool
+                  ) -> AsyncGenerator[str, None]:
     """The stream's chunks; with ``continuous_usage`` each carries the usage so far."""
+    job = chat.job
+    held = [_HeldBack(chat.thinking.splitter() if chat.thinking is not None else None,
+                      ToolCallParser() if chat.calls else None) for _ in range(job.params.n)]
+
+    def usage() -> Usage:
+        return usage_with_thinking(job, chat.thinking, [h.splitter is not None and h.splitter.thought for h in held])
+
     def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
         if continuous_usage:
-            extra.setdefault("usage", usage_of([job]))
+            extra.setdefault("usage", usage())
         return sse_event(ChatCompletionChunk(id=job.request_id, model=model, choices=choices,
                                              **extra))
 
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(job.params.n)])
-    parsers = {i: ToolCallParser() for i in range(job.params.n)} if calls else {}
     async with contextlib.aclosing(job.deltas()) as deltas:
         async for out in deltas:
-            choices = [c for c in (_chunk_choice(job, d, parsers.get(d.index)) for d in out.outputs)
+            choices = [c for c in (_chunk_choice(job, d, held[d.index]) for d in out.outputs)
                        if c is not None]
             if choices or out.finished:
                 yield chunk(choices, timings=timings_of(job) if out.finished else None)
     if include_usage:
-        yield chunk([], usage=usage_of([job]))
+        yield chunk([], usage=usage())

@@ -18,11 +18,12 @@ from vivace.engine.errors import EngineDeadError, EngineStepError, RequestFailed
 from vivace.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vivace.engine.sampling_params import SamplingParams
 from vivace.server.errors import APIError
-from vivace.server.responses import ResponseTimings, Usage
+from vivace.server.responses import CompletionTokensDetails, ResponseTimings, Usage
 
 if TYPE_CHECKING:
     from vivace.engine.async_engine import AsyncEngine
     from vivace.server.metrics import ServerMetrics
+    from vivace.server.reasoning import Thinking
 
 T = TypeVar("T")
 logger = logging.getLogger("vivace.server")
@@ -133,6 +134,16 @@ def usage_of(jobs: list[EngineRequest]) -> Usage:
     for job in jobs:
         usage.add(len(job.prompt_ids), job.completion_tokens,
                   job.last.num_cached_tokens if job.last else 0)
+    return usage
+
+
+def usage_with_thinking(job: EngineRequest, thinking: Thinking | None, thought: list[bool]) -> Usage:
+    """The job's usage; with a reasoning parser, its thinking tokens too (``thought``: whether each
+    choice had a think block)."""
+    usage = usage_of([job])
+    if thinking is not None:
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
+            thinking.reasoning_tokens(choice.token_ids, had) for choice, had in zip(job.choices, thought)))
     return usage
 
 

@@ -179,6 +179,10 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # tool messages only: the call this is the result of
     # What an OpenAI client's ``message.model_dump()`` carries when an answer is sent back.
     refusal: str | None = None  # an assistant's refusal: its text when it has no content
+    # An assistant's thinking (a reasoning parser's answer carries both names, as vLLM's old and new
+    # ones); the chat template gets it as ``reasoning_content``, which Qwen3's renders.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     annotations: Annotated[list[Any] | None, *_unsupported("annotations", {"maxItems": 0})] = None
     audio: None = None
     function_call: Annotated[dict[str, Any] | None, *_unsupported(
@@ -188,6 +192,9 @@ class ChatMessage(_Strict):
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or self.refusal or ""
+
+    def thinking(self) -> str | None:
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
 
 class SamplingRequest(_Strict):

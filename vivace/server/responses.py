@@ -14,11 +14,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    # With a reasoning parser: how many of the completion tokens were thinking.
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, exclude_if=lambda value: value is None)
 
     def add(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens += prompt_tokens
@@ -131,13 +137,30 @@ class ToolCallDelta(BaseModel):
     function: FunctionCallDelta
 
 
-class AssistantMessage(BaseModel):
+def _absent_if_none(value: object) -> bool:
+    return value is None
+
+
+class Thought(BaseModel):
+    """A thinking model's reasoning (with a reasoning parser), under both names clients read: vLLM's
+    and SGLang's older ``reasoning_content`` and vLLM's newer ``reasoning``; absent when none."""
+
+    reasoning_content: str | None = Field(None, exclude_if=_absent_if_none)
+    reasoning: str | None = Field(None, exclude_if=_absent_if_none)
+
+
+def thought(text: str | None) -> dict[str, str | None]:
+    """A reasoning text as the fields of a message or delta (:class:`Thought`)."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
+class AssistantMessage(Thought):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda value: not value)
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(Thought):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda value: not value)

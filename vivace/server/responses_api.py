@@ -6,15 +6,17 @@ fields (``input``, ``max_output_tokens``, ``tools.0.parameters``), not chat's.""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vivace.server.chat import start_chat
+from vivace.server.chat import StartedChat, start_chat
 from vivace.server.errors import APIError
-from vivace.server.generation import EngineRequest, run_whole
+from vivace.server.generation import run_whole, usage_with_thinking
 from vivace.server.prompts import parse_body
-from vivace.server.responses_objects import FunctionToolCall, OutputMessage, OutputText, ResponseObject
+from vivace.server.responses_objects import (
+    FunctionToolCall, OutputMessage, OutputText, ReasoningItem, ReasoningText, ResponseObject)
 from vivace.server.responses_protocol import NamedFunction, ResponsesRequest
 from vivace.server.responses_stream import complete, item_id, response_events
 from vivace.server.sse import sse_response
@@ -23,7 +25,7 @@ from vivace.server.tool_parser import parse_tool_calls
 
 # Chat's names (and pydantic's union tags) for the Responses API's fields.
 _RENAMES = [
-    (re.compile(r"^input\.(\d+)\.(?:message|function_call|function_call_output)(?=\.|$)"), r"input.\1"),
+    (re.compile(r"^input\.(\d+)\.(?:message|function_call|function_call_output|reasoning)(?=\.|$)"), r"input.\1"),
     (re.compile(r"^messages(\..*)?$"), "input"),
     (re.compile(r"^tools\.(\d+)\.function\."), r"tools.\1."),
     (re.compile(r"^tool_choice\.function\."), "tool_choice."),
@@ -38,18 +40,36 @@ async def create_response(request: Request) -> Response:
     state = server_state(request)
     try:
         body = await parse_body(request, ResponsesRequest, state.metrics.work["parse"])
-        job, ticket, calls = await start_chat(request, body.chat_request(), "resp")
+        template_kwargs = _effort_kwargs(body, state.settings.reasoning_parser)
+        chat = await start_chat(request, body.chat_request(template_kwargs), "resp")
     except APIError as exc:
         raise _in_responses_terms(exc) from None
-    answer = _settings(body, job.request_id, state.model_name(body.model))
+    answer = _settings(body, chat.job.request_id, state.model_name(body.model))
     if body.stream:
-        return sse_response(response_events(job, answer, calls), ticket.release, state.metrics.work["sse_write"],
-                            end="")
-    if not await run_whole(request, job, ticket.release):
+        return sse_response(response_events(chat.job, answer, chat.calls, chat.thinking), chat.ticket.release,
+                            state.metrics.work["sse_write"], end="")
+    if not await run_whole(request, chat.job, chat.ticket.release):
         return Response(status_code=499)
-    _output(answer, job, calls)
-    complete(answer, job)
+    thought = _output(answer, chat)
+    complete(answer, chat.job, usage_with_thinking(chat.job, chat.thinking, [thought]))
     return JSONResponse(answer.model_dump(mode="json"))
+
+
+def _effort_kwargs(body: ResponsesRequest, parser: str | None) -> dict[str, Any] | None:
+    """The chat template's variables for ``reasoning.effort``: qwen3's "none" turns thinking off;
+    400 for an effort the served model can't honour."""
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    if parser is None:
+        if effort not in (None, "none"):
+            raise APIError(400, "reasoning.effort: the served model doesn't reason (the server has no "
+                                "--reasoning-parser): leave it out or set it to \"none\"", param="reasoning.effort")
+        return None
+    if effort != "none":
+        return None
+    if parser == "deepseek_r1":
+        raise APIError(400, "reasoning.effort: the served model always reasons (--reasoning-parser deepseek_r1): "
+                            "\"none\" can't be honoured", param="reasoning.effort")
+    return {"enable_thinking": False}
 
 
 def _in_responses_terms(exc: APIError) -> APIError:
@@ -77,12 +97,18 @@ def _settings(body: ResponsesRequest, response_id: str, model: str) -> ResponseO
         metadata=body.metadata or {}, store=False, user=body.user)
 
 
-def _output(answer: ResponseObject, job: EngineRequest, calls: bool) -> None:
-    """The finished job's output items: its text as a message, then its function calls (the
-    last item is incomplete when the output was cut off)."""
-    text = job.choices[0].text
-    content, parsed = parse_tool_calls(text) if calls else (text, [])
-    if content is not None or not parsed:
+def _output(answer: ResponseObject, chat: StartedChat) -> bool:
+    """The finished request's output items: its thinking (with a reasoning parser), its answer as a
+    message, then its function calls (the last item is incomplete when the output was cut off).
+    Returns whether the output had a think block."""
+    job, text, thought = chat.job, chat.job.choices[0].text, False
+    if chat.thinking is not None:
+        split = chat.thinking.split(text)
+        text, thought = split.content, split.thought
+        if split.reasoning is not None:
+            answer.output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=split.reasoning)]))
+    content, parsed = parse_tool_calls(text or "") if chat.calls else (text, [])
+    if content is not None or not (parsed or answer.output):
         answer.output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=content or "")]))
     answer.output += [FunctionToolCall(id=item_id("fc"), call_id=call.id, name=call.name or "",
                                        arguments=call.arguments) for call in parsed]
@@ -90,3 +116,4 @@ def _output(answer: ResponseObject, job: EngineRequest, calls: bool) -> None:
         item.status = "completed"
     if job.choices[0].finish_reason == "length":
         answer.output[-1].status = "incomplete"
+    return thought

@@ -36,7 +36,24 @@ class FunctionToolCall(BaseModel):
     status: ItemStatus = "in_progress"
 
 
-OutputItem = Annotated[OutputMessage | FunctionToolCall, Field(discriminator="type")]
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class ReasoningItem(BaseModel):
+    """A thinking model's reasoning (with a reasoning parser), before its message or calls: the
+    whole thinking as one ``reasoning_text`` part (as vLLM gives it); no summary, nothing encrypted."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    encrypted_content: None = None
+    status: ItemStatus = "in_progress"
+
+
+OutputItem = Annotated[OutputMessage | FunctionToolCall | ReasoningItem, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -57,9 +74,11 @@ class ResponseUsage(BaseModel):
 
     @classmethod
     def of(cls, usage: Usage) -> ResponseUsage:
+        details = usage.completion_tokens_details
         return cls(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                    total_tokens=usage.total_tokens,
-                   input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens))
+                   input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
+                   output_tokens_details=OutputTokensDetails(reasoning_tokens=details.reasoning_tokens if details else 0))
 
 
 class IncompleteDetails(BaseModel):

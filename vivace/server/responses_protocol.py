@@ -90,6 +90,33 @@ class FunctionCallOutputInput(_Strict):
     status: ItemStatus | None = None
 
 
+class SummaryText(_Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningInput(_Strict):
+    """An earlier answer's reasoning item, sent back: its text becomes the thinking of the
+    assistant turn it belongs to (the chat template's ``reasoning_content``)."""
+
+    type: Literal["reasoning"]
+    summary: list[SummaryText]
+    content: list[ReasoningText] | None = None
+    encrypted_content: Annotated[None, _refused("vivace encrypts no reasoning and can't read encrypted "
+                                                "content: send the item as vivace gave it")] = None
+    id: str | None = None
+    status: ItemStatus | None = None
+
+    def text(self) -> str:
+        """Its reasoning text (the summary's, without one)."""
+        return "".join(part.text for part in (self.content or self.summary))
+
+
 def _item_kind(item: Any) -> str:
     """An item's tag: its ``type``; a message may leave it out (or null)."""
     kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
@@ -98,10 +125,10 @@ def _item_kind(item: Any) -> str:
 
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallInput, Tag("function_call")]
-    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputInput, Tag("function_call_output")] | Annotated[ReasoningInput, Tag("reasoning")],
     Discriminator(_item_kind, custom_error_type="unsupported_item",
-                  custom_error_message="input items must be messages, function_call or function_call_output "
-                                       "items (reasoning, item_reference and built-in tools' items are not "
+                  custom_error_message="input items must be messages, function_call, function_call_output or "
+                                       "reasoning items (item_reference and built-in tools' items are not "
                                        "supported)")]
 
 
@@ -136,17 +163,13 @@ class TextConfig(_Strict):
     format: Annotated[PlainText | JsonObject | JsonSchemaText, Field(discriminator="type")] | None = None
 
 
-def _no_effort(value: Any) -> Any:
-    if isinstance(value, str) and value != "none":
-        raise ValueError("the served model doesn't reason: leave reasoning.effort out or set it to \"none\"")
-    return value
-
-
 class Reasoning(_Strict):
-    """Accepted only as "no reasoning": vivace's models don't reason, so no effort can be spent
-    and no summary exists (vLLM ignores it for models that don't reason; vivace says so)."""
+    """How much to think. Without a reasoning parser the served model doesn't reason: only
+    "none" (or no effort) is accepted. With one, qwen3's "none" turns thinking off (the template's
+    ``enable_thinking: false``), deepseek_r1 can't (400); any other effort lets the model think as
+    long as it does. No summary is written: the reasoning item carries the whole thinking."""
 
-    effort: Annotated[Literal["none"] | None, BeforeValidator(_no_effort)] = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
@@ -164,7 +187,7 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = True
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
-    # No reasoning items are made, so there is no encrypted reasoning to include.
+    # Reasoning items carry their text in the clear: there is no encrypted reasoning to include.
     include: list[Literal["reasoning.encrypted_content"]] | None = None
     truncation: Literal["disabled"] | None = None
     # Bookkeeping: none of these changes the answer (store: nothing is kept either way).
@@ -189,9 +212,9 @@ class ResponsesRequest(_Strict):
     ignore_eos: bool | None = False
     priority: Integer() | None = None
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The same request as chat completions take it; 400 for a function call's arguments
-        that are not a JSON object."""
+    def chat_request(self, template_kwargs: dict[str, Any] | None = None) -> ChatCompletionRequest:
+        """The same request as chat completions take it, with ``template_kwargs`` for the chat
+        template; 400 for a function call's arguments that are not a JSON object."""
         tools = [Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))
                  for t in self.tools or []]
         choice = self.tool_choice
@@ -203,7 +226,8 @@ class ResponsesRequest(_Strict):
             temperature=self.temperature, top_p=self.top_p, response_format=self._response_format(),
             seed=self.seed, stop=self.stop, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos, priority=self.priority)
+            frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos, priority=self.priority,
+            chat_template_kwargs=template_kwargs)
 
     def _response_format(self) -> ResponseFormat | None:
         form = self.text.format if self.text is not None else None
@@ -216,7 +240,11 @@ class ResponsesRequest(_Strict):
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for index, item in enumerate(items):
-            if isinstance(item, InputMessage):
+            if isinstance(item, ReasoningInput):  # the thinking that opens an assistant turn
+                messages.append(ChatMessage(role="assistant", content="", reasoning_content=item.text()))
+            elif isinstance(item, InputMessage) and item.role == "assistant" and _thought_only(messages):
+                messages[-1].content = _text(item.content)  # the answer its thinking led to
+            elif isinstance(item, InputMessage):
                 messages.append(ChatMessage(role=item.role, content=_text(item.content)))
             elif isinstance(item, FunctionCallOutputInput):
                 messages.append(ChatMessage(role="tool", content=_text(item.output), tool_call_id=item.call_id))
@@ -228,6 +256,13 @@ class ResponsesRequest(_Strict):
                 else:
                     messages.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
         return messages
+
+
+def _thought_only(messages: list[ChatMessage]) -> bool:
+    """Whether the last message is an assistant's thinking, without its answer or calls yet."""
+    last = messages[-1] if messages else None
+    return (last is not None and last.role == "assistant" and last.reasoning_content is not None
+            and not last.content and not last.tool_calls)
 
 
 def _object_text(arguments: str, param: str) -> str:

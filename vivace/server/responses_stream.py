@@ -1,9 +1,11 @@
 """The Responses API's server-sent events for one streamed answer: ``event: <type>`` and
 ``data: <json>`` frames, each numbered by ``sequence_number``, in OpenAI's order —
-response.created, response.in_progress; per output item output_item.added, then for a message
-content_part.added, output_text.delta (one per token event, as chat streams) and their .done
-events, for a function call function_call_arguments.delta and .done; output_item.done; and
-response.completed (or response.incomplete when cut off by max_output_tokens)."""
+response.created, response.in_progress; per output item output_item.added, then for a reasoning
+item (a thinking model's, with a reasoning parser; it comes first) content_part.added,
+reasoning_text.delta and their .done events, for a message content_part.added, output_text.delta
+(one per token event, as chat streams) and their .done events, for a function call
+function_call_arguments.delta and .done; output_item.done; and response.completed (or
+response.incomplete when cut off by max_output_tokens)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,15 @@ from typing import Any
 
 from vivace.engine.outputs import CompletionOutput
 from vivace.server.errors import APIError
-from vivace.server.generation import EngineRequest, timings_of, usage_of
+from vivace.server.generation import EngineRequest, timings_of, usage_with_thinking
+from vivace.server.reasoning import Thinking
+from vivace.server.responses import Usage
 from vivace.server.responses_objects import (
-    FunctionToolCall, IncompleteDetails, ItemStatus, OutputMessage, OutputText, ResponseObject, ResponseUsage)
+    FunctionToolCall, IncompleteDetails, ItemStatus, OutputMessage, OutputText, ReasoningItem, ReasoningText,
+    ResponseObject, ResponseUsage)
 from vivace.server.tool_parser import ToolCallDelta, ToolCallParser
+
+Item = OutputMessage | FunctionToolCall | ReasoningItem
 
 
 def item_id(prefix: str) -> str:
@@ -26,15 +33,16 @@ def item_id(prefix: str) -> str:
 
 
 class ResponseEvents:
-    """Writes the events of one answer as its text and tool calls arrive; ``answer.output``
-    holds the items so far, so the last event's response is the whole answer."""
+    """Writes the events of one answer as its thinking, text and tool calls arrive;
+    ``answer.output`` holds the items so far, so the last event's response is the whole answer."""
 
-    def __init__(self, answer: ResponseObject, calls: bool) -> None:
+    def __init__(self, answer: ResponseObject, calls: bool, thinking: Thinking | None = None) -> None:
         self.answer = answer
         self.sequence_number = 0
+        self.splitter = thinking.splitter() if thinking is not None else None
         self.parser = ToolCallParser() if calls else None
         self.held = ""  # trailing whitespace of the text so far (tool calls may follow)
-        self.open: OutputMessage | FunctionToolCall | None = None
+        self.open: Item | None = None
 
     def event(self, kind: str, **payload: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence_number, **payload}
@@ -48,14 +56,14 @@ class ResponseEvents:
         assert self.open is not None
         return {"item_id": self.open.id, "output_index": len(self.answer.output) - 1}
 
-    def _add(self, item: OutputMessage | FunctionToolCall) -> list[str]:
+    def _add(self, item: Item) -> list[str]:
         frames = self._close("completed")
         self.answer.output.append(item)
         self.open = item
         frames.append(self.event("response.output_item.added", output_index=len(self.answer.output) - 1,
                                  item=item.model_dump(mode="json")))
-        if isinstance(item, OutputMessage):
-            item.content.append(OutputText())
+        if isinstance(item, (OutputMessage, ReasoningItem)):
+            item.content.append(OutputText() if isinstance(item, OutputMessage) else ReasoningText())
             frames.append(self.event("response.content_part.added", **self._where(), content_index=0,
                                      part=item.content[0].model_dump(mode="json")))
         return frames
@@ -66,11 +74,13 @@ class ResponseEvents:
             return frames
         where = self._where()
         item.status = status
-        if isinstance(item, OutputMessage):
+        if isinstance(item, (OutputMessage, ReasoningItem)):
             part = item.content[0]
-            frames += [self.event("response.output_text.done", **where, content_index=0, text=part.text, logprobs=[]),
-                       self.event("response.content_part.done", **where, content_index=0,
-                                  part=part.model_dump(mode="json"))]
+            done = (self.event("response.output_text.done", **where, content_index=0, text=part.text, logprobs=[])
+                    if isinstance(item, OutputMessage) else
+                    self.event("response.reasoning_text.done", **where, content_index=0, text=part.text))
+            frames += [done, self.event("response.content_part.done", **where, content_index=0,
+                                        part=part.model_dump(mode="json"))]
         else:
             frames.append(self.event("response.function_call_arguments.done", **where, arguments=item.arguments))
         frames.append(self.event("response.output_item.done", output_index=where["output_index"],
@@ -80,8 +90,15 @@ class ResponseEvents:
 
     def start(self) -> list[str]:
         frames = [self.lifecycle("response.created"), self.lifecycle("response.in_progress")]
-        if self.parser is None:  # plain text: the message opens at once, as OpenAI's does
+        if self.parser is None and self.splitter is None:  # plain text: the message opens at once, as OpenAI's does
             frames += self._add(OutputMessage(id=item_id("msg")))
+        return frames
+
+    def reasoning(self, text: str) -> list[str]:
+        frames = [] if isinstance(self.open, ReasoningItem) else self._add(ReasoningItem(id=item_id("rs")))
+        assert isinstance(self.open, ReasoningItem)
+        self.open.content[0].text += text
+        frames.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text))
         return frames
 
     def text(self, text: str) -> list[str]:
@@ -116,12 +133,17 @@ class ResponseEvents:
 
     def feed(self, delta: CompletionOutput) -> list[str]:
         """The events of one token event's output."""
+        finished, text, frames = delta.finish_reason is not None, delta.text, []
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(text, final=finished)
+            frames += self.reasoning(reasoning) if reasoning else []
         if self.parser is None:
-            return self.text(delta.text) if delta.token_ids or delta.text else []
-        text, calls = self.parser.feed(delta.text)
-        if delta.finish_reason is not None:
+            plain = self.splitter is None and delta.token_ids  # one event per token, as chat streams
+            return frames + (self.text(text) if text or plain else [])
+        text, calls = self.parser.feed(text)
+        if finished:
             text += self.parser.finish()[0]
-        frames = self.text(text) if text else []
+        frames += self.text(text) if text else []
         for call in calls:
             frames += self.call(call)
         return frames
@@ -134,20 +156,22 @@ class ResponseEvents:
         return [*frames, *self._close("incomplete" if incomplete else "completed")]
 
 
-def complete(answer: ResponseObject, job: EngineRequest) -> None:
-    """Fills in the finished ``job``'s status, usage and timings (its items are closed already)."""
+def complete(answer: ResponseObject, job: EngineRequest, usage: Usage) -> None:
+    """Fills in the finished ``job``'s status, ``usage`` and timings (its items are closed already)."""
     if job.choices[0].finish_reason == "length":
         answer.status, answer.incomplete_details = "incomplete", IncompleteDetails(reason="max_output_tokens")
     else:
         answer.status = "completed"
-    answer.usage = ResponseUsage.of(usage_of([job]))
+    answer.usage = ResponseUsage.of(usage)
     answer.timings = timings_of(job)
 
 
-async def response_events(job: EngineRequest, answer: ResponseObject, calls: bool) -> AsyncGenerator[str, None]:
-    """The stream of ``job``'s answer, which starts as ``answer`` (the request's settings).
+async def response_events(job: EngineRequest, answer: ResponseObject, calls: bool,
+                          thinking: Thinking | None = None) -> AsyncGenerator[str, None]:
+    """The stream of ``job``'s answer, which starts as ``answer`` (the request's settings); tool
+    calls are read out of it when ``calls``, its thinking with a reasoning parser (``thinking``).
     An error after the first event ends the stream with an ``error`` event."""
-    events = ResponseEvents(answer, calls)
+    events = ResponseEvents(answer, calls, thinking)
     yield "".join(events.start())
     try:
         async with contextlib.aclosing(job.deltas()) as deltas:
@@ -159,5 +183,6 @@ async def response_events(job: EngineRequest, answer: ResponseObject, calls: boo
         yield events.event("error", code=exc.code, message=exc.message, param=exc.param)
         return
     frames = events.finish(job.choices[0].finish_reason == "length")
-    complete(answer, job)
+    thought = events.splitter is not None and events.splitter.thought
+    complete(answer, job, usage_with_thinking(job, thinking, [thought]))
     yield "".join([*frames, events.lifecycle(f"response.{answer.status}")])

@@ -28,6 +28,14 @@ def _load_engine(config: EngineConfig, state: ServerState, server: uvicorn.Serve
         failures.append(exc)
         server.should_exit = True
         return
+    try:
+        state.reasoning_parser(engine)
+    except ValueError as exc:  # the model can't be served as the flags ask (--reasoning-parser)
+        logger.error("vivace serve: %s", exc)
+        engine.shutdown()
+        failures.append(exc)
+        server.should_exit = True
+        return
     # Everything alive now (model, torch, the app) lives as long as the process: frozen, no
     # collection walks it again, so a full collection costs what the requests allocated, not
     # a 100-200 ms walk of the whole heap while streams wait.

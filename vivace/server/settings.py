@@ -6,6 +6,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from vivace.server.reasoning import PARSERS
 from vivace.server.tiers import Tier
 
 
@@ -24,7 +25,9 @@ class ServerSettings:
     ``ui`` serves the web playground at ``/``; ``otlp_traces_endpoint`` (an OTLP/HTTP URL,
     None: no tracing) receives one OpenTelemetry span per request. ``allowed_origins`` are the
     web origins whose pages may call the API (CORS; ``*`` any, as vLLM and llama.cpp's server
-    allow by default; empty: none but the server's own).
+    allow by default; empty: none but the server's own). ``reasoning_parser`` (one of
+    ``vivace.server.reasoning.PARSERS``; None: off) hands a thinking model's ``<think>`` text
+    out apart from its answer.
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +47,7 @@ class ServerSettings:
     ui: bool = True
     otlp_traces_endpoint: str | None = None
     allowed_origins: tuple[str, ...] = ("*",)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -64,6 +68,9 @@ class ServerSettings:
             raise ValueError("ssl_ca_certs needs ssl_keyfile and ssl_certfile")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}: choose one of "
+                             f"{', '.join(sorted(PARSERS))}")
 
     def uvicorn_tls(self) -> dict[str, object]:
         """uvicorn.Config keywords serving https as these settings ask (none for plain http)."""

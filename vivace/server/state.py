@@ -12,6 +12,7 @@ from vivace.engine.deadlines import Deadlines
 from vivace.server.admission import Admission
 from vivace.server.errors import APIError
 from vivace.server.metrics import EngineStatsCollector, ServerMetrics
+from vivace.server.reasoning import ReasoningParser
 from vivace.server.settings import ServerSettings
 from vivace.server.tiers import Tier
 
@@ -36,17 +37,22 @@ class Caller:
 
 @dataclass
 class ServerState:
-    """Per-app state. ``engine`` is None while the model loads; handlers then answer 503."""
+    """Per-app state. ``engine`` is None while the model loads; handlers then answer 503.
+    Raises ValueError when the settings' reasoning parser doesn't fit the engine's tokenizer."""
 
     settings: ServerSettings
     engine: AsyncEngine | None = None
     metrics: ServerMetrics = field(init=False)
     admission: Admission = field(init=False)
+    # The reasoning parser of each served tokenizer, by its id (tokenizers live as long as the app).
+    _reasoning: dict[int, ReasoningParser] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine_metrics(),
                                      lambda: self.engine.timings if self.engine else None)
         self.admission = Admission(self.settings.max_waiting_requests, self.metrics.record_rejection)
+        if self.engine is not None:
+            self.reasoning_parser(self.engine)
 
     def caller(self, request: Request) -> Caller:
         """The sender of ``request`` (authenticated already, if the server has keys)."""
@@ -55,8 +61,21 @@ class ServerState:
         return Caller(api_key, tier, Deadlines(tier.max_queue_delay, self.settings.request_timeout_s))
 
     def attach_engine(self, engine: AsyncEngine) -> None:
-        """Marks the server ready: from now on requests go to ``engine``."""
+        """Marks the server ready: from now on requests go to ``engine``. Raises ValueError (and
+        stays not ready) when the reasoning parser doesn't fit its tokenizer."""
+        self.reasoning_parser(engine)
         self.engine = engine
+
+    def reasoning_parser(self, engine: AsyncEngine) -> ReasoningParser | None:
+        """The settings' reasoning parser for ``engine``'s tokenizer (None: off). Raises
+        ValueError when the tokenizer lacks its think tags."""
+        name = self.settings.reasoning_parser
+        if name is None:
+            return None
+        key = id(engine.tokenizer)
+        if key not in self._reasoning:
+            self._reasoning[key] = ReasoningParser.load(name, engine.tokenizer)
+        return self._reasoning[key]
 
     def engine_metrics(self) -> Collector:
         """The engine series of ``/metrics`` (zeros while the model loads)."""

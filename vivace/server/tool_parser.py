@@ -82,7 +82,7 @@ class ToolCallParser:
             if not self._in_call:
                 start = self._pending.find(CALL_OPEN)
                 if start < 0:
-                    keep = _partial_suffix(self._pending, CALL_OPEN)
+                    keep = partial_suffix(self._pending, CALL_OPEN)
                     emit = self._pending[:len(self._pending) - keep]
                     content += emit if not self.calls else emit.strip()
                     self._pending = self._pending[len(emit):]
@@ -142,7 +142,7 @@ class ToolCallParser:
         return (rest if not self.calls else rest.strip()), []
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that could begin ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):

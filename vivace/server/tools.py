@@ -112,6 +112,10 @@ def _check_roles(index: int, message: ChatMessage) -> None:
     if message.role != "assistant" and message.tool_calls:
         raise APIError(400, f"messages.{index}.tool_calls: only assistant messages make calls",
                        param=f"messages.{index}.tool_calls")
+    for name in ("reasoning_content", "reasoning"):
+        if message.role != "assistant" and getattr(message, name) is not None:
+            raise APIError(400, f"messages.{index}.{name}: only assistant messages reason",
+                           param=f"messages.{index}.{name}")
 
 
 def _convention_message(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -122,7 +126,7 @@ def _convention_message(index: int, message: ChatMessage) -> dict[str, Any]:
     calls = [json.dumps({"name": c.function.name, "arguments": _arguments(index, i, c.function.arguments)})
              for i, c in enumerate(message.tool_calls or [])]
     text = "\n".join([text] * bool(text) + [f"{CALL_OPEN}\n{call}\n{CALL_CLOSE}" for call in calls])
-    return {"role": role, "content": text}
+    return _with_thinking({"role": role, "content": text}, message)
 
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -135,7 +139,13 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
             for i, c in enumerate(message.tool_calls)]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
-    return rendered
+    return _with_thinking(rendered, message)
+
+
+def _with_thinking(rendered: dict[str, Any], message: ChatMessage) -> dict[str, Any]:
+    """The template's message with the assistant's thinking, when it carries one."""
+    thinking = message.thinking()
+    return rendered if thinking is None else {**rendered, "reasoning_content": thinking}
 
 
 def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str
