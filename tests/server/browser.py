@@ -4,6 +4,7 @@ long enough to be stopped) and an API key."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,16 +40,16 @@ def browser() -> Iterator[object]:
         chromium.close()
 
 
-@pytest.fixture(scope="module")
-def playground_url(make_tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    model = make_tiny_llama(max_position_embeddings=CONTEXT)
+@contextlib.contextmanager
+def serving(model: Path, log_dir: Path, *args: str) -> Iterator[str]:
+    """``vivace serve model`` with the playground's API key (and ``args``) as a process; its base URL."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("playground") / "serve.log"
+    log_path = log_dir / "serve.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "vivace.cli", "serve", str(model), "--port", str(port),
              "--served-model-name", "tiny", "--api-key", API_KEY, "--eager",
-             "--log-level", "warning"],
+             "--log-level", "warning", *args],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -57,3 +58,9 @@ def playground_url(make_tiny_llama, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         process.terminate()
         assert process.wait(timeout=60) == 0, log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def playground_url(make_tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with serving(make_tiny_llama(max_position_embeddings=CONTEXT), tmp_path_factory.mktemp("playground")) as url:
+        yield url

@@ -4,14 +4,16 @@ given the key, streams an answer with its latency figures, stops a long answer s
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from .browser import API_KEY, CONTEXT, browser, playground_url  # noqa: F401 (fixtures)
+from .browser import API_KEY, CONTEXT, browser, playground_url, serving  # noqa: F401 (fixtures)
 from .harness import wait_until
+from .thinker import ANSWER, THOUGHT, save_thinker
 
 pytestmark = pytest.mark.slow
 expect = pytest.importorskip("playwright.sync_api").expect
@@ -23,14 +25,14 @@ def running(base_url: str) -> float:
     return float(re.search(r"^vivace:num_requests_running (\S+)$", text, re.M).group(1))
 
 
-@pytest.fixture
-def page(browser, playground_url: str) -> Iterator[object]:
-    """The playground, opened with its API key entered; fails the test on any page error."""
+@contextlib.contextmanager
+def opened(browser, url: str) -> Iterator[object]:
+    """The playground at ``url``, opened with its API key entered; fails the test on any page error."""
     context = browser.new_context()
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
-    page.goto(playground_url)
+    page.goto(url)
     expect(page.locator("#model-status")).to_contain_text("needs an API key")
     page.fill("#api-key", API_KEY)
     page.press("#api-key", "Tab")
@@ -38,6 +40,20 @@ def page(browser, playground_url: str) -> Iterator[object]:
     yield page
     context.close()
     assert not errors, errors
+
+
+@pytest.fixture
+def page(browser, playground_url: str) -> Iterator[object]:
+    with opened(browser, playground_url) as page:
+        yield page
+
+
+@pytest.fixture(scope="module")
+def thinking_url(default_tokenizer_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server of a model that thinks before it answers, with ``--reasoning-parser qwen3``."""
+    model = save_thinker(tmp_path_factory.mktemp("thinker"), default_tokenizer_dir)
+    with serving(model, tmp_path_factory.mktemp("thinking"), "--reasoning-parser", "qwen3") as url:
+        yield url
 
 
 def ask(page, text: str, max_tokens: int) -> object:
@@ -57,6 +73,7 @@ def test_an_answer_streams_with_its_latency_figures(page) -> None:
     expect(page.locator("article.user").last).to_have_text(re.compile("Say something"))
     expect(stat(answer, "state")).to_have_text(re.compile(r"^done"), timeout=60_000)
     assert answer.locator(".content").inner_text().strip()
+    expect(answer.locator("details.reasoning")).to_be_hidden()  # no thinking, no block
     expect(stat(answer, "ttft")).to_have_text(MS)
     expect(stat(answer, "itl-mean")).to_have_text(MS)
     expect(stat(answer, "itl-p99")).to_have_text(MS)
@@ -68,6 +85,23 @@ def test_an_answer_streams_with_its_latency_figures(page) -> None:
     # The live panel's TTFT chart now has the request in its last minute.
     expect(page.locator("#chart-ttft .value")).to_have_text(re.compile(r"p50 [\d.]+ ms · p99 [\d.]+ ms"),
                                                             timeout=10_000)
+
+
+def test_a_thinking_models_reasoning_folds_above_its_answer(browser, thinking_url: str) -> None:
+    with opened(browser, thinking_url) as page:
+        answer = ask(page, "Capital of France?", 64)
+        expect(stat(answer, "state")).to_have_text("done (stop)", timeout=60_000)
+        expect(answer.locator(".content")).to_have_text(ANSWER)
+        reasoning = answer.locator("details.reasoning")
+        expect(reasoning).to_be_visible()
+        assert reasoning.evaluate("d => !d.open"), "the thinking should fold once the answer begins"
+        reasoning.locator("summary").click()
+        expect(answer.locator(".reasoning-text")).to_have_text(THOUGHT)
+        expect(stat(answer, "tps")).to_have_text(re.compile(r"^\d+(\.\d+)?$"))  # thinking tokens count
+        # The conversation goes on: the next question is sent with the answer only, not its thinking.
+        second = ask(page, "And of Italy?", 64)
+        expect(stat(second, "state")).to_have_text("done (stop)", timeout=60_000)
+        expect(second.locator(".content")).to_have_text(ANSWER)
 
 
 def test_stop_aborts_the_answer_on_the_server(page, playground_url: str) -> None:

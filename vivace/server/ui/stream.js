@@ -1,6 +1,8 @@
 // One streamed chat answer: POSTs /v1/chat/completions with stream=true through fetch, reads
 // the server-sent events, and measures what the user sees: time to first token, the gaps
 // between tokens (mean, p99, sparkline), tokens/s and the prompt tokens served from cache.
+// A thinking model's reasoning (served with --reasoning-parser) shows in a folding "Thinking"
+// block above the answer, open while the model thinks; its tokens count in the figures.
 // Aborting the fetch closes the connection, which makes the server abort the request.
 
 import { drawSparkline } from "./charts.js";
@@ -37,6 +39,9 @@ export class Answer {
   constructor(article) {
     this.article = article;
     this.content = article.querySelector(".content");
+    this.reasoning = article.querySelector(".reasoning");
+    this.reasoningText = article.querySelector(".reasoning-text");
+    this.thought = "";
     this.sparkline = article.querySelector(".sparkline");
     this.text = "";
     this.gaps = [];
@@ -93,12 +98,14 @@ export class Answer {
       const ttft = this.article.querySelector('[data-stat="ttft"]');
       ttft.title = `measured in the browser; the server's own: ${ms(chunk.timings.ttft_ms)}`;
     }
-    const piece = choice.delta && choice.delta.content;
-    if (!piece) return;
-    this.token(performance.now(), piece);
+    const delta = choice.delta || {};
+    // vLLM's newer name first; the same text comes under both
+    const thinking = delta.reasoning ?? delta.reasoning_content;
+    if (thinking || delta.content) this.token(performance.now(), thinking || "", delta.content || "");
   }
 
-  token(now, piece) {
+  // One streamed token's text: `thought` (reasoning) and `piece` (answer), either may be "".
+  token(now, thought, piece) {
     if (this.tokens === 0) {
       this.first = now;
       this.stat("ttft", ms(now - this.start));
@@ -108,6 +115,9 @@ export class Answer {
     }
     this.last = now;
     this.tokens += 1;
+    if (thought && !this.thought) this.reasoning.open = true;
+    this.thought += thought;
+    if (piece && !this.text && this.thought) this.reasoning.open = false; // the answer begins: fold the thinking
     this.text += piece;
     if (this.frame === null) this.frame = requestAnimationFrame(() => this.render());
   }
@@ -116,6 +126,10 @@ export class Answer {
     if (this.frame !== null) cancelAnimationFrame(this.frame);
     this.frame = null;
     this.content.innerHTML = renderMarkdown(this.text);
+    if (this.thought) {
+      this.reasoning.hidden = false;
+      this.reasoningText.textContent = this.thought;
+    }
     if (this.gaps.length) {
       this.stat("itl-mean", ms(this.gaps.reduce((a, b) => a + b, 0) / this.gaps.length));
       this.stat("itl-p99", ms(percentile(this.gaps, 0.99)));
