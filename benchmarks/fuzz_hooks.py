@@ -4,8 +4,8 @@ A positive case is valid by the JSON schema; a few of vivace's rules tie fields 
 JSON schema can't say (top_logprobs needs logprobs, stream_options needs stream,
 continuous_usage_stats needs include_usage, min_tokens <= max_tokens, best_of == n, max_tokens 0
 only with echo, prompt_logprobs not in a stream, continue_final_message without
-add_generation_prompt, thinking only in assistant messages, a Responses reasoning effort only
-where the server reasons, prompt plus max_tokens within the context), and
+add_generation_prompt, thinking only in assistant messages, a reasoning effort (chat's or
+the Responses API's) only where the server reasons, prompt plus max_tokens within the context), and
 the grammar-carrying fields (a JSON schema, regex or grammar to constrain the output, tools and
 their calls) are valid only if the grammar engine compiles them, which no JSON schema can say.
 For positive cases only, this hook makes such a body obey the rules and drops those fields, and
@@ -80,6 +80,8 @@ def _fit(body: dict[str, Any]) -> None:
         body.pop("top_logprobs", None)
     if body.get("stream"):
         body.pop("prompt_logprobs", None)
+    if body.get("reasoning_effort") not in (None, "none"):  # the fuzzed server has no reasoning parser
+        body.pop("reasoning_effort")
     _fit_template(body)
 
 

@@ -92,6 +92,16 @@ def test_chat_template_kwargs_that_cannot_work_are_400(server: RunningServer, kw
     assert error["param"] == "chat_template_kwargs" and message in error["message"]
 
 
+def test_reasoning_effort_without_a_reasoning_parser_is_only_none(server: RunningServer) -> None:
+    client = server.client()
+    plain = client.chat.completions.create(model="tiny", messages=HI, max_tokens=1)
+    none = client.chat.completions.create(model="tiny", messages=HI, max_tokens=1, reasoning_effort="none")
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # no parser: the template is left alone
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=HI, max_tokens=1, reasoning_effort="high")
+    assert refused.value.body["param"] == "reasoning_effort" and "doesn't reason" in refused.value.body["message"]
+
+
 def test_logit_bias_of_100_makes_every_token_that_token(server: RunningServer,
                                                          extras_engine: AsyncEngine) -> None:
     tokenizer = extras_engine.tokenizer

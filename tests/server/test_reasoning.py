@@ -121,6 +121,17 @@ def test_no_think_block_is_plain_content(server: RunningServer) -> None:
     assert choices[0]["reasoning"] == [] and "".join(choices[0]["content"]) == " world"
 
 
+def test_reasoning_effort_none_turns_qwen3_thinking_off(server: RunningServer) -> None:
+    off = _chat(server, reasoning_effort="none")
+    assert "reasoning" not in (off.choices[0].message.model_extra or {}) and off.choices[0].message.content == ANSWER
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
+    on = _chat(server, reasoning_effort="low")  # any other effort: the model thinks as long as it does
+    assert on.choices[0].message.model_extra["reasoning"] == THOUGHT
+    # the request's own template variables win over the effort's
+    kept = _chat(server, reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert kept.choices[0].message.model_extra["reasoning"] == THOUGHT
+
+
 def test_a_call_after_the_thinking_is_a_call_and_one_inside_it_is_not(server: RunningServer) -> None:
     """"required": the grammar leaves the thinking (which writes <tool_call>) free and forces the
     call after it; "auto": the thinking's <tool_call> is neither a call nor opens the grammar's."""

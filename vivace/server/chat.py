@@ -15,7 +15,7 @@ from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
 from vivace.server.generation import EngineRequest, run_whole, timings_of, usage_with_thinking
 from vivace.server.prompts import chat_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params
-from vivace.server.reasoning import Thinking, ThoughtSplitter
+from vivace.server.reasoning import Thinking, ThoughtSplitter, effort_template_kwargs
 from vivace.server.request_id import request_id_of
 from vivace.server.protocol import ChatCompletionRequest
 from vivace.server.responses import (
@@ -66,6 +66,9 @@ async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: s
     caller = state.caller(request)
     engine = state.engine_for(body.model, caller)
     choice = tool_choice(body)
+    effort_kwargs = effort_template_kwargs(body.reasoning_effort, state.settings.reasoning_parser)
+    if effort_kwargs:  # the request's own chat_template_kwargs win
+        body = body.model_copy(update={"chat_template_kwargs": {**effort_kwargs, **(body.chat_template_kwargs or {})}})
     prompt_ids = await off_the_loop(state.metrics.work["prompt"], chat_prompt_ids, engine.tokenizer, body, choice,
                                     size=sum(len(m.text()) for m in body.messages))
     max_tokens = fit_max_tokens(len(prompt_ids), body.requested_max_tokens(),

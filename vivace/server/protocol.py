@@ -301,12 +301,17 @@ class ChatTemplateRequest(_Strict):
         return value
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class ChatCompletionRequest(ChatTemplateRequest, SamplingRequest):
     max_tokens: Integer(ge=1) | None = None
     max_completion_tokens: Integer(ge=1) | None = None
     logprobs: bool | None = False
     top_logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
     parallel_tool_calls: bool | None = True
+    # OpenAI's: how much a reasoning model thinks (vivace.server.reasoning.effort_template_kwargs)
+    reasoning_effort: ReasoningEffort | None = None
 
     @field_validator("top_logprobs")
     @classmethod

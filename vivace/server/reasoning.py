@@ -22,11 +22,30 @@ from enum import Enum
 from typing import Any
 
 from vivace.engine.sampling_params import StructuredOutput, ThinkBlock
+from vivace.server.errors import APIError
 from vivace.server.tool_parser import partial_suffix
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Parser name -> whether an output whose prompt has no think tag is thinking from its first token.
 PARSERS = {"qwen3": False, "deepseek_r1": True}
+
+
+def effort_template_kwargs(effort: str | None, parser: str | None) -> dict[str, Any]:
+    """The chat template's variables for a request's ``reasoning_effort``: qwen3's "none" turns
+    thinking off (``enable_thinking: false``); any other effort lets the model think as long as it
+    does. 400 for an effort the served model can't honour: any but "none" without a reasoning
+    parser (the model doesn't reason), "none" with deepseek_r1 (R1 always thinks)."""
+    if parser is None:
+        if effort not in (None, "none"):
+            raise APIError(400, "reasoning_effort: the served model doesn't reason (the server has no "
+                                "--reasoning-parser): leave it out or set it to \"none\"", param="reasoning_effort")
+        return {}
+    if effort != "none":
+        return {}
+    if parser == "deepseek_r1":
+        raise APIError(400, "reasoning_effort: the served model always reasons (--reasoning-parser deepseek_r1): "
+                            "\"none\" can't be honoured", param="reasoning_effort")
+    return {"enable_thinking": False}
 
 
 @dataclass(frozen=True)

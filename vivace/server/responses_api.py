@@ -6,7 +6,6 @@ fields (``input``, ``max_output_tokens``, ``tools.0.parameters``), not chat's.""
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +31,7 @@ _RENAMES = [
     (re.compile(r"^response_format\.json_schema\."), "text.format."),
     (re.compile(r"^response_format$"), "text.format"),
     (re.compile(r"^max_(?:completion_)?tokens$"), "max_output_tokens"),
+    (re.compile(r"^reasoning_effort$"), "reasoning.effort"),
 ]
 
 
@@ -40,8 +40,7 @@ async def create_response(request: Request) -> Response:
     state = server_state(request)
     try:
         body = await parse_body(request, ResponsesRequest, state.metrics.work["parse"])
-        template_kwargs = _effort_kwargs(body, state.settings.reasoning_parser)
-        chat = await start_chat(request, body.chat_request(template_kwargs), "resp")
+        chat = await start_chat(request, body.chat_request(), "resp")
     except APIError as exc:
         raise _in_responses_terms(exc) from None
     answer = _settings(body, chat.job.request_id, state.model_name(body.model))
@@ -53,23 +52,6 @@ async def create_response(request: Request) -> Response:
     thought = _output(answer, chat)
     complete(answer, chat.job, usage_with_thinking(chat.job, chat.thinking, [thought]))
     return JSONResponse(answer.model_dump(mode="json"))
-
-
-def _effort_kwargs(body: ResponsesRequest, parser: str | None) -> dict[str, Any] | None:
-    """The chat template's variables for ``reasoning.effort``: qwen3's "none" turns thinking off;
-    400 for an effort the served model can't honour."""
-    effort = body.reasoning.effort if body.reasoning is not None else None
-    if parser is None:
-        if effort not in (None, "none"):
-            raise APIError(400, "reasoning.effort: the served model doesn't reason (the server has no "
-                                "--reasoning-parser): leave it out or set it to \"none\"", param="reasoning.effort")
-        return None
-    if effort != "none":
-        return None
-    if parser == "deepseek_r1":
-        raise APIError(400, "reasoning.effort: the served model always reasons (--reasoning-parser deepseek_r1): "
-                            "\"none\" can't be honoured", param="reasoning.effort")
-    return {"enable_thinking": False}
 
 
 def _in_responses_terms(exc: APIError) -> APIError:

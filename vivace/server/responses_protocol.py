@@ -19,7 +19,7 @@ from vivace.server.errors import APIError
 from vivace.server.responses_objects import ItemStatus
 from vivace.server.protocol import (
     ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Integer, JsonSchemaFormat,
-    NamedToolChoice, Number, ResponseFormat, Tool, ToolCall, ToolChoiceFunction, _Strict)
+    NamedToolChoice, Number, ReasoningEffort, ResponseFormat, Tool, ToolCall, ToolChoiceFunction, _Strict)
 
 NOT_STORED = ("vivace stores no responses (it keeps no state between requests): send the whole "
               "conversation in input")
@@ -169,7 +169,7 @@ class Reasoning(_Strict):
     ``enable_thinking: false``), deepseek_r1 can't (400); any other effort lets the model think as
     long as it does. No summary is written: the reasoning item carries the whole thinking."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
@@ -212,9 +212,9 @@ class ResponsesRequest(_Strict):
     ignore_eos: bool | None = False
     priority: Integer() | None = None
 
-    def chat_request(self, template_kwargs: dict[str, Any] | None = None) -> ChatCompletionRequest:
-        """The same request as chat completions take it, with ``template_kwargs`` for the chat
-        template; 400 for a function call's arguments that are not a JSON object."""
+    def chat_request(self) -> ChatCompletionRequest:
+        """The same request as chat completions take it; 400 for a function call's arguments that
+        are not a JSON object."""
         tools = [Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))
                  for t in self.tools or []]
         choice = self.tool_choice
@@ -227,7 +227,7 @@ class ResponsesRequest(_Strict):
             seed=self.seed, stop=self.stop, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos, priority=self.priority,
-            chat_template_kwargs=template_kwargs)
+            reasoning_effort=self.reasoning.effort if self.reasoning is not None else None)
 
     def _response_format(self) -> ResponseFormat | None:
         form = self.text.format if self.text is not None else None
