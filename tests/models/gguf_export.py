@@ -28,7 +28,7 @@ _LAYER = {
 _GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-         "gemma3_text": "gemma3"}
+         "gemma3_text": "gemma3", "smollm3": "smollm3"}
 
 
 def write_gguf(model: transformers.PreTrainedModel, path: Path,
@@ -139,8 +139,9 @@ def _gguf_name(hf_name: str, arch: str) -> str:
 
 
 def _llama_cpp_order(values: np.ndarray, name: str, config: transformers.PretrainedConfig, arch: str) -> np.ndarray:
-    """convert_hf_to_gguf's LlamaModel.permute, applied to q and k weights and biases."""
-    if arch != "llama" or not (".q_proj." in name or ".k_proj." in name):
+    """convert_hf_to_gguf's LlamaModel.permute, applied to q and k weights and biases (llama and
+    SmolLM3Model, a LlamaModel)."""
+    if arch not in ("llama", "smollm3") or not (".q_proj." in name or ".k_proj." in name):
         return values
     heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
     shape = values.shape

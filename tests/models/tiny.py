@@ -73,11 +73,12 @@ def tiny_model(kind: str, seed: int = 0, **overrides: object) -> transformers.Pr
     return random_model(tiny_config(kind, **overrides), seed)
 
 
-def random_model(config: transformers.PretrainedConfig, seed: int = 0) -> transformers.PreTrainedModel:
-    """A random model of ``config`` whose every weight (norms and biases too) is non-trivial and
-    exactly representable in float16, so an F16 export is lossless."""
+def random_model(config: transformers.PretrainedConfig, seed: int = 0,
+                 auto_class: type = transformers.AutoModelForCausalLM) -> transformers.PreTrainedModel:
+    """A random model of ``config`` (made by ``auto_class``) whose every weight (norms and biases too)
+    is non-trivial and exactly representable in float16, so an F16 export is lossless."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = auto_class.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.1)

@@ -1,6 +1,8 @@
 """The decoder forward from the Triton kernels and cuBLAS GEMMs, over the same modules and weights
 as ``vivace.models.llama`` and ``vivace.models.gemma3`` (which the CPU backend runs): the Llama
-family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 3.
+family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3, SmolLM3) and Gemma 3. Each layer rotates
+with the table its config names (a NoPE layer's is the identity: cos 1, sin 0); Ministral 3's
+queries are scaled by position before the rotation, which is linear, so the scale commutes with it.
 
 Per Llama layer: add + RMSNorm (one launch), the fused q/k/v GEMM, rotary + K/V write (one launch,
 Qwen3's per-head q/k norms in it), paged attention (one launch, two with split-K), the output
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vivace.gpu import kernels
-from vivace.models.config import FULL, SLIDING
+from vivace.layers.rotary import query_temperature
 from vivace.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
 from vivace.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 
@@ -81,9 +83,10 @@ def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tens
             kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Hidden states ``[num_tokens, hidden]`` after the final norm; writes the batch's K/V.
     Float8 caches need their ``kv_scales`` (one ``[2, num_kv_heads]`` tensor a layer)."""
-    tables = {FULL: (model.rotary.cos, model.rotary.sin)}
-    if model.local_rotary is not None:
-        tables[SLIDING] = (model.local_rotary.cos, model.local_rotary.sin)
+    tables = {rope_type: (rotary.cos, rotary.sin) for rope_type, rotary in model.rotaries.items()}
+    query_scale = None
+    if model.config.query_temperature is not None:
+        query_scale = query_temperature(batch.positions, *model.config.query_temperature)[:, None]
     layer_step = _LAYER_STEPS[type(model)]
     adds_after_attention = layer_step is _llama_layer
     eps = model.config.rms_norm_eps
@@ -93,7 +96,7 @@ def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tens
     for layer, cache, scale in zip(model.layers, kv_caches, scales, strict=True):
         h, residual = _add_norm(pending, residual, layer.input_layernorm.weight, eps)
         pending = _attention(layer.self_attn, h, tables, batch, cache, scale,
-                             residual if adds_after_attention else None)
+                             residual if adds_after_attention else None, query_scale)
         pending, residual = layer_step(layer, pending, residual, eps)
     h, _ = _add_norm(pending, residual, model.norm.weight, eps)
     return h.tensor() if isinstance(h, Normed) else h
@@ -162,11 +165,13 @@ def gated_linear(module: nn.Module, x: torch.Tensor, gelu: bool = False, residua
 
 def _attention(attn: Attention, h: torch.Tensor | Normed, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
                batch: GpuBatch, cache: torch.Tensor, kv_scale: torch.Tensor | None,
-               residual: torch.Tensor | None) -> torch.Tensor | None:
+               residual: torch.Tensor | None, query_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """The attention block's output projection ``[num_tokens, hidden]`` for normed input ``h``
     (None where ``linear`` added it into ``residual``); writes the batch's K/V into ``cache``
-    (float8 with its ``kv_scale``)."""
+    (float8 with its ``kv_scale``). ``query_scale`` ``[num_tokens, 1]`` multiplies the queries."""
     qkv = linear(attn.qkv_proj, h)
+    if query_scale is not None:  # before the rotation (in the kernels), as linear as it: the same product
+        qkv[:, :attn.num_heads * attn.head_dim] *= query_scale.to(qkv.dtype)
     cos, sin = tables[attn.rope_type]
     norms = {} if attn.q_norm is None else dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
                                                   eps=attn.q_norm.eps)

@@ -103,8 +103,8 @@ def rotary_tables(head_dim: int, max_positions: int, theta: float, scaling: dict
     (all when None) rotate, times ``scaling``'s ``attention_factor`` (1 when absent), as
     transformers scales cos and sin; the rest hold cos 1, sin 0, which leaves those pairs of
     dimensions as they are (partial rotary, its pass-through dimensions laid out there by
-    ``vivace.models.partial_rotary``)."""
-    rotary_dim = rotary_dim or head_dim
+    ``vivace.models.partial_rotary``; with ``rotary_dim`` 0, every pair: a NoPE layer's table)."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float),
                         inverse_frequencies(rotary_dim, theta, scaling, max_positions))
     attention_factor = (scaling or {}).get("attention_factor", 1.0)
@@ -131,6 +131,13 @@ class RotaryEmbedding(nn.Module):
         """cos and sin ``[num_tokens, 1, head_dim // 2]`` for ``positions`` ``[num_tokens]``,
         shaped to broadcast over heads in ``apply_rotary``."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def query_temperature(positions: torch.Tensor, beta: float, period: int) -> torch.Tensor:
+    """Float32 ``[num_tokens]`` factors of Llama 4's attention temperature (Ministral 3), as
+    transformers computes them: ``1 + beta * log(1 + floor(p / period))`` for each position ``p``;
+    exactly 1 below ``period``."""
+    return 1 + beta * torch.log(1 + torch.floor(positions / period))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

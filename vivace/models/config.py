@@ -16,11 +16,13 @@ from vivace.models.multimodal import MULTIMODAL_TYPES, text_config
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM", "ministral": "MinistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _CONFIG_TYPES = {**_MODEL_TYPES, **MULTIMODAL_TYPES}  # what a config.json may name
 _SUPPORTED = f"{', '.join(SUPPORTED_ARCHITECTURES)}; for their text, {', '.join(MULTIMODAL_TYPES.values())}"
 SLIDING, FULL = "sliding_attention", "full_attention"
+NOPE = "no_rope"  # the rotary table of a layer that rotates nothing (SmolLM3's NoPE layers): cos 1, sin 0
 # "freq_factors" is llama.cpp's form of llama3 scaling: per-frequency divisors stored in the GGUF.
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "yarn")
 _ACTIVATIONS = {"Gemma3ForCausalLM": "gelu_pytorch_tanh"}  # every other architecture: "silu"
@@ -36,7 +38,11 @@ class ModelConfig:
 
     ``layer_types`` lists each layer's attention, ``"full_attention"`` or ``"sliding_attention"``
     (the last ``sliding_window`` positions, the query's own included); empty means all full.
-    Sliding layers rotate with ``local_rope_theta`` (unscaled) when it is set (Gemma 3).
+    Sliding layers rotate with ``local_rope_theta`` (unscaled) when it is set (Gemma 3). Layers in
+    ``nope_layers`` apply no rotary at all (SmolLM3); ``rope_type`` says which table a layer takes.
+    ``query_temperature`` ``(beta, period)`` scales the rotated queries at position ``p`` by
+    ``1 + beta * log(1 + floor(p / period))`` (Ministral 3's ``llama_4_scaling_beta``;
+    ``vivace.layers.rotary.query_temperature``).
     """
 
     architecture: str
@@ -63,6 +69,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma 3), else head_dim's
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2 style)
     rotary_dim: int | None = None  # dims of each head that rotate (the first ones); None: all
+    nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3)
+    query_temperature: tuple[float, int] | None = None  # (beta, period) of Llama 4's query scaling
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -84,6 +92,11 @@ class ModelConfig:
                              f"supported: {FULL}, {SLIDING}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+        if not set(self.nope_layers) <= set(range(self.num_hidden_layers)):
+            raise ValueError(f"nope_layers {self.nope_layers} name layers the model lacks "
+                             f"(it has {self.num_hidden_layers})")
+        if self.query_temperature and self.qk_norm:  # the CUDA forward scales queries before their norm
+            raise ValueError("unsupported query temperature (llama_4_scaling_beta) with q/k norms")
 
     def _check_rotary_dim(self) -> None:
         if self.rotary_dim is None:
@@ -106,6 +119,13 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """The attention window of ``layer`` in tokens, or None for full attention."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
+
+    def rope_type(self, layer: int) -> str:
+        """The rotary table ``layer`` rotates q and k with: ``NOPE`` for none, ``SLIDING`` for a
+        sliding layer with its own base (Gemma 3), else ``FULL``."""
+        if layer in self.nope_layers:
+            return NOPE
+        return SLIDING if self.window(layer) is not None and self.local_rope_theta else FULL
 
     @property
     def attention_scale(self) -> float:
@@ -154,6 +174,8 @@ class ModelConfig:
             query_pre_attn_scalar=getattr(config, "query_pre_attn_scalar", None),
             final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
             rotary_dim=None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor),
+            nope_layers=_nope_layers(config),
+            query_temperature=_query_temperature(config, architecture),
         )
 
 
@@ -197,6 +219,27 @@ def _sliding_layers(config: transformers.PretrainedConfig) -> tuple[int | None, 
         return None, ()
     layer_types = tuple(getattr(config, "layer_types", None) or [SLIDING] * config.num_hidden_layers)
     return (window, layer_types) if SLIDING in layer_types else (None, ())
+
+
+def _nope_layers(config: transformers.PretrainedConfig) -> tuple[int, ...]:
+    """The layers SmolLM3's ``no_rope_layers`` (one flag a layer, 1: the layer rotates) leave unrotated."""
+    flags = getattr(config, "no_rope_layers", None) or ()
+    if flags and len(flags) != config.num_hidden_layers:
+        raise ValueError(f"no_rope_layers lists {len(flags)} layers, the model has {config.num_hidden_layers}")
+    return tuple(layer for layer, rotates in enumerate(flags) if not rotates)
+
+
+def _query_temperature(config: transformers.PretrainedConfig, architecture: str) -> tuple[float, int] | None:
+    """Ministral 3's query scaling by position: ``(llama_4_scaling_beta, original context)`` from its
+    rope parameters; None for other architectures or a beta of 0."""
+    params = getattr(config, "rope_parameters", None) or {}
+    beta = params.get("llama_4_scaling_beta")
+    if architecture != "Ministral3ForCausalLM" or not beta:
+        return None
+    period = params.get("original_max_position_embeddings")
+    if not period:
+        raise ValueError("llama_4_scaling_beta needs the rope parameters' original_max_position_embeddings")
+    return float(beta), int(period)
 
 
 def _rope(config: transformers.PretrainedConfig) -> tuple[float, dict[str, Any] | None, float | None, float]:

@@ -1,6 +1,6 @@
 """A llama.cpp GGUF model: config and tokenizer from its metadata, weights dequantized to
 float32 under Hugging Face names and conventions: llama.cpp's rotary row permutation undone
-(llama arch), Gemma's stored ``1 + w`` norms back to ``w``."""
+(llama and smollm3 archs), Gemma's stored ``1 + w`` norms back to ``w``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ from vivace.models.config import FULL, SLIDING, ModelConfig, context_length
 from vivace.models.gguf_file import GGUFFile
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                  "smollm3": "SmolLM3ForCausalLM"}
+# Architectures whose q/k rows convert_hf_to_gguf permutes for llama.cpp's GPT-J-style rope kernel.
+_PERMUTED = ("LlamaForCausalLM", "SmolLM3ForCausalLM")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -35,6 +38,8 @@ _ARCH_LAYER_NAMES = {
 }
 # llama.cpp's Gemma 3: every 6th layer global, sliding layers rotate with base 10000.
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
+# llama.cpp's SmolLM3: every 4th layer rotates nothing (a fixed rule; no GGUF key says it).
+_SMOLLM3_NO_ROPE_STEP = 4
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
 _LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}  # Phi-3
 _ROPE_TENSORS = (_ROPE_FREQS, *_LONGROPE.values())
@@ -112,6 +117,9 @@ def model_config(file: GGUFFile) -> ModelConfig:
     if arch == "gemma3":
         config = _gemma3(config, get("{arch}.attention.sliding_window"),
                          float(file.metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_THETA)))
+    if arch == "smollm3":
+        nope = tuple(i for i in range(layers) if (i + 1) % _SMOLLM3_NO_ROPE_STEP == 0)
+        config = dataclasses.replace(config, nope_layers=nope)
     return config
 
 
@@ -207,10 +215,10 @@ def _tensors(file: GGUFFile, config: ModelConfig, arch: str,
 
 def hf_rows(values: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
     """Rows of GGUF tensor ``name`` (float values or block bytes, one row per output) in Hugging
-    Face order: llama.cpp permutes the q/k rows of llama-arch models only."""
+    Face order: llama.cpp permutes the q/k rows of llama-arch (and smollm3) models only."""
     rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     part = name.split(".")[-2]
-    if config.architecture == "LlamaForCausalLM" and part in rotary_heads:
+    if config.architecture in _PERMUTED and part in rotary_heads:
         return _unpermute(values, rotary_heads[part])
     return values
 

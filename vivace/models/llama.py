@@ -1,11 +1,13 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3, SmolLM3) over a paged KV cache.
 
 Inputs are one flat batch: tokens of every sequence back to back, no batch dimension.
 q/k/v and gate/up are each one fused Linear, so a decode step issues fewer kernels;
 the loader concatenates the checkpoint's separate weights in that order (Phi-3 ships them fused).
 What sets the members apart, all read from ``ModelConfig``: q/k/v biases (Qwen2), per-head q/k
 RMSNorm (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen2/3 with ``use_sliding_window``),
-partial rotary (Phi-4-mini: q/k head dims reordered at load, ``vivace.models.partial_rotary``).
+partial rotary (Phi-4-mini: q/k head dims reordered at load, ``vivace.models.partial_rotary``),
+layers without rotary (SmolLM3's NoPE layers rotate by an identity table: cos 1, sin 0), queries
+scaled by position (Ministral 3's Llama 4 temperature).
 Gemma 3 (``vivace.models.gemma3``) builds on the attention and model classes here.
 """
 
@@ -18,10 +20,13 @@ from torch import nn
 from vivace.layers.attention import AttentionMetadata, DecodeMetadata, paged_attention
 from vivace.layers.fused import apply_rotary, silu_mul
 from vivace.layers.norm import RMSNorm
-from vivace.layers.rotary import RotaryEmbedding
-from vivace.models.config import FULL, SLIDING, ModelConfig
+from vivace.layers.rotary import RotaryEmbedding, query_temperature
+from vivace.models.config import FULL, NOPE, SLIDING, ModelConfig
 
-Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) of this batch's positions
+# rope type (FULL, SLIDING, NOPE) -> (cos, sin) of this batch's positions; QUERY_SCALE -> (the
+# factor ``[num_tokens, 1, 1]`` the rotated queries are multiplied by,) for a model that scales them.
+Rope = dict[str, tuple[torch.Tensor, ...]]
+QUERY_SCALE = "query_scale"
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -36,7 +41,8 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class Attention(nn.Module):
-    """Attention of layer ``layer``: windowed when the config makes it a sliding layer."""
+    """Attention of layer ``layer``: windowed when the config makes it a sliding layer, rotating
+    with the table ``ModelConfig.rope_type`` names (the identity for a NoPE layer)."""
 
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -45,7 +51,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.window = config.window(layer)
-        self.rope_type = SLIDING if self.window is not None and config.local_rope_theta else FULL
+        self.rope_type = config.rope_type(layer)
+        self.scales_queries = config.query_temperature is not None
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size,
@@ -69,6 +76,8 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rotary(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim), cos, sin)
             k = apply_rotary(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim), cos, sin)
+        if self.scales_queries:
+            q = q * rope[QUERY_SCALE][0]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -123,10 +132,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling, dtype, config.rotary_dim)
-        self.local_rotary = None
+        self.local_rotary = self.no_rotary = None
         if config.local_rope_theta and config.sliding_window:
             self.local_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                                 config.local_rope_theta, None, dtype)
+        if config.nope_layers:
+            self.no_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                             config.rope_theta, None, dtype, rotary_dim=0)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
@@ -139,14 +151,22 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    @property
+    def rotaries(self) -> dict[str, RotaryEmbedding]:
+        """The rotary tables by rope type (``ModelConfig.rope_type``): FULL, and SLIDING and NOPE
+        where some layer takes them."""
+        tables = {FULL: self.rotary, SLIDING: self.local_rotary, NOPE: self.no_rotary}
+        return {rope_type: rotary for rope_type, rotary in tables.items() if rotary is not None}
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` after the final norm, for tokens
         ``input_ids`` at ``positions`` (both ``[num_tokens]``); writes their K/V into ``kv_caches``
         (one tensor per layer) at ``meta.slot_mapping``."""
-        rope = {FULL: self.rotary(positions)}
-        if self.local_rotary is not None:
-            rope[SLIDING] = self.local_rotary(positions)
+        rope: Rope = {rope_type: rotary(positions) for rope_type, rotary in self.rotaries.items()}
+        if self.config.query_temperature is not None:
+            scale = query_temperature(positions, *self.config.query_temperature)
+            rope[QUERY_SCALE] = (scale.to(self.rotary.cos.dtype)[:, None, None],)
         x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, kv_cache, meta)

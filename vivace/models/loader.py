@@ -29,7 +29,7 @@ from vivace.models.gguf import open_gguf
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.gemma3 import Gemma3ForCausalLM
 from vivace.models.llama import LlamaForCausalLM
-from vivace.models.multimodal import multimodal_architecture, text_tensor_name
+from vivace.models.multimodal import multimodal_architecture, text_tensor_name, ties_embeddings
 from vivace.models.partial_rotary import to_vivace_rows
 from vivace.models.quantize import native_quantization, quantize_model
 
@@ -266,12 +266,14 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokeni
     config = ModelConfig.from_hf(raw)
     config = dataclasses.replace(config, eos_token_ids=_eos_token_ids(path, config))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    rename = None
+    files, rename = safetensors_files(path), None
     if (wrapper := multimodal_architecture(raw)) is not None:
         logger.info("vivace: %s is %s: serving its language model, for text; image inputs are not supported",
                     path.name, wrapper)
         rename = text_tensor_name
-    return config, tokenizer, _read_safetensors(safetensors_files(path), rename)
+        tied = ties_embeddings(config.tie_word_embeddings, _tensor_names(files))
+        config = dataclasses.replace(config, tie_word_embeddings=tied)
+    return config, tokenizer, _read_safetensors(files, rename)
 
 
 def _eos_token_ids(path: Path, config: ModelConfig) -> tuple[int, ...]:
@@ -297,6 +299,15 @@ def safetensors_files(path: Path) -> list[Path]:
         if not file.is_file():
             raise FileNotFoundError(f"{file} is listed in {index.name} but missing")
     return files
+
+
+def _tensor_names(files: list[Path]) -> list[str]:
+    """The names of the tensors in ``files`` (their headers only are read)."""
+    names = []
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            names.extend(reader.keys())
+    return names
 
 
 def _read_safetensors(files: list[Path], rename: Callable[[str], str | None] | None = None
