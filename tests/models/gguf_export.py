@@ -1,8 +1,9 @@
 """Write a tiny transformers model as a GGUF the way llama.cpp's convert_hf_to_gguf.py does:
 its metadata keys, tensor names, q/k row permutation (llama arch only), rope_freqs for
 llama3 scaling, Phi-3's LongRoPE factor tensors, YaRN's keys, the rotary dims of partial
-rotary, Gemma's norms stored as 1 + w, norms and biases in F32, and a byte-level ("gpt2")
-tokenizer."""
+rotary, Gemma's norms stored as 1 + w, norms and biases in F32, a mixture's experts stacked into
+one [num_experts, out, in] tensor a projection (router in F32), and a byte-level ("gpt2") tokenizer.
+Mixtral is llama arch with expert_count, as convert_hf_to_gguf writes it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import transformers
 from layers.gguf_random import random_blocks  # tests/ is on sys.path, as for every test package
 from .tiny import BOS_ID, CHAT_TEMPLATE, EOS_ID, MERGES, SPECIAL_TOKENS, TOKENS
 
+F32 = gguf.GGMLQuantizationType.F32
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -24,15 +26,17 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 _GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-         "gemma3_text": "gemma3", "smollm3": "smollm3"}
+         "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def write_gguf(model: transformers.PreTrainedModel, path: Path,
-               ggml_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+               ggml_type: gguf.GGMLQuantizationType = F32,
                types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
     """Export ``model`` to ``path``; matrices are stored as ``ggml_type`` (F32, F16, or a quant),
     or as ``types[part]`` for the GGUF tensor part named (``attn_q``, ``token_embd``, ...).
@@ -43,14 +47,15 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
     writer.add_name(f"tiny-{config.model_type}")
     _add_hparams(writer, config, arch)
     _add_tokenizer(writer)
-    for name, values in model.state_dict().items():
+    for name, values in _unfused_experts(model.state_dict()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         values = _llama_cpp_order(values.numpy(), name, config, arch)
         if arch == "gemma3" and name.endswith("norm.weight"):
             values = values + 1.0
         gguf_name = _gguf_name(name, arch)
-        _add_tensor(writer, gguf_name, values, (types or {}).get(gguf_name.split(".")[-2], ggml_type))
+        part = gguf_name.split(".")[-2]
+        _add_tensor(writer, gguf_name, values, F32 if part == "ffn_gate_inp" else (types or {}).get(part, ggml_type))
     rope = config.rope_parameters
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
@@ -62,6 +67,20 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _unfused_experts(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """transformers 5's in-memory experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj``)
+    as convert_hf_to_gguf stacks the checkpoint's per-expert matrices: gate, up and down apart."""
+    tensors = []
+    for name, values in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            gate, up = values.chunk(2, dim=1)
+            tensors += [(name.replace("gate_up_proj", "gate_proj.weight"), gate),
+                        (name.replace("gate_up_proj", "up_proj.weight"), up)]
+        else:
+            tensors.append((f"{name}.weight" if name.endswith(".experts.down_proj") else name, values))
+    return tensors
 
 
 def _head_dim(config: transformers.PretrainedConfig) -> int:
@@ -81,6 +100,12 @@ def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig,
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
     if getattr(config, "sliding_window", None) and arch in ("gemma3", "phi3"):
@@ -118,13 +143,14 @@ def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
 
 def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray,
                 ggml_type: gguf.GGMLQuantizationType) -> None:
-    if values.ndim == 1 or ggml_type == gguf.GGMLQuantizationType.F32:
+    if values.ndim == 1 or ggml_type == F32:
         writer.add_tensor(name, values.astype(np.float32))
     elif ggml_type == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, values.astype(np.float16))
     elif ggml_type in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
                        gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q3_K):
-        writer.add_tensor(name, random_blocks(ggml_type, *values.shape), raw_dtype=ggml_type)
+        blocks = random_blocks(ggml_type, math.prod(values.shape[:-1]), values.shape[-1])
+        writer.add_tensor(name, blocks.reshape(*values.shape[:-1], -1), raw_dtype=ggml_type)
     else:
         writer.add_tensor(name, gguf.quants.quantize(values, ggml_type), raw_dtype=ggml_type)
 

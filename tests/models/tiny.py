@@ -62,8 +62,20 @@ KINDS = {
 }
 
 
+# Mixtures of experts (tests/models/test_moe.py): 8 experts, 2 a token. Qwen3-MoE's middle layer
+# is a dense MLP (mlp_only_layers), wider than its experts; its weights renormalized, as in the
+# released models and as llama.cpp always runs them.
+MOE_KINDS = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        num_hidden_layers=3, head_dim=32, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)),
+    "mixtral": (transformers.MixtralConfig, dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                                 rope_theta=1e6)),
+}
+
+
 def tiny_config(kind: str, **overrides: object) -> transformers.PretrainedConfig:
-    config_class, extra = KINDS[kind]
+    config_class, extra = KINDS[kind] if kind in KINDS else MOE_KINDS[kind]
     # A copy: transformers adds keys to the rope dict it is given.
     return config_class(**copy.deepcopy({**_COMMON, **extra, **overrides}))
 

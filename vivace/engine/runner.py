@@ -76,7 +76,8 @@ class ModelRunner:
 
     With ``background_compile`` (the engine's config, which loaded this model), a decode graph
     that is not cached yet is compiled by a low-priority child process while this runner decodes
-    eagerly; ``swap_in_compiled``, called between steps, takes it up once it is there.
+    eagerly; ``swap_in_compiled``, called between steps, takes it up once it is there. A model
+    that is not ``compilable`` (a mixture of experts) always runs eagerly.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
@@ -90,6 +91,10 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-(max_model_len or loaded.config.max_position_embeddings) // block_size)
         self.decoder: CompiledDecoder | None = None
         self.pending_compile: aot_decode.BackgroundBuild | None = None
+        if compile_max_batch and not getattr(self.model, "compilable", True):
+            logger.info("vivace: %s routes each token by its values (mixture of experts), which no compiled "
+                        "decode graph captures: decode steps run eagerly", loaded.config.architecture)
+            compile_max_batch = 0
         if compile_max_batch and background_compile is not None and aot_decode.supported(self.model):
             path = aot_decode.package_path(self.model, self.kv_caches, compile_max_batch)
             if not path.exists():

@@ -76,7 +76,8 @@ def prompt_batch(ids: torch.Tensor, block_size: int) -> GpuBatch:
 def check_supported(model: torch.nn.Module) -> None:
     """Raise ValueError for a model this forward does not run."""
     if type(model) not in _LAYER_STEPS:
-        raise ValueError(f"--device cuda runs the Llama family and Gemma 3; not {model.config.architecture}")
+        raise ValueError(f"--device cuda runs the Llama family and Gemma 3; not {model.config.architecture}"
+                         + (" (a mixture of experts: serve it with --device cpu)" if model.config.moe else ""))
 
 
 def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tensor],

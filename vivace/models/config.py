@@ -17,6 +17,7 @@ _MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM", "ministral": "MinistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _CONFIG_TYPES = {**_MODEL_TYPES, **MULTIMODAL_TYPES}  # what a config.json may name
@@ -26,6 +27,30 @@ NOPE = "no_rope"  # the rotary table of a layer that rotates nothing (SmolLM3's 
 # "freq_factors" is llama.cpp's form of llama3 scaling: per-frequency divisors stored in the GGUF.
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "yarn")
 _ACTIVATIONS = {"Gemma3ForCausalLM": "gelu_pytorch_tanh"}  # every other architecture: "silu"
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse feed-forward of a mixture-of-experts model (``vivace.models.moe``): each token
+    goes to ``top_k`` of ``num_experts`` SiLU-gated experts of ``intermediate_size``, weighted by
+    its router's softmax (renormalized over the chosen ones with ``norm_topk_prob``). The layers
+    of ``dense_layers`` have a dense MLP of the model's ``intermediate_size`` instead (Qwen3-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"a mixture of experts routes each token to 1 to num_experts ({self.num_experts}) "
+                             f"experts, not {self.top_k}")
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -71,6 +96,7 @@ class ModelConfig:
     rotary_dim: int | None = None  # dims of each head that rotate (the first ones); None: all
     nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3)
     query_temperature: tuple[float, int] | None = None  # (beta, period) of Llama 4's query scaling
+    moe: MoeConfig | None = None  # the experts of a mixture-of-experts architecture; None: dense
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -85,6 +111,8 @@ class ModelConfig:
                     "depend on batch composition)" if rope_type == "dynamic" else "")
             raise ValueError(f"unsupported rope scaling {rope_type!r}{hint}; supported: {', '.join(ROPE_TYPES)}")
         self._check_rotary_dim()
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"{self.architecture} {'needs' if self.moe is None else 'has no'} experts (moe)")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_hidden_layers}")
         if set(self.layer_types) - {SLIDING, FULL}:
@@ -170,12 +198,13 @@ class ModelConfig:
             sliding_window=window,
             layer_types=layer_types,
             local_rope_theta=local_theta,
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             query_pre_attn_scalar=getattr(config, "query_pre_attn_scalar", None),
             final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
             rotary_dim=None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor),
             nope_layers=_nope_layers(config),
             query_temperature=_query_temperature(config, architecture),
+            moe=_moe(config, architecture),
         )
 
 
@@ -207,6 +236,19 @@ def _check_supported_features(config: transformers.PretrainedConfig, architectur
         raise ValueError("unsupported attn_logit_softcapping (Gemma 2); Gemma 3 has none")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("unsupported use_bidirectional_attention=True (an encoder, not a causal LM)")
+
+
+def _moe(config: transformers.PretrainedConfig, architecture: str) -> MoeConfig | None:
+    """The experts of a Mixtral (every layer sparse, weights renormalized) or Qwen3-MoE config
+    (a layer is dense when ``mlp_only_layers`` lists it or ``decoder_sparse_step`` skips it)."""
+    if architecture == "MixtralForCausalLM":
+        return MoeConfig(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True)
+    if architecture != "Qwen3MoeForCausalLM":
+        return None
+    step, dense_only = config.decoder_sparse_step, set(config.mlp_only_layers)
+    dense = tuple(i for i in range(config.num_hidden_layers) if i in dense_only or (i + 1) % step)
+    return MoeConfig(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                     bool(config.norm_topk_prob), dense)
 
 
 def _sliding_layers(config: transformers.PretrainedConfig) -> tuple[int | None, tuple[str, ...]]:

@@ -15,20 +15,24 @@ import torch
 import transformers
 
 from vivace.layers.rotary import longrope_attention_factor, yarn_attention_factor
-from vivace.models.config import FULL, SLIDING, ModelConfig, context_length
+from vivace.models.config import FULL, SLIDING, ModelConfig, MoeConfig, context_length
 from vivace.models.gguf_file import GGUFFile
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                  "smollm3": "SmolLM3ForCausalLM"}
-# Architectures whose q/k rows convert_hf_to_gguf permutes for llama.cpp's GPT-J-style rope kernel.
-_PERMUTED = ("LlamaForCausalLM", "SmolLM3ForCausalLM")
+                  "smollm3": "SmolLM3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# Architectures whose q/k rows convert_hf_to_gguf permutes for llama.cpp's GPT-J-style rope kernel
+# (Mixtral is written as llama-arch).
+_PERMUTED = ("LlamaForCausalLM", "SmolLM3ForCausalLM", "MixtralForCausalLM")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    # A mixture of experts' router and experts (one [num_experts, out, in] tensor a projection).
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Where an architecture's tensors differ from llama's names.
 _ARCH_LAYER_NAMES = {
@@ -40,6 +44,9 @@ _ARCH_LAYER_NAMES = {
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 # llama.cpp's SmolLM3: every 4th layer rotates nothing (a fixed rule; no GGUF key says it).
 _SMOLLM3_NO_ROPE_STEP = 4
+# Expert keys llama.cpp reads, at the values that mean what transformers' Qwen3-MoE and Mixtral do.
+_EXPERT_NEUTRAL = {"expert_shared_count": (0,), "expert_gating_func": (1,), "expert_weights_scale": (0.0, 1.0),
+                   "expert_group_count": (0,)}
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
 _LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}  # Phi-3
 _ROPE_TENSORS = (_ROPE_FREQS, *_LONGROPE.values())
@@ -90,8 +97,9 @@ def model_config(file: GGUFFile) -> ModelConfig:
     rotary_dim = get("{arch}.rope.dimension_count", head_dim)
     scaling = _rope_scaling(file, arch, context)
     eos = [file.metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]
+    moe = _moe(file, arch, layers)
     config = ModelConfig(
-        architecture=_ARCHITECTURES[arch],
+        architecture="MixtralForCausalLM" if arch == "llama" and moe else _ARCHITECTURES[arch],
         vocab_size=file.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=get("{arch}.feed_forward_length"),
@@ -110,6 +118,7 @@ def model_config(file: GGUFFile) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(token for token in eos if token is not None)),
         qk_norm="blk.0.attn_q_norm.weight" in file.tensors,
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        moe=moe,
     )
     window = file.metadata.get(f"{arch}.attention.sliding_window")
     if arch == "phi3" and window and window < context:
@@ -121,6 +130,28 @@ def model_config(file: GGUFFile) -> ModelConfig:
         nope = tuple(i for i in range(layers) if (i + 1) % _SMOLLM3_NO_ROPE_STEP == 0)
         config = dataclasses.replace(config, nope_layers=nope)
     return config
+
+
+def _moe(file: GGUFFile, arch: str, layers: int) -> MoeConfig | None:
+    """The experts of a ``qwen3moe`` file, or of a ``llama`` one with ``expert_count`` (Mixtral), as
+    llama.cpp runs them: softmax routing, the chosen weights renormalized, each expert
+    ``expert_feed_forward_length`` wide (Mixtral: ``feed_forward_length``); a layer without a
+    router (``ffn_gate_inp``) is dense. Raises ValueError for llama.cpp's other expert variants."""
+    count = file.metadata.get(f"{arch}.expert_count", 0)
+    if not count:
+        if arch == "qwen3moe":
+            raise ValueError(f"GGUF metadata lacks '{arch}.expert_count'")
+        return None
+    for key, neutral in _EXPERT_NEUTRAL.items():
+        if file.metadata.get(f"{arch}.{key}", neutral[0]) not in neutral:
+            raise ValueError(f"unsupported GGUF '{arch}.{key}' = {file.metadata[f'{arch}.{key}']} "
+                             "(vivace's experts: softmax routing, no shared experts, no weight scale)")
+    shared = sorted({name.split(".")[2] for name in file.tensors if "shexp" in name})
+    if shared:
+        raise ValueError(f"unsupported GGUF shared experts ({', '.join(shared)}); vivace runs routed experts only")
+    size = file.metadata.get(f"{arch}.expert_feed_forward_length") or file.metadata[f"{arch}.feed_forward_length"]
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in file.tensors)
+    return MoeConfig(count, file.metadata[f"{arch}.expert_used_count"], size, True, dense)
 
 
 def _gemma3(config: ModelConfig, window: int, local_theta: float) -> ModelConfig:
@@ -215,7 +246,8 @@ def _tensors(file: GGUFFile, config: ModelConfig, arch: str,
 
 def hf_rows(values: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
     """Rows of GGUF tensor ``name`` (float values or block bytes, one row per output) in Hugging
-    Face order: llama.cpp permutes the q/k rows of llama-arch (and smollm3) models only."""
+    Face order: llama.cpp permutes the q/k rows of llama-arch models (Llama, Mistral, Mixtral) and
+    smollm3 only."""
     rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     part = name.split(".")[-2]
     if config.architecture in _PERMUTED and part in rotary_heads:
@@ -235,7 +267,7 @@ def _hf_name(name: str, arch: str) -> str:
     """The Hugging Face name of GGUF tensor ``name`` in a model of architecture ``arch``."""
     base, _, leaf = name.rpartition(".")
     if base.startswith("blk."):
-        _, layer, part = base.split(".")
+        _, layer, part = base.split(".", 2)
         names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
         mapped = f"model.layers.{layer}.{names[part]}" if part in names else None
     else:

@@ -8,7 +8,8 @@ RMSNorm (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen2/3 with ``use_slidi
 partial rotary (Phi-4-mini: q/k head dims reordered at load, ``vivace.models.partial_rotary``),
 layers without rotary (SmolLM3's NoPE layers rotate by an identity table: cos 1, sin 0), queries
 scaled by position (Ministral 3's Llama 4 temperature).
-Gemma 3 (``vivace.models.gemma3``) builds on the attention and model classes here.
+Gemma 3 (``vivace.models.gemma3``) and the mixtures of experts (``vivace.models.moe``: Qwen3-MoE,
+Mixtral) build on the attention and model classes here.
 """
 
 from __future__ import annotations
@@ -84,10 +85,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """The gated MLP, ``intermediate_size`` wide (default: the config's; an expert's is smaller)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -120,6 +124,8 @@ class LlamaForCausalLM(nn.Module):
     Subclasses change ``layer_class``, ``embed`` and ``convert_checkpoint_tensor``."""
 
     layer_class: type[nn.Module] = DecoderLayer
+    # Whether every tensor's shape follows from the batch's: what compiled decode graphs need.
+    compilable = True
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()

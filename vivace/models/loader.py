@@ -29,9 +29,10 @@ from vivace.models.gguf import open_gguf
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.gemma3 import Gemma3ForCausalLM
 from vivace.models.llama import LlamaForCausalLM
+from vivace.models.moe import MoeForCausalLM, expert_tensors
 from vivace.models.multimodal import multimodal_architecture, text_tensor_name, ties_embeddings
 from vivace.models.partial_rotary import to_vivace_rows
-from vivace.models.quantize import native_quantization, quantize_model
+from vivace.models.quantize import experts_taken_as_stored, native_quantization, quantize_model
 
 DEFAULT_MODEL_NAME = BUNDLED["default"].name
 DEFAULT_MODEL_INSTALL = BUNDLED["default"].install
@@ -41,7 +42,9 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2),
 }
 # The model class of each architecture; the Llama family's members differ only in their config.
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM}
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM, "Qwen3MoeForCausalLM": MoeForCausalLM, "MixtralForCausalLM": MoeForCausalLM,
+}
 logger = logging.getLogger(__name__)
 
 
@@ -109,13 +112,18 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     elif path.is_file() and path.suffix == ".gguf":
         if packed_gguf:
             plan = _plan_packed(path)
-        opened = open_gguf(path, skip={tensor for tensors in plan.values() for tensor in tensors})
+        if quantization == "auto":
+            quantization = _auto_quantization(path)
+        # Tensors kept as blocks are not decoded: GPU-packed projections, experts taken as stored.
+        kept = {tensor for tensors in plan.values() for tensor in tensors} | experts_taken_as_stored(path, quantization)
+        opened = open_gguf(path, skip=kept)
         config, tokenizer, tensors = opened.config, opened.tokenizer, opened.tensors
     elif path.exists():
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
     else:
         raise FileNotFoundError(f"model not found: {path} (expected a Hugging Face model directory or a .gguf file)")
     config = config.served_with(max_model_len)
+    check_device(config, device)
     module = build_model(config, dtype, tensors)
     if plan:
         from vivace.gpu.gguf_linear import pack_linears
@@ -127,18 +135,28 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
         stored = {name: (to_vivace_rows(name, codes, config), to_vivace_rows(name, scale, config))
                   for name, (codes, scale) in (stored or {}).items()}
         install_fp8(module, stored, quantize_float=fp8, device=device)
-    if quantization == "auto":
-        # A GGUF's own format only where the native kernels run it: the torch fallback
-        # dequantizes every layer on every forward (seconds a token), so float is far faster.
-        native = path.suffix == ".gguf" and quant_linear_kernel() is not None
-        quantization = native_quantization(path) if native else "none"
-    if quantization != "none":
+    if quantization not in ("auto", "none"):  # "auto" is "none" but for a GGUF file
         quantize_model(module, quantization, path if path.suffix == ".gguf" else None)
         _return_freed_memory()  # the float weights the quantized ones replaced
     weight_bytes = module_weight_bytes(module)
     if tokenizer_dir is not None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(Path(tokenizer_dir).expanduser())
     return LoadedModel(module.to(device), config, tokenizer, name, weight_bytes, path)
+
+
+def check_device(config: ModelConfig, device: str) -> None:
+    """Raise ValueError, before any weight is read, for a model ``device`` does not run: the CUDA
+    backend has no mixture-of-experts forward (``vivace.gpu.forward``)."""
+    if device != "cpu" and config.moe is not None:
+        raise ValueError(f"--device {device} does not run mixture-of-experts models ({config.architecture}); "
+                         "serve it with --device cpu")
+
+
+def _auto_quantization(gguf_path: Path) -> str:
+    """What "auto" means for a GGUF file: its own format only where the native kernels run it
+    (the torch fallback dequantizes every layer on every forward, seconds a token, so float is
+    far faster), and only for a quantized file (``native_quantization``)."""
+    return native_quantization(gguf_path) if quant_linear_kernel() is not None else "none"
 
 
 def _plan_packed(path: Path) -> dict[str, tuple[str, ...]]:
@@ -155,6 +173,7 @@ def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, devic
     ``fp8``, the decoder projections quantized to FP8 from them (``install_fp8``)."""
     raw, directory = dummy_config(model)
     config = ModelConfig.from_hf(raw).served_with(max_model_len)
+    check_device(config, device)
     tokenizer = dummy_tokenizer(directory, tokenizer_dir)
     if directory is None or tokenizer_dir is not None:
         # Not the model's own tokenizer: its EOS is the one generation can stop at.
@@ -205,6 +224,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype,
     model_class = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = model_class(config, dtype)
+    if config.moe is not None:
+        tensors = expert_tensors(tensors)
     converted = ((name, to_vivace_rows(name, model_class.convert_checkpoint_tensor(name, tensor), config))
                  for name, tensor in tensors)
     state = fuse_checkpoint(converted, dtype, config.tie_word_embeddings)

@@ -1,21 +1,25 @@
 """Weight-only quantization of a loaded model.
 
-"int8" and "int4": every decoder projection becomes a ``QuantizedLinear`` of that mode; from a
-GGUF file, tensors already stored as Q8_0 (int8) or Q4_0/Q4_1 (int4) are taken code for code,
-any other tensor is quantized from its float value. "gguf" (what ``--quantization auto`` picks
+"int8" and "int4": every decoder projection (in a mixture of experts, each expert's; the router
+stays float) becomes a ``QuantizedLinear`` of that mode; from a GGUF file, tensors already stored
+as Q8_0 (int8) or Q4_0/Q4_1 (int4) are taken code for code, any other tensor is quantized from its
+float value. "gguf" (what ``--quantization auto`` picks
 for a quantized GGUF): every projection in the file's own format, as llama.cpp runs it, through
 ``vivace.layers.gguf_blocks`` (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K); a float tensor stays
 float, and a type without a native form (Q2_K, Q3_K, IQ*) runs dequantized to float, with a
 warning that says so. In every mode the logits projection (``lm_head``, or a quantized copy of
 the tied embedding) keeps at least 6-bit codes, as llama.cpp does, because it is the layer most
 sensitive to quantization: the file's own tensor when it is stored as Q8_0 or Q6_K (as llama.cpp's
-Q4_K_M files keep it), else int8.
+Q4_K_M files keep it), else int8. A mixture's experts taken code for code need no float value
+at all: ``experts_taken_as_stored`` names them, and the loader leaves them undecoded.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -29,6 +33,7 @@ from vivace.layers.quant_format import QuantizedWeight
 from vivace.models.gguf import _hf_name, hf_rows
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.llama import LlamaForCausalLM
+from vivace.models.moe import SparseMoeBlock, expert_name
 from vivace.models.partial_rotary import to_vivace_rows
 
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
@@ -36,6 +41,7 @@ T = gguf.GGMLQuantizationType
 _DIRECT_TYPES = {"int8": {T.Q8_0}, "int4": {T.Q4_0, T.Q4_1}, "gguf": set(NATIVE_TYPES)}
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+Reader = Callable[[], QuantizedWeight]
 
 logger = logging.getLogger(__name__)
 
@@ -50,24 +56,53 @@ def quantize_model(model: LlamaForCausalLM, mode: str, gguf_path: Path | None = 
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} ('gguf' for a GGUF file), got {mode!r}")
     stored = _gguf_weights(gguf_path, model, mode) if gguf_path is not None else {}
     for index, layer in enumerate(model.layers):
-        for parent in (layer.self_attn, layer.mlp):
+        for hf_prefix, parent in _projection_owners(layer, f"model.layers.{index}"):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    hf_prefix = f"model.layers.{index}.{'self_attn' if parent is layer.self_attn else 'mlp'}"
                     direct = _fused_weight(stored, hf_prefix, name)
                     if direct is not None or mode != "gguf":
                         setattr(parent, name, _quantized(child.weight, child.bias, mode, direct))
     logits_weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    direct = stored.get("lm_head.weight", stored.get("model.embed_tokens.weight"))
+    read = stored.get("lm_head.weight", stored.get("model.embed_tokens.weight"))
+    direct = None if read is None else read()
     model.lm_head = _quantized(logits_weight, None, "int8", direct if direct is None or direct.bits >= 6 else None)
     return model
+
+
+def _projection_owners(layer: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    """``(HF name, module)`` of each module of ``layer`` whose linear children are its projections:
+    attention, and the MLP or, in a mixture of experts, each expert (not the router, which stays float)."""
+    owners = [(f"{prefix}.self_attn", layer.self_attn)]
+    if isinstance(layer.mlp, SparseMoeBlock):
+        return owners + [(f"{prefix}.mlp.experts.{e}", expert) for e, expert in enumerate(layer.mlp.experts)]
+    return owners + [(f"{prefix}.mlp", layer.mlp)]
+
+
+def experts_taken_as_stored(gguf_path: Path, mode: str) -> set[str]:
+    """The GGUF expert tensors (``ffn_*_exps``) that ``quantize_model`` in ``mode`` takes code for
+    code, which the loader need not dequantize (a 30B mixture's experts would take 120 GB as
+    float32): a down projection of a type ``mode`` takes, gate and up of one such type (fused
+    without widening)."""
+    if mode not in _DIRECT_TYPES:
+        return set()
+    tensors = GGUFFile(gguf_path).tensors
+    taken = set()
+    for name, info in tensors.items():
+        if info.ggml_type not in _DIRECT_TYPES[mode]:
+            continue
+        if name.endswith(".ffn_down_exps.weight"):
+            taken.add(name)
+        up = tensors.get(name.replace(".ffn_gate_exps.", ".ffn_up_exps."))
+        if name.endswith(".ffn_gate_exps.weight") and up is not None and up.ggml_type == info.ggml_type:
+            taken |= {name, up.name}
+    return taken
 
 
 def native_quantization(gguf_path: Path) -> str:
     """The mode that runs a GGUF file's decoder projections in their own format: "gguf" when
     most are quantized, else "none" (a float file)."""
     counts = Counter(info.ggml_type in _FLOAT_TYPES for name, info in GGUFFile(gguf_path).tensors.items()
-                     if name.startswith("blk.") and name.endswith(".weight") and len(info.shape) == 2)
+                     if name.startswith("blk.") and name.endswith(".weight") and len(info.shape) in (2, 3))
     return "gguf" if counts[False] > counts[True] else "none"
 
 
@@ -78,14 +113,15 @@ def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
     return QuantizedLinear.from_float(weight, bias, "int8" if mode == "gguf" else mode)  # type: ignore[arg-type]
 
 
-def _fused_weight(stored: dict[str, QuantizedWeight], prefix: str, name: str) -> QuantizedWeight | None:
+def _fused_weight(stored: dict[str, Reader], prefix: str, name: str) -> QuantizedWeight | None:
     """The stored weight of ``prefix.name``, rows of fused parts concatenated (in a common
     8-bit form when their formats differ)."""
     if f"{prefix}.{name}.weight" in stored:  # stored fused (Phi-3)
-        return stored[f"{prefix}.{name}.weight"]
-    parts = [stored.get(f"{prefix}.{part}.weight") for part in _FUSED_PARTS.get(name, (name,))]
-    if any(part is None for part in parts):
+        return stored[f"{prefix}.{name}.weight"]()
+    readers = [stored.get(f"{prefix}.{part}.weight") for part in _FUSED_PARTS.get(name, (name,))]
+    if any(read is None for read in readers):
         return None
+    parts = [read() for read in readers]
     if len({_form(p) for p in parts}) > 1:
         parts = [part.widened() for part in parts]
         if len({_form(p) for p in parts}) > 1:
@@ -104,32 +140,45 @@ def _form(weight: QuantizedWeight) -> tuple[object, ...]:
     return weight.bits, weight.group_size, weight.zero_point, weight.mins is None, weight.sub_group
 
 
-def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, QuantizedWeight]:
-    """HF name -> quantized weight for every GGUF tensor stored in a format ``mode`` takes directly
-    (the logits projection: a form of 6 or 8 bits, or Q8_0 outside "gguf" mode)."""
+def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, Reader]:
+    """HF name -> the reader of its quantized weight for every GGUF tensor stored in a format
+    ``mode`` takes directly (the logits projection: a form of 6 or 8 bits, or Q8_0 outside "gguf"
+    mode). A weight is decoded when read, so that only the layer being swapped holds its decoded
+    codes (a byte a weight: all experts of a 30B mixture at once would take some 30 GB)."""
     file = GGUFFile(path)
     arch = file.metadata["general.architecture"]
     weights, fallback = {}, Counter()
     for name, info in file.tensors.items():
         logits = name in ("output.weight", "token_embd.weight")
         accepted = _DIRECT_TYPES["int8" if logits and mode != "gguf" else mode]
-        if not name.endswith(".weight") or len(info.shape) != 2:
+        if not name.endswith(".weight") or len(info.shape) not in (2, 3):
             continue
         if info.ggml_type not in accepted:
             if mode == "gguf" and info.ggml_type not in _FLOAT_TYPES:
                 fallback[info.ggml_type.name] += 1
             continue
         hf_name = _hf_name(name, arch)
+        if len(info.shape) == 3:  # a mixture's experts, one matrix each
+            blocks = file.blocks(info)
+            weights.update((expert_name(hf_name, e), functools.partial(from_gguf_blocks, blocks[e], info.ggml_type))
+                           for e in range(info.shape[0]))
+            continue
         # Rows as the float model holds them: llama.cpp's order undone, then vivace's (partial rotary).
         rows = np.arange(info.shape[0])
         order = to_vivace_rows(hf_name, hf_rows(rows, name, model.config), model.config)
-        weight = from_gguf_blocks(file.blocks(info), info.ggml_type)
-        weights[hf_name] = weight if np.array_equal(order, rows) else _take_rows(weight, order)
+        weights[hf_name] = functools.partial(_read_rows, file.blocks(info), info.ggml_type,
+                                             None if np.array_equal(order, rows) else order)
     if fallback:
         logger.warning("vivace: GGUF types without a native kernel run as dequantized float: %s (native: %s)",
                        ", ".join(f"{t} ({n} tensors)" for t, n in sorted(fallback.items())),
                        ", ".join(t.name for t in NATIVE_TYPES))
     return weights
+
+
+def _read_rows(blocks: np.ndarray, ggml_type: gguf.GGMLQuantizationType,
+               order: np.ndarray | None) -> QuantizedWeight:
+    weight = from_gguf_blocks(blocks, ggml_type)
+    return weight if order is None else _take_rows(weight, order)
 
 
 def _take_rows(weight: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
