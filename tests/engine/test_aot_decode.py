@@ -1,6 +1,7 @@
 """The AOTInductor decode package: its cache key, rebuilding a bad package, weights bound at load."""
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ MAX_BATCH = 4
 
 
 def quantized_runner(model_dir, mode: str = "int8", num_blocks: int = 16, block_size: int = 4,
-                     kv_dtype: torch.dtype = torch.float32) -> ModelRunner:
+                     kv_dtype: torch.dtype = torch.float16) -> ModelRunner:
+    """float16 KV by default, as an engine's on CPU: the package is then the one test_compiled's
+    int8 engines of MAX_BATCH sequences load."""
     return ModelRunner(load_model(str(model_dir), torch.float32, mode), num_blocks, block_size, kv_dtype,
                        max_model_len=64)
 
@@ -26,10 +29,18 @@ def runner(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def other_weights(make_tiny_llama):
+    """A runner of the same architecture with other weights (seed 1)."""
+    return quantized_runner(make_tiny_llama(seed=1))
+
+
+@pytest.fixture(scope="module")
 def package_dir(runner, tmp_path_factory):
-    """A cache directory holding the package of ``runner``'s model (compiled once, ~10 s)."""
+    """A cache directory holding only the package of ``runner``'s model: a copy of the one in
+    vivace's own cache (compiled there first where it is missing, ~20 s, which test_compiled's
+    engines then load instead of compiling it again)."""
     cache = tmp_path_factory.mktemp("aoti")
-    AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH, cache)
+    shutil.copy(AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH).path, cache)
     return cache
 
 
@@ -48,11 +59,10 @@ def decode_both(runner: ModelRunner, decoder: AOTDecoder) -> tuple[torch.Tensor,
     return compiled, eager
 
 
-def test_key_follows_what_shapes_the_graph(runner, tiny_model_dir, make_tiny_llama, monkeypatch):
+def test_key_follows_what_shapes_the_graph(runner, other_weights, tiny_model_dir, make_tiny_llama, monkeypatch):
     key = artifact_key(runner.model, runner.kv_caches, MAX_BATCH)
     # The KV pool size is symbolic in the graph, and weights are bound at load: neither is in the key.
     assert artifact_key(runner.model, quantized_runner(tiny_model_dir, num_blocks=40).kv_caches, MAX_BATCH) == key
-    other_weights = quantized_runner(make_tiny_llama(seed=1))
     assert artifact_key(other_weights.model, other_weights.kv_caches, MAX_BATCH) == key
     changed = {
         "max batch": artifact_key(runner.model, runner.kv_caches, MAX_BATCH + 1),
@@ -72,12 +82,11 @@ def test_key_follows_what_shapes_the_graph(runner, tiny_model_dir, make_tiny_lla
     assert len(set(changed.values())) == len(changed)
 
 
-def test_package_runs_on_the_weights_it_is_loaded_with(package_dir, make_tiny_llama):
-    other = quantized_runner(make_tiny_llama(seed=1))
-    decoder = AOTDecoder(other.model, other.kv_caches, MAX_BATCH, package_dir)
+def test_package_runs_on_the_weights_it_is_loaded_with(package_dir, other_weights):
+    decoder = AOTDecoder(other_weights.model, other_weights.kv_caches, MAX_BATCH, package_dir)
     assert decoder.path.parent == package_dir  # the same package, no new compile
     assert len(list(package_dir.iterdir())) == 1
-    compiled, eager = decode_both(other, decoder)
+    compiled, eager = decode_both(other_weights, decoder)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 

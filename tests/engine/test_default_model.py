@@ -14,8 +14,15 @@ CHATS = [
 ]
 
 
-def test_greedy_chat_equals_transformers(hf_default_model):
-    llm = LLM("default", dtype="float32", quantization="none", kv_cache_memory_gb=0.25)
+@pytest.fixture(scope="module")
+def float_llm() -> LLM:
+    """The default model with float weights: loaded once for the comparison with transformers
+    and the smoke test's float row."""
+    return LLM("default", dtype="float32", quantization="none", kv_cache_memory_gb=0.25)
+
+
+def test_greedy_chat_equals_transformers(hf_default_model, float_llm):
+    llm = float_llm
     tokenizer = llm.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                              tokenize=False) for c in CHATS]
@@ -45,8 +52,11 @@ SMOKE = [
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_quantized_default_model_still_chats(quantization):
-    llm = LLM("default", quantization=quantization, kv_cache_memory_gb=0.1)
+def test_quantized_default_model_still_chats(quantization, request):
+    if quantization == "none":
+        llm = request.getfixturevalue("float_llm")
+    else:
+        llm = LLM("default", quantization=quantization, kv_cache_memory_gb=0.1)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                  add_generation_prompt=True, tokenize=False) + start
                for question, start, _ in SMOKE]
