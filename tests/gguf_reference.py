@@ -88,8 +88,8 @@ def without_vocabulary(source: Path, out: Path) -> Path:
     if vocab_key not in values:
         kept.append(_key(vocab_key) + struct.pack("<II", gguf.GGUFValueType.UINT32, rows["token_embd.weight"]))
     header = struct.pack("<IIQQ", magic, version, tensor_count, len(kept)) + b"".join(kept) + table
-    with open(out, "wb") as file:
+    with open(out, "wb") as file, memoryview(view) as data:
         file.write(header + bytes(-len(header) % alignment))
-        file.write(view[data_start:])
+        file.write(data[data_start:])  # the tensors, unchanged: their offsets count from here
     view.close()
     return out
