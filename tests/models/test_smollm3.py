@@ -12,10 +12,9 @@ import pytest
 import torch
 import transformers
 
-from server.harness import RunningServer, assert_engine_idle, serving  # tests/ is on sys.path
+from server.harness import RunningServer, assert_engine_idle, serving_own_engine  # tests/ is on sys.path
 from vivace import LLM, SamplingParams
 from vivace.config import EngineConfig
-from vivace.engine.async_engine import AsyncEngine
 from vivace.engine.runner import ModelRunner
 from vivace.models import ModelConfig, load_model
 from vivace.models.config import FULL, NOPE
@@ -147,13 +146,10 @@ def test_compiled_decode_matches_eager(tmp_path) -> None:
 @pytest.fixture(scope="module")
 def server(smollm3_yarn) -> Iterator[RunningServer]:
     _, path = smollm3_yarn
-    engine = AsyncEngine(EngineConfig(model=str(path), num_kv_blocks=96, max_num_seqs=4))
-    try:
-        with serving(engine, ServerSettings(served_model_name="smollm3")) as running:
-            yield running
-        assert_engine_idle(engine)
-    finally:
-        engine.shutdown()
+    config = EngineConfig(model=str(path), num_kv_blocks=96, max_num_seqs=4)
+    with serving_own_engine(config, ServerSettings(served_model_name="smollm3")) as running:
+        yield running
+        assert_engine_idle(running.engine)
 
 
 def rendered(server: RunningServer, messages: list[dict], **kwargs: object) -> tuple[str, int]:

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from vivace.config import EngineConfig
-from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
 
-from .harness import RunningServer, assert_engine_idle, serving
+from .harness import RunningServer, assert_engine_idle, serving_own_engine
 
 # Llama 3's vocabulary at a tiny width: most ids it samples are unknown to the default tokenizer.
 WIDE_VOCAB = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=64,
@@ -29,14 +28,10 @@ TOKENS = 48
 def wide_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     directory = tmp_path_factory.mktemp("wide-vocab")
     (directory / "config.json").write_text(json.dumps(WIDE_VOCAB))
-    engine = AsyncEngine(EngineConfig(model=str(directory), load_format="dummy", device="cpu",
-                                      num_kv_blocks=32, max_num_seqs=4))
-    try:
-        with serving(engine, ServerSettings(served_model_name="wide")) as running:
-            yield running
-        assert_engine_idle(engine)
-    finally:
-        engine.shutdown()
+    config = EngineConfig(model=str(directory), load_format="dummy", device="cpu", num_kv_blocks=32, max_num_seqs=4)
+    with serving_own_engine(config, ServerSettings(served_model_name="wide")) as running:
+        yield running
+        assert_engine_idle(running.engine)
 
 
 def _request(api: str) -> dict:
