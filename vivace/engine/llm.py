@@ -19,6 +19,8 @@ def _accumulate(total: CompletionOutput, delta: CompletionOutput) -> None:
     if delta.logprobs is not None:
         total.logprobs = (total.logprobs or []) + delta.logprobs
     total.finish_reason, total.stop_reason = delta.finish_reason, delta.stop_reason
+    total.accepted_prediction_tokens += delta.accepted_prediction_tokens
+    total.rejected_prediction_tokens += delta.rejected_prediction_tokens
 
 
 class LLM:

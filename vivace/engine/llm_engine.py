@@ -20,6 +20,7 @@ from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from vivace.engine.pacer import Pacer, PromptPath, pacer_for
+from vivace.engine.prediction import MATCH_TOKENS, Prediction, prediction_adaptive_k
 from vivace.engine.request import Request
 from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler, score_tokens
 from vivace.engine.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ class EngineStats:
     spec_steps: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    prediction_accepted: int = 0  # of the above, tokens proposed from requests' predictions (emitted)
+    prediction_rejected: int = 0
 
 
 class LLMEngine:
@@ -83,6 +86,8 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         # n-gram proposals cost nothing to make; a draft's cost a forward per token.
         self.adaptive_k = AdaptiveK(config.num_speculative_tokens, shrink=config.speculative != "ngram")
+        self.prediction_k = prediction_adaptive_k()
+        self.prediction_totals = [0, 0]  # tokens proposed from predictions: accepted (emitted), rejected
         self.draft: DraftProposer | None = None
         if config.speculative and config.speculative.startswith("draft:"):
             draft_model = load_model(config.speculative.removeprefix("draft:"), config.torch_dtype,
@@ -148,6 +153,8 @@ class LLMEngine:
                           arrival_time or time.perf_counter())
         if params.structured is not None:
             request.matcher = self.grammars.compile(params.structured)
+        if params.prediction and self._may_speculate(request):
+            request.prediction = Prediction(params.prediction)
         self.requests[request_id] = request
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
@@ -348,10 +355,10 @@ class LLMEngine:
         """Queue the decode step after ``launched`` (``CudaRunner.launch_next``), or None when the
         scheduler might choose another batch: a request waits to be admitted, or runs without a
         row in ``launched``; or when a row needs the host's view of its tokens first: penalties
-        (their history), a grammar, speculation. Requests that surely finish at ``launched``'s
+        (their history), a grammar, speculation (a prediction's too). Requests that surely finish at ``launched``'s
         token (max_tokens, the context) are left out; the K/V slot of each other one's next
         token is allocated now (None, with nothing to undo, if the pool is short)."""
-        if self.scheduler.waiting or self.config.speculative is not None:
+        if self.scheduler.waiting or self.config.speculative is not None or self._predicting():
             return None
         live = [request for request in launched.requests if request.request_id in self.requests]
         if len(live) != len(self.scheduler.running):
@@ -477,22 +484,46 @@ class LLMEngine:
         self.spec_stats.num_steps += 1
         self.spec_stats.num_proposed += proposed
         self.spec_stats.num_accepted += accepted
-        self.adaptive_k.update(request, proposed, accepted)
+        if request.prediction is not None and request.prediction.proposing:
+            request.prediction.record(self.prediction_k, proposed, accepted)
+        else:
+            self.adaptive_k.update(request, proposed, accepted)
+
+    def _predicting(self) -> bool:
+        """Whether a running request has a prediction and few enough are running to speculate."""
+        running = self.scheduler.running
+        return len(running) <= self.config.speculative_max_batch and any(r.prediction is not None for r in running)
+
+    @staticmethod
+    def _may_speculate(request: Request) -> bool:
+        """Whether nothing about the request rules speculation out: it allows it, and its rows need
+        no processing that verification lacks (penalties, a grammar)."""
+        params = request.params
+        return params.speculative and not params.has_penalties and params.structured is None
 
     def _propose(self) -> None:
-        """Queue proposals for the next step (n-gram or draft), when few requests are decoding."""
-        if self.config.speculative is None:
-            return
+        """Queue proposals for the next step, when few requests are decoding: from a request's
+        prediction where its output is found in it, else n-gram or draft ones (with ``speculative``)."""
+        if (self.config.speculative is None and not self._predicting()) or self._inflight is not None:
+            return  # nothing to propose, or a step queued ahead holds tokens the host has not read
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         if len(decoding) > self.config.speculative_max_batch:
             return
         chosen, ks = [], []
         for request in decoding:
             params = request.params
-            if (not params.speculative or params.has_penalties or request.matcher is not None
+            if (not self._may_speculate(request) or request.matcher is not None
                     or request.num_output_tokens < params.min_tokens):
                 continue
             room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            if request.prediction is not None:
+                tail = request.token_ids[max(request.num_prompt_tokens, request.num_tokens - MATCH_TOKENS):]
+                request.spec_token_ids = request.prediction.propose(tail, request.num_output_tokens,
+                                                                    self.prediction_k, room)
+                if request.spec_token_ids:
+                    continue
+            if self.config.speculative is None:
+                continue
             k = min(self.adaptive_k.next_k(request), room)
             if k > 0:
                 chosen.append(request)
@@ -521,7 +552,19 @@ class LLMEngine:
             outputs.append(self._append_token(request, sampled, row, now))
             if request.finish_reason is not None:
                 break
+        if request.prediction is not None and outputs:
+            self._count_prediction(request.prediction, outputs)
         return outputs
+
+    def _count_prediction(self, prediction: Prediction, outputs: list[RequestOutput]) -> None:
+        """Mark the step's tokens that came from the request's prediction (one each), and the
+        proposed ones verification rejected (on the step's first delta)."""
+        accepted, rejected = prediction.take_step(len(outputs))
+        self.prediction_totals[0] += accepted
+        self.prediction_totals[1] += rejected
+        for output in outputs[:accepted]:
+            output.outputs[0].accepted_prediction_tokens = 1
+        outputs[0].outputs[0].rejected_prediction_tokens = rejected
 
     def _append_token(self, request: Request, sampled: SampledTokens, row: int, now: float) -> RequestOutput:
         token_id = sampled.token_ids[row]
@@ -578,7 +621,7 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, kv.usage,
                            self.scheduler.num_preemptions, kv.num_free_blocks, len(kv.blocks),
                            kv.stats.prefix_queries, kv.stats.prefix_hits, self.spec_stats.num_steps,
-                           self.spec_stats.num_proposed, self.spec_stats.num_accepted)
+                           self.spec_stats.num_proposed, self.spec_stats.num_accepted, *self.prediction_totals)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -60,6 +60,10 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None
     finish_reason: FinishReason | None
     stop_reason: str | int | None = None  # the stop string or token id that matched
+    # Of ``token_ids``, those proposed from the request's prediction; and the proposed ones that
+    # verification rejected (OpenAI's accepted/rejected_prediction_tokens).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vivace.engine.outputs import FinishReason, Timings, TokenLogprob
+from vivace.engine.prediction import Prediction
 from vivace.engine.sampling_params import SamplingParams
 
 
@@ -41,6 +42,7 @@ class Request:
     spec_k: int = 0       # adaptive proposal length (0: not yet set)
     spec_misses: int = 0  # consecutive steps with nothing accepted
     spec_pause: int = 0   # steps left without speculation
+    prediction: Prediction | None = None  # what proposals come from, when the request has one
     matcher: Any = None  # the grammar's state for a constrained request (vivace.engine.grammar)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

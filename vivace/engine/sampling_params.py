@@ -70,6 +70,9 @@ class SamplingParams:
     speculative: bool = True  # allow speculative decoding for this request (when the engine has it)
     structured: StructuredOutput | None = None  # constrain the output (such requests never speculate)
     logit_bias: dict[int, float] | None = None
+    # The output's expected tokens (OpenAI's predicted outputs): proposals come from them, even on
+    # an engine without speculation; the output stays what it would be without (vivace.engine.prediction).
+    prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

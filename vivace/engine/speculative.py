@@ -11,10 +11,9 @@ renormalized (an n-gram proposal is a point mass, so q(x) = 1).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-
-from vivace.engine.request import Request
 
 
 def propose_ngram(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -45,30 +44,40 @@ class SpecStats:
         return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
 
 
+class ProposalState(Protocol):
+    """What ``AdaptiveK`` keeps per proposer of a request (``Request``, ``Prediction``)."""
+
+    spec_k: int       # adaptive proposal length (0: not yet set)
+    spec_misses: int  # consecutive steps with nothing accepted
+    spec_pause: int   # steps left without speculation
+
+
 class AdaptiveK:
     """Per-request proposal length, and a pause in speculation for ``pause_steps`` steps after
     ``max_misses`` steps in a row where nothing was accepted (then it resumes, at the length it
     had).
 
     With ``shrink`` (proposals that cost a forward each: a draft model) the length grows by one
-    while proposals land, halves on a miss and drops to what was accepted on a partial hit.
+    (or is multiplied by ``grow``, when that is more than 1) while proposals land, halves on a miss and drops to what was accepted on a partial hit.
     Without it (n-gram) the length stays ``max_k``: proposing is free, and a rejected token
     costs only one more row of a verify step, which reads the weights once whatever its rows.
     """
 
-    def __init__(self, max_k: int, shrink: bool = True, pause_steps: int = 16, max_misses: int = 3) -> None:
+    def __init__(self, max_k: int, shrink: bool = True, pause_steps: int = 16, max_misses: int = 3,
+                 grow: int = 1) -> None:
         self.max_k = max_k
         self.shrink = shrink
+        self.grow = grow
         self.pause_steps = pause_steps
         self.max_misses = max_misses
 
-    def next_k(self, request: Request) -> int:
+    def next_k(self, request: ProposalState) -> int:
         if request.spec_pause > 0:
             request.spec_pause -= 1
             return 0
         return request.spec_k or self.max_k
 
-    def update(self, request: Request, proposed: int, accepted: int) -> None:
+    def update(self, request: ProposalState, proposed: int, accepted: int) -> None:
         if accepted:
             request.spec_misses = 0
         else:
@@ -79,7 +88,7 @@ class AdaptiveK:
             return
         k = request.spec_k or self.max_k
         if accepted == proposed:
-            request.spec_k = min(k + 1, self.max_k)
+            request.spec_k = min(k * self.grow if self.grow > 1 else k + 1, self.max_k)
         else:
             request.spec_k = max(accepted, 1) if accepted else max(k // 2, 1)
 

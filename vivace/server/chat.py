@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -77,6 +78,10 @@ async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: s
     parser = state.reasoning_parser(engine)
     thinking = parser.thinking(prompt_ids) if parser is not None else None
     params.structured = await _constraint(engine, body, choice, thinking)
+    if body.prediction is not None:
+        text = body.prediction.text()
+        params.prediction = await off_the_loop(state.metrics.work["prompt"], partial(
+            engine.tokenizer.encode, add_special_tokens=False), text, size=len(text))
     job = EngineRequest(engine, state.metrics, prompt_ids, params, request_id_of(request, id_prefix),
                         caller.priority(body.priority), caller.deadlines)
     ticket = state.admission.admit(caller.api_key, caller.tier, [job])

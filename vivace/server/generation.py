@@ -43,9 +43,13 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, from its first output
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
+        self.accepted_prediction_tokens += delta.accepted_prediction_tokens
+        self.rejected_prediction_tokens += delta.rejected_prediction_tokens
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs or [])
         if delta.finish_reason is not None:
@@ -139,11 +143,17 @@ def usage_of(jobs: list[EngineRequest]) -> Usage:
 
 def usage_with_thinking(job: EngineRequest, thinking: Thinking | None, thought: list[bool]) -> Usage:
     """The job's usage; with a reasoning parser, its thinking tokens too (``thought``: whether each
-    choice had a think block)."""
+    choice had a think block); with a prediction, its proposed tokens accepted and rejected."""
     usage = usage_of([job])
+    if thinking is None and job.params.prediction is None:
+        return usage
+    details = usage.completion_tokens_details = CompletionTokensDetails()
     if thinking is not None:
-        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
-            thinking.reasoning_tokens(choice.token_ids, had) for choice, had in zip(job.choices, thought)))
+        details.reasoning_tokens = sum(thinking.reasoning_tokens(choice.token_ids, had)
+                                       for choice, had in zip(job.choices, thought))
+    if job.params.prediction is not None:
+        details.accepted_prediction_tokens = sum(choice.accepted_prediction_tokens for choice in job.choices)
+        details.rejected_prediction_tokens = sum(choice.rejected_prediction_tokens for choice in job.choices)
     return usage
 
 

@@ -54,6 +54,11 @@ _ENGINE_SERIES: tuple[tuple[str, type[Metric], str, Callable[[Any], float]], ...
     ("spec_decode_mean_accepted_length", GaugeMetricFamily, "Tokens emitted per verify step since "
      "start: accepted ones plus the target's own (0 before any).",
      lambda s: (s.spec_accepted + s.spec_steps) / s.spec_steps if s.spec_steps else 0.0),
+    # Of those, the proposals read off requests' predictions (OpenAI's usage counts, summed).
+    ("accepted_prediction_tokens", CounterMetricFamily, "Tokens proposed from a request's prediction "
+     "that verification accepted (and the output kept).", lambda s: s.prediction_accepted),
+    ("rejected_prediction_tokens", CounterMetricFamily, "Tokens proposed from a request's prediction "
+     "that verification rejected.", lambda s: s.prediction_rejected),
 )
 
 

@@ -301,6 +301,17 @@ class ChatTemplateRequest(_Strict):
         return value
 
 
+class PredictionContent(_Strict):
+    """OpenAI's predicted output: text the answer is expected to mostly repeat (a file being edited).
+    It changes only how fast the answer comes (vivace.engine.prediction), never what it is."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
@@ -312,6 +323,7 @@ class ChatCompletionRequest(ChatTemplateRequest, SamplingRequest):
     parallel_tool_calls: bool | None = True
     # OpenAI's: how much a reasoning model thinks (vivace.server.reasoning.effort_template_kwargs)
     reasoning_effort: ReasoningEffort | None = None
+    prediction: PredictionContent | None = None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -16,6 +16,9 @@ class PromptTokensDetails(BaseModel):
 
 class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
+    # With a prediction: its tokens proposed and accepted (in the output), or rejected.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class Usage(BaseModel):
