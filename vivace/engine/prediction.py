@@ -23,9 +23,11 @@ from vivace.engine.speculative import AdaptiveK
 MATCH_TOKENS = 3
 # Longest proposal. An edit keeps long runs of the file identical, and a landing proposal of k
 # tokens saves k forwards for one verify step of k + 1 rows, which reads the weights once; but
-# its rows cost compute (on a CPU a 17-row step costs about twice a 1-row one) and a miss wastes
-# them, so the length doubles while proposals land and falls back on a miss (``AdaptiveK``):
-# n-gram's default of 4 would cap a perfect prediction at 5 tokens a step, 16 gives up to 17.
+# its rows cost compute (the default model's compiled CPU step: 5 rows 9.0 ms, 1 row 7.2 ms, in
+# docs/benchmarks.md; at that rate 17 rows cost about twice one) and a miss wastes them, so the
+# length doubles while proposals land and falls back on a miss (``AdaptiveK``). n-gram's default
+# of 4 would cap a perfect prediction at 5 tokens a step; 16 gives up to 17, about 8x fewer steps
+# for twice the cost each, and longer would gain little more while a miss would cost more.
 PREDICTION_MAX_K = 16
 
 
@@ -44,13 +46,11 @@ class Prediction:
         self.proposing = False  # the request's pending proposal came from here
         self.step_accepted = 0  # by the last verification, not yet counted (``take_step``)
         self.step_rejected = 0
-        # For each suffix length n, the positions that follow each n-gram of the prediction.
-        self._ends: list[dict[tuple[int, ...], list[int]]] = [{}]
-        for n in range(1, MATCH_TOKENS + 1):
-            ends: dict[tuple[int, ...], list[int]] = defaultdict(list)
-            for end in range(n, len(self.token_ids) + 1):
-                ends[tuple(self.token_ids[end - n:end])].append(end)
-            self._ends.append(dict(ends))
+        # Per token id, the positions that follow its occurrences, in order: one pass (a few
+        # milliseconds for a 10,000-token file; this runs on the engine's thread).
+        self._ends: dict[int, list[int]] = defaultdict(list)
+        for end, token in enumerate(self.token_ids, 1):
+            self._ends[token].append(end)
 
     def align(self, tail: list[int], num_output: int) -> int | None:
         """The index of the token expected after an output of ``num_output`` tokens that ends
@@ -60,17 +60,20 @@ class Prediction:
         expected = self.position + num_output - self.num_output
         for n in range(min(MATCH_TOKENS, len(tail)), 0, -1):
             suffix = tail[-n:]
-            if n <= expected <= len(self.token_ids) and self.token_ids[expected - n:expected] == suffix:
+            if self._ends_with(expected, suffix):
                 return expected
-            ends = self._ends[n].get(tuple(suffix))
-            if not ends:
-                continue
+            ends = self._ends.get(suffix[-1], [])
             after = bisect.bisect_left(ends, self.position)
-            if after < len(ends):
-                return ends[after]
-            if n > 1:
-                return ends[-1]  # the latest match before the alignment
+            found = next((end for end in ends[after:] if self._ends_with(end, suffix)), None)
+            if found is None and n > 1:  # the latest match before the alignment
+                found = next((end for end in reversed(ends[:after]) if self._ends_with(end, suffix)), None)
+            if found is not None:
+                return found
         return None
+
+    def _ends_with(self, end: int, suffix: list[int]) -> bool:
+        """Whether the prediction's tokens before position ``end`` are ``suffix``."""
+        return len(suffix) <= end <= len(self.token_ids) and self.token_ids[end - len(suffix):end] == suffix
 
     def propose(self, tail: list[int], num_output: int, adaptive: AdaptiveK, room: int) -> list[int]:
         """The next tokens of the prediction after the output (at most ``room`` of them and the
