@@ -8,6 +8,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -91,3 +93,30 @@ def test_prebuild_covers_what_the_modules_load() -> None:
     assert native.load("fused") == fused.NATIVE
     assert native.load("quant_gemm") == (kernels.quant_linear_kernel() is not None)
     assert native.load("aoti_runner") == aot_decode._native_runner()
+
+
+_BUILD_IN_A_NEW_PROCESS = """
+import sys
+from pathlib import Path
+from vivace.layers import native
+assert native._build_and_load(Path(sys.argv[1]), (), Path(sys.argv[2]), "tiny")
+"""
+
+
+def test_another_checkout_of_the_same_sources_reuses_the_build(tmp_path: Path) -> None:
+    """The build reads a copy of the sources kept in its build directory, so a later process
+    building the same bytes from another checkout (a fresh clone, a worktree, CI) loads the first
+    one's library instead of compiling it again."""
+    build_dir = tmp_path / "kernels" / "tiny"
+    env = {k: v for k, v in os.environ.items() if k != native.FORCE_FALLBACK_ENV}
+    built = []
+    for checkout in ("one", "two"):
+        (tmp_path / checkout).mkdir()
+        (tmp_path / checkout / "tiny.h").write_text("#define SEVEN 7\n")
+        source = tmp_path / checkout / "tiny.cpp"
+        source.write_text('#include "tiny.h"\nextern "C" int vivace_test_seven() { return SEVEN; }\n')
+        subprocess.run([sys.executable, "-c", _BUILD_IN_A_NEW_PROCESS, str(source), str(build_dir)], env=env,
+                       check=True, timeout=300)
+        (library,) = build_dir.glob("*.so")
+        built.append(library.stat().st_mtime_ns)
+    assert built[0] == built[1]

@@ -3,6 +3,7 @@ logprobs, usage, finish reasons, timings."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from .harness import RunningServer
@@ -115,3 +116,20 @@ def test_bookkeeping_fields_clients_send_are_accepted(server: RunningServer) -> 
         model="tiny", max_tokens=4, user="u-1", store=False, metadata={"trace": "abc"},
         service_tier="auto", messages=[{"role": "user", "content": "Hi", "name": "alice"}])
     assert reply.choices[0].message.content is not None
+
+
+def test_openai_hints_clients_send_are_accepted(server: RunningServer) -> None:
+    """What clients written for OpenAI's newer models send (the openai-agents SDK passes its model
+    settings through): hints that change nothing here, answered like the same request without them."""
+    common = dict(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = server.client().chat.completions.create(**common)
+    hinted = server.client().chat.completions.create(**common, verbosity="low", modalities=["text"],
+                                                     prompt_cache_retention="24h")
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_audio_output_is_refused(server: RunningServer) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        server.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
+                                                modalities=["text", "audio"])
+    assert error.value.body["param"].startswith("modalities")

@@ -62,6 +62,13 @@ def test_string_input(server: RunningServer) -> None:
     assert response.metadata == {"k": "v"} and response.temperature == 0 and response.max_output_tokens == 4
 
 
+def test_openai_hints_are_accepted_and_echoed(server: RunningServer) -> None:
+    response = _parsed(server.client().responses.create(
+        model="tiny", input="hi", max_output_tokens=4, text={"verbosity": "low"}, prompt_cache_retention="in-memory"))
+    assert response.text.verbosity == "low" and response.text.format.type == "text"
+    assert response.status in ("completed", "incomplete")
+
+
 def test_messages_with_instructions_are_the_chat_conversation(server: RunningServer) -> None:
     client = server.client()
     input_items = [{"role": "developer", "content": "Answer briefly."},

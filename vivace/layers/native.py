@@ -1,7 +1,8 @@
 """Building and loading vivace's native op libraries (C++ files registering ``torch.ops.vivace``).
 
 Each library (a C++ file, plus the headers beside it) is compiled once with ``torch.utils.cpp_extension`` into
-``~/.cache/vivace/kernels/<name>-<hash of source, flags and torch version>`` and loaded from
+``~/.cache/vivace/kernels/<name>-<hash of source, flags and torch version>`` (from a copy of the sources
+kept there, so every checkout of the same sources shares the build) and loaded from
 there by later processes. Callers fall back to PyTorch code when ``load_library`` says False.
 
 A process builds (or loads) each library once: the first ``load_library`` of it runs the build
@@ -163,7 +164,8 @@ def _build_and_load(source: Path, cflags: tuple[str, ...], build_dir: Path, dige
     try:
         from torch.utils.cpp_extension import load
         with _building(build_dir):
-            load(name=f"vivace_{source.stem}_{digest}", sources=[str(source)], extra_cflags=list(cflags),
+            copy = _source_copy(source, build_dir)
+            load(name=f"vivace_{source.stem}_{digest}", sources=[str(copy)], extra_cflags=list(cflags),
                  build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as exc:  # any build or load failure means: use the PyTorch fallback
         logger.warning("vivace: native %s failed to build or load (%s); using PyTorch code", source.name, exc)
@@ -171,6 +173,21 @@ def _build_and_load(source: Path, cflags: tuple[str, ...], build_dir: Path, dige
     logger.info("vivace: native %s ready in %.1f s (built once per source, then cached)", source.name,
                 time.perf_counter() - start)
     return True
+
+
+def _source_copy(source: Path, build_dir: Path) -> Path:
+    """``source`` and the headers beside it, copied into ``build_dir/src`` (a file rewritten only
+    when its bytes differ), and the copy's path. The build reads the copy: ninja's build file names
+    the sources' paths, so building from the checkout itself would rebuild the same bytes for every
+    checkout of the repository (a fresh clone, a worktree, CI)."""
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    for original in (source, *sorted(source.parent.glob("*.h"))):
+        copy = src / original.name
+        data = original.read_bytes()
+        if not copy.exists() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return src / source.name
 
 
 @contextlib.contextmanager

@@ -214,6 +214,7 @@ class SamplingRequest(_Strict):
     user: str | None = None
     safety_identifier: str | None = None  # OpenAI's successor of ``user``, with prompt_cache_key
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None  # the prefix cache keeps what fits, for as long as it fits
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -313,6 +314,7 @@ class PredictionContent(_Strict):
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+Verbosity = Literal["low", "medium", "high"]
 
 
 class ChatCompletionRequest(ChatTemplateRequest, SamplingRequest):
@@ -323,6 +325,12 @@ class ChatCompletionRequest(ChatTemplateRequest, SamplingRequest):
     parallel_tool_calls: bool | None = True
     # OpenAI's: how much a reasoning model thinks (vivace.server.reasoning.effort_template_kwargs)
     reasoning_effort: ReasoningEffort | None = None
+    # OpenAI's hints that change nothing here: how long a GPT model's answers run (the served
+    # model's length is its own), and the output's modalities (text is all vivace writes; "audio"
+    # is a 400).
+    verbosity: Verbosity | None = None
+    modalities: list[Literal["text"]] | None = None
+    # OpenAI's predicted output: proposals for speculative decoding (vivace.engine.prediction)
     prediction: PredictionContent | None = None
 
     @field_validator("top_logprobs")

@@ -74,7 +74,8 @@ def _settings(body: ResponsesRequest, response_id: str, model: str) -> ResponseO
         temperature=body.temperature, top_p=body.top_p, parallel_tool_calls=body.parallel_tool_calls,
         tool_choice=choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto",
         tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
-        text={"format": form.model_dump(by_alias=True, exclude_none=True) if form else {"type": "text"}},
+        text={"format": form.model_dump(by_alias=True, exclude_none=True) if form else {"type": "text"},
+              **({"verbosity": body.text.verbosity} if body.text is not None and body.text.verbosity else {})},
         reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
         metadata=body.metadata or {}, store=False, user=body.user)
 

@@ -19,7 +19,7 @@ from vivace.server.errors import APIError
 from vivace.server.responses_objects import ItemStatus
 from vivace.server.protocol import (
     ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Integer, JsonSchemaFormat,
-    NamedToolChoice, Number, ReasoningEffort, ResponseFormat, Tool, ToolCall, ToolChoiceFunction, _Strict)
+    NamedToolChoice, Number, ReasoningEffort, ResponseFormat, Tool, ToolCall, ToolChoiceFunction, Verbosity, _Strict)
 
 NOT_STORED = ("vivace stores no responses (it keeps no state between requests): send the whole "
               "conversation in input")
@@ -161,6 +161,7 @@ class JsonSchemaText(_Strict):
 
 class TextConfig(_Strict):
     format: Annotated[PlainText | JsonObject | JsonSchemaText, Field(discriminator="type")] | None = None
+    verbosity: Verbosity | None = None  # a hint for GPT models; the served model's length is its own
 
 
 class Reasoning(_Strict):
@@ -196,6 +197,7 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     service_tier: str | None = None
     previous_response_id: Annotated[None, _refused(NOT_STORED)] = None
     conversation: Annotated[None, _refused(NOT_STORED)] = None
