@@ -57,8 +57,9 @@ class AdaptiveK:
     ``max_misses`` steps in a row where nothing was accepted (then it resumes, at the length it
     had).
 
-    With ``shrink`` (proposals that cost a forward each: a draft model) the length grows by one
-    (or is multiplied by ``grow``, when that is more than 1) while proposals land, halves on a miss and drops to what was accepted on a partial hit.
+    With ``shrink`` (proposals that cost a forward each: a draft model; a prediction's, which
+    cost rows) the length grows by one (or is multiplied by ``grow``, when that is more than 1)
+    while proposals land, halves on a miss and drops to what was accepted on a partial hit.
     Without it (n-gram) the length stays ``max_k``: proposing is free, and a rejected token
     costs only one more row of a verify step, which reads the weights once whatever its rows.
     """
