@@ -10,7 +10,9 @@ and once with ``prediction`` = the original file, the two in alternating order r
 (round 0 warms up and is not counted). Streams with ``include_usage``; prints per mode the median
 total latency, time per output token after the first (TPOT) and inter-token latency (ITL, every
 chunk gap), the prediction's acceptance (accepted / proposed tokens, and accepted / output
-tokens), the ratios, and whether each answer was the same in both modes (it must be).
+tokens), the ratios, whether each answer was the same in both modes (it must be), and the
+server's median decode step time by its rows (1: a plain step; k + 1: verifying k proposals;
+from ``/debug/timings``, its last 4,096 steps), which is what a longer proposal costs.
 The default model (135M parameters) copies a file only in part before it wanders off, so its
 acceptance is low; a model that follows the instruction shows what predictions are for.
 """
@@ -24,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import openai
 
 from peers import REPO, Running, Server, free_port
@@ -122,6 +125,18 @@ def report(modes: dict[str, Mode], same: list[bool]) -> None:
     print(f"answers identical in both modes: {sum(same)} of {len(same)}")
 
 
+def step_costs(url: str) -> None:
+    """Median wall time of the server's decode-only steps, by their rows."""
+    steps = httpx.get(url + "/debug/timings", params={"since": 0}, timeout=30).json()["steps"]
+    by_rows: dict[int, list[float]] = {}
+    for step in steps:
+        if step["decode_tokens"] and not step["prompt_tokens"]:
+            by_rows.setdefault(step["decode_tokens"], []).append(step["total"])
+    print("\n| decode rows | steps | median step (ms) |\n|---|---|---|")
+    for rows, times in sorted(by_rows.items()):
+        print(f"| {rows} | {len(times)} | {statistics.median(times) * 1e3:.2f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -144,6 +159,7 @@ def main() -> int:
         print(f"vivace serve ready in {server.wait_ready(url):.0f} s: {' '.join(command[1:])}", flush=True)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         modes, same = run(client, args)
+        step_costs(url)
     finally:
         server.stop()
     report(modes, same)
