@@ -139,10 +139,15 @@ def test_a_request_that_may_not_speculate_is_served_normally(plain_llm, prompts_
     plain_llm.check_integrity()
 
 
-@pytest.mark.parametrize("speculative", [None, "ngram"])
+@pytest.mark.parametrize("speculative", [None, "ngram", "draft"])
 def test_a_mixed_batch_gives_each_request_its_greedy_output(model_dir, plain_llm, prompts_and_greedy,
                                                            speculative):
+    """Requests without a prediction, or whose prediction is not found, get the server's own
+    proposals (a draft model's: the target itself here), which go on from where the prediction's
+    stopped."""
     prompts, expected = prompts_and_greedy
+    if speculative == "draft":
+        speculative = f"draft:{model_dir}"
     penalized = plain_llm.generate(prompts[3], SamplingParams(**GREEDY, repetition_penalty=1.2))[0].outputs[0]
     llm = LLM(str(model_dir), num_kv_blocks=256, block_size=4, speculative=speculative)
     params = [SamplingParams(**GREEDY, prediction=expected[0]), SamplingParams(**GREEDY),
@@ -155,6 +160,8 @@ def test_a_mixed_batch_gives_each_request_its_greedy_output(model_dir, plain_llm
     assert outputs[3].outputs[0].accepted_prediction_tokens == 0
     llm.check_integrity()
     assert llm.engine.kv.num_free_blocks == 256
+    if llm.engine.draft is not None:
+        assert not llm.engine.draft.shadows and llm.engine.spec_stats.num_accepted > llm.engine.prediction_totals[0]
 
 
 def test_above_the_max_batch_nothing_is_proposed(model_dir, prompts_and_greedy):
