@@ -168,11 +168,14 @@ SCALE_FLAGS = (
 )
 SAMPLING_FLAGS = (
     Flag("--max-tokens", 128, "most tokens to generate", int),
-    Flag("--temperature", 0.7, "sampling temperature (0: greedy)", float),
-    Flag("--top-p", 1.0, "nucleus sampling mass", float),
+    # None: the model's recommended value (--generation-config), else CLI_SAMPLING_FALLBACKS's
+    Flag("--temperature", None, "sampling temperature (0: greedy; default: the model's recommended, else 0.7)",
+         float),
+    Flag("--top-p", None, "nucleus sampling mass (default: the model's recommended, else 1.0)", float),
     Flag("--no-chat-template", False, "send the prompt as is, without the chat template",
          kind="switch"),
 )
+CLI_SAMPLING_FALLBACKS = {"temperature": 0.7, "top_p": 1.0}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
@@ -329,8 +332,10 @@ async def stream_reply(engine: Any, prompt_ids: list[int], args: argparse.Namesp
     if room < 1:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds "
                          f"{engine.max_model_len}")
-    params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
-                            top_p=args.top_p)
+    # The flags given win, then the model's recommended values (--max-tokens has a default of its own).
+    given = {name: getattr(args, name) for name in CLI_SAMPLING_FALLBACKS if getattr(args, name) is not None}
+    sampling = {**CLI_SAMPLING_FALLBACKS, **engine.sampling_defaults, **given}
+    params = SamplingParams(**{**sampling, "max_tokens": min(args.max_tokens, room)})
     text, last = "", None
     async for last in engine.generate(prompt_ids, params, uuid.uuid4().hex):
         for delta in last.outputs:
