@@ -49,6 +49,8 @@ def test_bad_generation_config_flags_exit_2_naming_them(tmp_path: Path, capsys: 
     assert f"--generation-config {tmp_path}: no generation_config.json there" in capsys.readouterr().err
     assert main(["serve", "--override-generation-config", '{"temperature": "hot"}', "--port", "1"]) == 2
     assert "--override-generation-config: temperature must be a number" in capsys.readouterr().err
+    assert main(["serve", "--override-generation-config", '{"top_p": 0}', "--port", "1"]) == 2
+    assert "--override-generation-config: top_p must be in (0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:
         parse_args(["serve", "--override-generation-config", "[0.5]"])
     assert exited.value.code == 2

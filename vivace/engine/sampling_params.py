@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -120,17 +121,23 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def served_defaults(config: EngineConfig, model_source: Path) -> dict[str, float | int]:
-    """The sampling defaults ``config`` gives requests to the model loaded from ``model_source``
-    (``vivace.generation_config.sampling_defaults``), logged when there are any. Raises ValueError
-    naming the flag for a value SamplingParams rejects (or max_tokens below 1)."""
-    defaults = sampling_defaults(config.generation_config, model_source, config.override_generation_config)
+def check_sampling_defaults(defaults: Mapping[str, float | int], source: str) -> None:
+    """Raise ValueError naming ``source`` when a request given ``defaults`` would be refused: a
+    value SamplingParams rejects, or max_tokens below 1."""
     try:
         SamplingParams(**defaults)
         if defaults.get("max_tokens", 1) < 1:
             raise ValueError("max_new_tokens must be >= 1")
     except ValueError as exc:
-        raise ValueError(f"--generation-config {config.generation_config}: {exc}") from None
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def served_defaults(config: EngineConfig, model_source: Path) -> dict[str, float | int]:
+    """The sampling defaults ``config`` gives requests to the model loaded from ``model_source``
+    (``vivace.generation_config.sampling_defaults``), checked (ValueError naming the flag) and
+    logged when there are any."""
+    defaults = sampling_defaults(config.generation_config, model_source, config.override_generation_config)
+    check_sampling_defaults(defaults, f"--generation-config {config.generation_config}")
     if defaults:
         source = "--override-generation-config" if config.generation_config == "vllm" else \
             f"the model's generation config ({config.generation_config})"
