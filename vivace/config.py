@@ -122,7 +122,7 @@ class EngineConfig:
     # vivace.generation_config): "auto" the model's recommended ones, "vllm" none, or a folder's
     # generation_config.json; override_generation_config's fields (a generation config's names) win.
     generation_config: str = "auto"
-    override_generation_config: dict[str, float] = field(default_factory=dict)
+    override_generation_config: dict[str, float | int] = field(default_factory=dict)
     # A Jinja chat template (its text) replacing the tokenizer's (vivace.chat_template reads the flag).
     chat_template: str | None = None
 
