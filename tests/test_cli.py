@@ -108,6 +108,18 @@ def test_generate_streams_then_prints_speed(tiny_model_dir: Path,
         assert figure in printed
 
 
+def test_generate_takes_the_models_defaults_for_flags_not_given(tiny_model_dir: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    def reply(*flags: str) -> str:
+        assert main(["generate", "Hello there", "--model", str(tiny_model_dir), "--max-tokens", "8",
+                     *TINY_ENGINE, *flags]) == 0
+        return capsys.readouterr().out.rsplit("\n\nTTFT", 1)[0]
+
+    greedy = reply("--temperature", "0")
+    assert reply("--override-generation-config", '{"top_k": 1}') == greedy  # --temperature 0.7, top_k 1
+    assert reply() != greedy
+
+
 def test_chat_keeps_the_history(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nand then?\n/exit\n"))
