@@ -72,8 +72,9 @@ async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: s
     prompt_ids = await off_the_loop(state.metrics.work["prompt"], chat_prompt_ids, engine.tokenizer, body, choice,
                                     size=sum(len(m.text()) for m in body.messages))
     max_tokens = fit_max_tokens(len(prompt_ids), body.requested_max_tokens(),
-                                engine.max_model_len, "messages")
-    params = sampling_params(body, max_tokens, body.requested_logprobs(), body.prompt_logprobs)
+                                engine.max_model_len, "messages", engine.sampling_defaults.get("max_tokens"))
+    params = sampling_params(body, max_tokens, body.requested_logprobs(), body.prompt_logprobs,
+                             engine.sampling_defaults)
     parser = state.reasoning_parser(engine)
     thinking = parser.thinking(prompt_ids) if parser is not None else None
     params.structured = await _constraint(engine, body, choice, thinking)

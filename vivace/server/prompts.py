@@ -4,7 +4,7 @@ and token-id checks, sampling parameters. Every failure here is a 400 APIError."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jinja2
@@ -104,10 +104,11 @@ def nonempty(ids: list[int], param: str) -> list[int]:
 
 
 def fit_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                   param: str) -> int:
-    """``max_tokens``, or all the room left when None; 400 naming both numbers if it won't fit."""
+                   param: str, default: int | None = None) -> int:
+    """``max_tokens``; when None, ``default`` (the model's recommended) or all the room left,
+    whichever is less; 400 naming both numbers if it won't fit."""
     room = max_model_len - prompt_tokens
-    wanted = max_tokens if max_tokens is not None else max(room, 1)
+    wanted = max_tokens if max_tokens is not None else max(min(room, default or room), 1)
     if prompt_tokens + wanted > max_model_len:
         raise APIError(
             400, f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -118,9 +119,11 @@ def fit_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: in
 
 
 def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The engine's SamplingParams for ``body``; 400 if the engine rejects the combination."""
+                    prompt_logprobs: int | None = None, defaults: Mapping[str, float | int] | None = None
+                    ) -> SamplingParams:
+    """The engine's SamplingParams for ``body``, ``defaults`` (the engine's ``sampling_defaults``) for
+    the sampling fields it left out; 400 if the engine rejects the combination."""
     try:
-        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs, defaults)
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
