@@ -148,6 +148,11 @@ SERVER_FLAGS = (
          "span per request, e.g. http://localhost:4318 (OTEL_* variables apply; default: off)"),
     Flag("--reasoning-parser", None, "hand a thinking model's <think>...</think> text out apart from its "
          "answer (reasoning_content and reasoning): qwen3 or deepseek_r1, as vLLM's (default: off)"),
+    Flag("--tool-call-parser", "auto", "the form the model writes tool calls in, as vLLM's: hermes "
+         "(<tool_call> blocks), llama3_json (a bare JSON call), mistral ([TOOL_CALLS]), or auto (read off "
+         "the chat template)"),
+    Flag("--enable-auto-tool-choice", False, "accepted for vLLM command lines; no effect (tool_choice "
+         "\"auto\" is always allowed)", kind="switch"),
 )
 # Scale-out on Ray Serve: any of these turns `vivace serve` into a Ray Serve application.
 SCALE_FLAGS = (
@@ -264,7 +269,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
         ui=not args.no_ui, otlp_traces_endpoint=args.otlp_traces_endpoint,
         allowed_origins=tuple(origin for origin in args.allowed_origins if origin),
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.step_timing import TimingLog, timed
 from vivace.server.errors import APIError, from_validation_error
 from vivace.server.protocol import ChatTemplateRequest, SamplingRequest
+from vivace.server.tool_formats import HERMES, ToolFormat
 from vivace.server.tools import chat_messages
 
 Schema = TypeVar("Schema", bound=BaseModel)
@@ -61,14 +62,14 @@ async def off_the_loop(log: TimingLog, work: Callable[..., T], *args: Any, size:
 
 
 def chat_prompt_ids(tokenizer: Any, body: ChatTemplateRequest, tool_choice: str = "none",
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, form: ToolFormat = HERMES) -> list[int]:
     """Token ids of the messages (and tools, unless ``tool_choice`` is "none") rendered with
-    the model's chat template, or its Hermes-style convention (``vivace.server.tools``), with
-    the request's ``chat_template_kwargs`` as template variables."""
+    the model's chat template, or vivace's convention (``vivace.server.tools``; calls written in
+    ``form``), with the request's ``chat_template_kwargs`` as template variables."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "This model has no chat template; use /v1/completions",
                        param="messages")
-    messages, tools = chat_messages(body, tokenizer, tool_choice)
+    messages, tools = chat_messages(body, tokenizer, tool_choice, form)
     try:
         text = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=body.add_generation_prompt,

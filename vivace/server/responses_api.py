@@ -45,7 +45,8 @@ async def create_response(request: Request) -> Response:
         raise _in_responses_terms(exc) from None
     answer = _settings(body, chat.job, state.model_name(body.model))
     if body.stream:
-        return sse_response(response_events(chat.job, answer, chat.calls, chat.thinking), chat.ticket.release,
+        return sse_response(response_events(chat.job, answer, chat.calls, chat.thinking, chat.tool_format),
+                            chat.ticket.release,
                             state.metrics.work["sse_write"], end="")
     if not await run_whole(request, chat.job, chat.ticket.release):
         return Response(status_code=499)
@@ -91,7 +92,7 @@ def _output(answer: ResponseObject, chat: StartedChat) -> bool:
         text, thought = split.content, split.thought
         if split.reasoning is not None:
             answer.output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=split.reasoning)]))
-    content, parsed = parse_tool_calls(text or "") if chat.calls else (text, [])
+    content, parsed = parse_tool_calls(text or "", chat.tool_format.parser()) if chat.calls else (text, [])
     if content is not None or not (parsed or answer.output):
         answer.output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=content or "")]))
     answer.output += [FunctionToolCall(id=item_id("fc"), call_id=call.id, name=call.name or "",
