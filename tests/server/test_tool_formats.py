@@ -1,16 +1,21 @@
 """The families' tool-call forms (``--tool-call-parser``): each parser reads the same calls however
-the text is split, keeps text before the calls and malformed text as content; ``auto`` reads
-the form off the chat template; ids and history fit the family's template; an unknown parser
-name exits 2. Their grammars are checked with the real llguidance in ``test_tool_formats_served.py``."""
+the text is split, keeps text before the calls and malformed text as content; each grammar, with
+the real llguidance and the default tokenizer, holds a tiny random model to calls its parser reads
+and that fit the schema; ``auto`` reads the form off the chat template; ids and history fit the
+family's template; an unknown parser name exits 2. End to end: ``test_tool_formats_served.py``."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 import transformers
 
 from vivace.cli import main
+from vivace.engine.async_engine import AsyncEngine
+from vivace.engine.outputs import FinishReason
+from vivace.engine.sampling_params import SamplingParams
 from vivace.server.protocol import Tool
 from vivace.server.tool_formats import HERMES, ToolFormat, detect, load_tool_format
 from vivace.server.tool_parser import parse_tool_calls
@@ -127,6 +132,33 @@ def test_mistral_form_and_special_markers_come_from_the_tokenizer(default_tokeni
     assert load_tool_format("llama3_json", tokenizer) == LLAMA  # a named parser wins over the template
     with pytest.raises(ValueError, match="unknown tool call parser 'pythonic'"):
         load_tool_format("pythonic", tokenizer)
+
+
+SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                                     "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+                    "required": ["unit", "days"], "additionalProperties": False},
+    "get_time": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+                 "additionalProperties": False}}
+TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "parameters": p}}) for n, p in SCHEMAS.items()]
+
+
+@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS], ids=lambda f: f.label)
+@pytest.mark.parametrize("choice", ["required", "get_time"])
+async def test_each_grammar_holds_a_random_model_to_calls_that_fit(tiny_engine: AsyncEngine, form: ToolFormat,
+                                                                   choice: str) -> None:
+    for seed in (0, 1):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+                                structured=form.grammar(TOOLS, choice, parallel=False))
+        text, finish = "", None
+        async for out in tiny_engine.generate("What is the weather?", params, f"{form.name}-{choice}-{seed}"):
+            text += out.outputs[0].text
+            finish = out.outputs[0].finish_reason
+        assert finish is FinishReason.STOP, text  # the grammar completed: one whole call
+        content, calls = parse_tool_calls(text, form.parser())
+        assert content is None and len(calls) == 1, text
+        assert choice == "required" or calls[0].name == choice
+        jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
 
 
 def test_grammars_of_each_form_name_only_the_chosen_function() -> None:
