@@ -244,7 +244,8 @@ class CallParser:
         return True if found is not None and found.partial else found
 
     def _open_call(self, head: regex.Match[str]) -> None:
-        name = head.group("bare") if "bare" in head.groupdict() and head.group("bare") else json.loads(head["name"])
+        bare = head.groupdict().get("bare")
+        name = bare if bare is not None else json.loads(head["name"])
         self.calls.append(ParsedCall(self._new_id(), name))
         self._deltas.append(ToolCallDelta(len(self.calls) - 1, self.calls[-1].id, name, ""))
         self._pending, self._state, self._scan = self._pending[head.end():], "value", _Scan()
