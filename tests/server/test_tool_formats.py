@@ -16,9 +16,10 @@ from vivace.cli import main
 from vivace.engine.async_engine import AsyncEngine
 from vivace.engine.outputs import FinishReason
 from vivace.engine.sampling_params import SamplingParams
-from vivace.server.protocol import Tool
+from vivace.server.protocol import ChatTemplateRequest, Tool
 from vivace.server.tool_formats import HERMES, ToolFormat, detect, load_tool_format
 from vivace.server.tool_parser import parse_tool_calls
+from vivace.server.tools import chat_messages
 
 LLAMA, MISTRAL, MISTRAL_ARGS = ToolFormat("llama3_json"), ToolFormat("mistral"), ToolFormat("mistral", args_form=True)
 WEATHER = {"city": "Paris", "tags": ["a}", "b\"", "{;"]}
@@ -176,3 +177,22 @@ def test_an_unknown_tool_call_parser_exits_2_naming_the_choices(capsys: pytest.C
     monkeypatch.setenv("VIVACE_TOOL_CALL_PARSER", "granite")
     assert main(["serve", "--port", "1"]) == 2
     assert "unknown tool call parser 'granite'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form, written", [
+    (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'),
+    (LLAMA, '{"name": "get_time", "parameters": {"zone": "utc"}}'),
+    (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "utc"}}]'),
+    (MISTRAL_ARGS, '[TOOL_CALLS]get_time[ARGS]{"zone": "utc"}'),
+])
+def test_a_template_without_tools_is_told_the_form_and_sees_its_calls_in_it(default_tokenizer_dir, form: ToolFormat,
+                                                                           written: str) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    body = ChatTemplateRequest.model_validate({"tools": [t.model_dump() for t in TOOLS], "messages": [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_time", "arguments": json.dumps(TIME)}}]}]})
+    messages, tools = chat_messages(body, tokenizer, "auto", form)
+    assert tools is None and form.instruction() in messages[0]["content"]
+    assert messages[-1]["content"] == written
+    assert parse_tool_calls(written, form.parser())[1][0].name == "get_time"
