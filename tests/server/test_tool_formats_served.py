@@ -2,7 +2,7 @@
 programmed models (``programmed.py``) whose chat templates are those families' and whose greedy
 answer is a call in the family's own form, written freely under ``tool_choice`` "auto"; the
 client gets ``tool_calls``, streamed and whole, with the family's ids, and the history of a call
-renders in the template (Mistral's demands 9-character ids)."""
+renders in the template (Mistral 7B v0.3's demands 9-character ids)."""
 
 from __future__ import annotations
 
@@ -49,29 +49,40 @@ MISTRAL_TEMPLATE = (
     "{% elif message.role == 'tool' %}{% set call_id = message.tool_call_id %}" + _RAISE_UNLESS_9 +
     '[TOOL_RESULTS] {"content": {{ message.content }}, "call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]'
     "{% else %}{{ message.content }}{{ eos_token }}{% endif %}{% endfor %}")
+# Mistral Small 3.1's and later: a call is [TOOL_CALLS]name[ARGS]{...}, ids are not rendered.
+MISTRAL_ARGS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for message in messages %}{% if message.role == 'user' %}[INST]{{ message.content }}[/INST]"
+    "{% elif message.tool_calls %}{% for call in message.tool_calls %}"
+    "[TOOL_CALLS]{{ call.function.name }}[ARGS]{{ call.function.arguments | tojson }}{% endfor %}{{ eos_token }}"
+    "{% elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
+    "{% else %}{{ message.content }}{{ eos_token }}{% endif %}{% endfor %}")
+MISTRAL_SPECIALS = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                    "[/TOOL_RESULTS]")
 
 
 @dataclass(frozen=True)
 class Caller:
     """A family's model: its template and added special tokens, the prompt's last token, what it
-    answers (special tokens, then text), and what the server should call its form."""
+    answers (special tokens and pieces of text), and what the server should call its form."""
 
     template: str
     specials: tuple[str, ...]
     prompt_end: str
-    marker: tuple[str, ...]
-    call_text: str
+    answer: tuple[str, ...]
     label: str
 
 
 CALLERS = {
     "llama3_json": Caller(LLAMA_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"),
-                          "ĊĊ", (), '{"name": "get_weather", "parameters": ' + json.dumps(ARGUMENTS) + "}",
+                          "ĊĊ", ('{"name": "get_weather", "parameters": ' + json.dumps(ARGUMENTS) + "}",),
                           "llama3_json"),
-    "mistral": Caller(MISTRAL_TEMPLATE, ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-                                         "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
-                      "[/INST]", ("[TOOL_CALLS]",), ' [{"name": "get_weather", "arguments": ' + json.dumps(ARGUMENTS) + "}]",
+    "mistral": Caller(MISTRAL_TEMPLATE, MISTRAL_SPECIALS, "[/INST]",
+                      ("[TOOL_CALLS]", ' [{"name": "get_weather", "arguments": ' + json.dumps(ARGUMENTS) + "}]"),
                       "mistral ([TOOL_CALLS] [...])"),
+    "mistral_args": Caller(MISTRAL_ARGS_TEMPLATE, (*MISTRAL_SPECIALS, "[ARGS]"), "[/INST]",
+                           ("[TOOL_CALLS]", "get_weather", "[ARGS]", json.dumps(ARGUMENTS)),
+                           "mistral ([TOOL_CALLS]name[ARGS]{...})"),
 }
 
 
@@ -79,8 +90,10 @@ def save_caller(out: Path, tokenizer_dir: Path, caller: Caller) -> Path:
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": list(caller.specials)})
     tokenizer.chat_template = caller.template
-    text = distinct_tokens(tokenizer, caller.call_text, {caller.prompt_end})
-    return save_programmed(out, tokenizer, [[caller.prompt_end, *caller.marker, *text, tokenizer.eos_token]])
+    chain = [caller.prompt_end]
+    for piece in caller.answer:
+        chain += [piece] if piece in caller.specials else distinct_tokens(tokenizer, piece, set(chain))
+    return save_programmed(out, tokenizer, [[*chain, tokenizer.eos_token]])
 
 
 @pytest.fixture(scope="module", params=sorted(CALLERS))
@@ -104,7 +117,7 @@ def _chat(server: RunningServer, **kwargs: object):
 
 
 def _check_id(name: str, call_id: str) -> None:
-    if name == "mistral":
+    if name.startswith("mistral"):
         assert len(call_id) == 9 and call_id.isalnum()
     else:
         assert call_id.startswith("call_")
