@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,12 @@ def _objects_rule(tools: list[Tool], arguments_key: str) -> list[str]:
          "required": ["name", arguments_key], "additionalProperties": False} for t in tools]})]
 
 
+def _calls_rules(tools: list[Tool], written: Callable[[str, Rule], str]) -> list[str]:
+    """``call``: each tool's call as ``written(name, its arguments' rule)``; those rules."""
+    rules = [f"call: {' | '.join(written(t.function.name, Rule(f'args{i}')) for i, t in enumerate(tools))}"]
+    return rules + [f"args{i}: %json {_schema(parameters_schema(t))}" for i, t in enumerate(tools)]
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """One family's written form of calls, for one tokenizer. ``name`` is the parser's
@@ -121,15 +128,11 @@ class ToolFormat:
         (separator call)* close``, ``call`` being one of ``tools``' calls."""
         if self.name == "llama3_json":
             opener = '{"name": "'
-            rules = ["call: " + " | ".join(
-                _sequence(f'{t.function.name}", "parameters": ', Rule(f"args{i}"), "}") for i, t in enumerate(tools))]
-            rules += [f"args{i}: %json {_schema(parameters_schema(t))}" for i, t in enumerate(tools)]
+            rules = _calls_rules(tools, lambda name, args: _sequence(f'{name}", "parameters": ', args, "}"))
             return opener, "", [Rule("call")], "; " + opener, "", rules
         if self.name == "mistral" and self.args_form:
             opener = self._marker(MISTRAL_CALLS)
-            rules = ["call: " + " | ".join(
-                _sequence(t.function.name, self._marker(MISTRAL_ARGS), Rule(f"args{i}")) for i, t in enumerate(tools))]
-            rules += [f"args{i}: %json {_schema(parameters_schema(t))}" for i, t in enumerate(tools)]
+            rules = _calls_rules(tools, lambda name, args: _sequence(name, self._marker(MISTRAL_ARGS), args))
             return opener, "", [Rule("call")], opener, "", rules
         if self.name == "mistral":
             return self._marker(MISTRAL_CALLS), " [", [Rule("body")], ", ", "]", _objects_rule(tools, "arguments")
