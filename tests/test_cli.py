@@ -29,6 +29,34 @@ def test_env_twin_sets_a_flag_and_the_command_line_wins(monkeypatch: pytest.Monk
     assert (args.port, args.api_key, args.model) == (8001, ["c"], "other")
 
 
+def test_vllms_prefix_caching_switches_and_the_generation_config_flags(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert engine_config(parse_args(["serve", "--no-enable-prefix-caching"])).enable_prefix_caching is False
+    assert engine_config(parse_args(["serve", "--enable-prefix-caching"])).enable_prefix_caching is True
+    (tmp_path / "generation_config.json").write_text("{}")
+    monkeypatch.setenv("VIVACE_NO_PREFIX_CACHING", "1")
+    monkeypatch.setenv("VIVACE_GENERATION_CONFIG", str(tmp_path))
+    monkeypatch.setenv("VIVACE_OVERRIDE_GENERATION_CONFIG", '{"temperature": 0.5}')
+    config = engine_config(parse_args(["serve", "--enable-prefix-caching"]))  # the command line wins over env
+    assert config.enable_prefix_caching is True
+    assert (config.generation_config, config.override_generation_config) == (str(tmp_path), {"temperature": 0.5})
+    config = engine_config(parse_args(["serve", "--generation-config", "vllm", "--override-generation-config", "{}"]))
+    assert (config.generation_config, config.override_generation_config, config.chat_template) == ("vllm", {}, None)
+
+
+def test_bad_generation_config_flags_exit_2_naming_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--generation-config", str(tmp_path), "--port", "1"]) == 2
+    assert f"--generation-config {tmp_path}: no generation_config.json there" in capsys.readouterr().err
+    assert main(["serve", "--override-generation-config", '{"temperature": "hot"}', "--port", "1"]) == 2
+    assert "--override-generation-config: temperature must be a number" in capsys.readouterr().err
+    assert main(["serve", "--override-generation-config", '{"top_p": 0}', "--port", "1"]) == 2
+    assert "--override-generation-config: top_p must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["serve", "--override-generation-config", "[0.5]"])
+    assert exited.value.code == 2
+    assert "argument --override-generation-config: invalid json_object value" in capsys.readouterr().err
+
+
 def test_defaults_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("VIVACE_PORT", "VIVACE_HOST", "VIVACE_MODEL"):
         monkeypatch.delenv(name, raising=False)
@@ -78,6 +106,18 @@ def test_generate_streams_then_prints_speed(tiny_model_dir: Path,
     assert status == 0
     for figure in ("TTFT", "mean ITL", "tokens/s", "bandwidth achieved"):
         assert figure in printed
+
+
+def test_generate_takes_the_models_defaults_for_flags_not_given(tiny_model_dir: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    def reply(*flags: str) -> str:
+        assert main(["generate", "Hello there", "--model", str(tiny_model_dir), "--max-tokens", "8",
+                     *TINY_ENGINE, *flags]) == 0
+        return capsys.readouterr().out.rsplit("\n\nTTFT", 1)[0]
+
+    greedy = reply("--temperature", "0")
+    assert reply("--override-generation-config", '{"top_k": 1}') == greedy  # --temperature 0.7, top_k 1
+    assert reply() != greedy
 
 
 def test_chat_keeps_the_history(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,

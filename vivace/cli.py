@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import statistics
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
+from vivace.chat_template import read_chat_template
 from vivace.config import EngineConfig, check_quantization, resolve_device
 
 if TYPE_CHECKING:
@@ -27,13 +29,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Flag:
-    """One option and its environment twin. ``kind``: a value, an on-switch, or a list."""
+    """One option and its environment twin. ``kind``: a value, an on-switch, or a list. ``aliases``
+    are other names of the option (vLLM's); a switch's ``negation`` is an option that turns it off."""
 
     name: str
     default: Any
     help: str
     type: Callable[[str], Any] = str
     kind: Literal["value", "switch", "list"] = "value"
+    aliases: tuple[str, ...] = ()
+    negation: str | None = None
 
     @property
     def dest(self) -> str:
@@ -42,6 +47,18 @@ class Flag:
     @property
     def env(self) -> str:
         return "VIVACE_" + self.dest.upper()
+
+
+def json_object(value: str | dict[str, Any]) -> dict[str, Any]:
+    """A flag's value that is a JSON object (a deployment file's ``engine:`` gives a mapping
+    already); raises ValueError."""
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"expected a JSON object, got {value!r}")
+    return parsed
 
 
 MODEL_FLAG = Flag("model", "default", "a Hugging Face model directory, a .gguf file, 'default' "
@@ -73,7 +90,8 @@ ENGINE_FLAGS = (
          "max-model-len sequences, at most 1/8 of RAM; pages count only once written)", float),
     Flag("--num-kv-blocks", None, "KV blocks (overrides --kv-cache-memory-gb)", int),
     Flag("--block-size", 16, "tokens per KV block", int),
-    Flag("--no-prefix-caching", False, "do not reuse KV blocks of shared prefixes", kind="switch"),
+    Flag("--no-prefix-caching", False, "do not reuse KV blocks of shared prefixes", kind="switch",
+         aliases=("--no-enable-prefix-caching",), negation="--enable-prefix-caching"),
     Flag("--num-threads", None, "torch CPU threads (default: torch's choice)", int),
     Flag("--speculative", None, "speculative decoding: 'ngram' or 'draft:<model>' (default: off)"),
     Flag("--num-speculative-tokens", 4, "tokens proposed per speculative step", int),
@@ -93,6 +111,14 @@ ENGINE_FLAGS = (
          kind="switch"),
     Flag("--disable-overlap-schedule", False, "cuda: read each step's tokens before queueing the next "
          "(by default the next decode step is queued first, and stops are seen one step late)", kind="switch"),
+    # The model's recommended sampling and its chat template, as vLLM's flags of these names.
+    Flag("--generation-config", "auto", "defaults of the sampling fields a request leaves out: auto (the model's "
+         "recommended ones: its generation_config.json, or a GGUF's general.sampling.* keys), vllm (none), or a "
+         "folder holding a generation_config.json"),
+    Flag("--override-generation-config", None, "JSON object of sampling defaults that win over the generation "
+         "config's, e.g. '{\"temperature\": 0.5}' (temperature, top_p, top_k, min_p, repetition_penalty, "
+         "max_new_tokens)", json_object),
+    Flag("--chat-template", None, "Jinja chat template replacing the model's: a file, else the template itself"),
 )
 SERVER_FLAGS = (
     Flag("--host", "127.0.0.1", "address to listen on"),
@@ -122,6 +148,11 @@ SERVER_FLAGS = (
          "span per request, e.g. http://localhost:4318 (OTEL_* variables apply; default: off)"),
     Flag("--reasoning-parser", None, "hand a thinking model's <think>...</think> text out apart from its "
          "answer (reasoning_content and reasoning): qwen3 or deepseek_r1, as vLLM's (default: off)"),
+    Flag("--tool-call-parser", "auto", "the form the model writes tool calls in, as vLLM's: hermes "
+         "(<tool_call> blocks), llama3_json (a bare JSON call), mistral ([TOOL_CALLS]), or auto (read off "
+         "the chat template)"),
+    Flag("--enable-auto-tool-choice", False, "accepted for vLLM command lines; no effect (tool_choice "
+         "\"auto\" is always allowed)", kind="switch"),
 )
 # Scale-out on Ray Serve: any of these turns `vivace serve` into a Ray Serve application.
 SCALE_FLAGS = (
@@ -142,11 +173,14 @@ SCALE_FLAGS = (
 )
 SAMPLING_FLAGS = (
     Flag("--max-tokens", 128, "most tokens to generate", int),
-    Flag("--temperature", 0.7, "sampling temperature (0: greedy)", float),
-    Flag("--top-p", 1.0, "nucleus sampling mass", float),
+    # None: the model's recommended value (--generation-config), else CLI_SAMPLING_FALLBACKS's
+    Flag("--temperature", None, "sampling temperature (0: greedy; default: the model's recommended, else 0.7)",
+         float),
+    Flag("--top-p", None, "nucleus sampling mass (default: the model's recommended, else 1.0)", float),
     Flag("--no-chat-template", False, "send the prompt as is, without the chat template",
          kind="switch"),
 )
+CLI_SAMPLING_FALLBACKS = {"temperature": 0.7, "top_p": 1.0}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
@@ -155,7 +189,10 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
     for flag in flags:
         help_text = f"{flag.help} (default: {flag.default}; env {flag.env})"
         if flag.kind == "switch":
-            parser.add_argument(flag.name, action="store_true", default=None, help=help_text)
+            parser.add_argument(flag.name, *flag.aliases, action="store_true", default=None, help=help_text)
+            if flag.negation is not None:
+                parser.add_argument(flag.negation, dest=flag.dest, action="store_false", default=None,
+                                    help=f"turns {flag.name} (or {flag.env}) off")
         elif flag.kind == "list":
             parser.add_argument(flag.name, action="append", default=None, help=help_text)
         elif flag.name.startswith("-"):
@@ -204,9 +241,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, load_format=args.load_format, tokenizer=args.tokenizer,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graph_max_batch=args.cuda_graph_max_batch, enforce_eager=args.enforce_eager,
-        overlap_schedule=not args.disable_overlap_schedule)
+        overlap_schedule=not args.disable_overlap_schedule, generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config or {},
+        chat_template=None if args.chat_template is None else read_chat_template(args.chat_template))
     # --device cuda without a GPU, or a quantization the device cannot run: an error now, before loading
     check_quantization(config.quantization, resolve_device(config.device))
+    from vivace.engine.sampling_params import check_sampling_defaults
+    from vivace.generation_config import check_override
+
+    check_sampling_defaults(check_override(config.override_generation_config), "--override-generation-config")
     return config
 
 
@@ -226,7 +269,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
         ui=not args.no_ui, otlp_traces_endpoint=args.otlp_traces_endpoint,
         allowed_origins=tuple(origin for origin in args.allowed_origins if origin),
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -239,12 +282,12 @@ def _serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)  # a bad server flag is an error before anything is built
     if any(getattr(args, flag.dest) is not None for flag in SCALE_FLAGS):
         return _serve_scaled_out(args, settings)
+    config = dataclasses.replace(engine_config(args), background_compile=not args.compile_wait)
     from vivace.layers import native
 
     native.prebuild()  # every native library at once, before the imports below wait for the first
     from vivace.server.serve import run_server
 
-    config = dataclasses.replace(engine_config(args), background_compile=not args.compile_wait)
     return run_server(config, settings)
 
 
@@ -298,8 +341,10 @@ async def stream_reply(engine: Any, prompt_ids: list[int], args: argparse.Namesp
     if room < 1:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds "
                          f"{engine.max_model_len}")
-    params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
-                            top_p=args.top_p)
+    # The flags given win, then the model's recommended values (--max-tokens has a default of its own).
+    given = {name: getattr(args, name) for name in CLI_SAMPLING_FALLBACKS if getattr(args, name) is not None}
+    sampling = {**CLI_SAMPLING_FALLBACKS, **engine.sampling_defaults, **given}
+    params = SamplingParams(**{**sampling, "max_tokens": min(args.max_tokens, room)})
     text, last = "", None
     async for last in engine.generate(prompt_ids, params, uuid.uuid4().hex):
         for delta in last.outputs:

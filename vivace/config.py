@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from vivace.generation_config import check_generation_config, check_override
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # float8 e4m3 with per-(layer, KV head) scales, CUDA only (vivace.gpu.kv_fp8); vLLM's names
@@ -116,6 +118,13 @@ class EngineConfig:
     # CUDA: queue the next decode step before the host reads this one's tokens (SGLang's overlap
     # scheduler); False: each step's tokens reach the host before the next is scheduled.
     overlap_schedule: bool = True
+    # The defaults of the sampling fields a request leaves out (vLLM's --generation-config, see
+    # vivace.generation_config): "auto" the model's recommended ones, "vllm" none, or a folder's
+    # generation_config.json; override_generation_config's fields (a generation config's names) win.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, float | int] = field(default_factory=dict)
+    # A Jinja chat template (its text) replacing the tokenizer's (vivace.chat_template reads the flag).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype != "auto":
@@ -150,6 +159,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        check_generation_config(self.generation_config)
+        check_override(self.override_generation_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -26,6 +26,10 @@ CASES = [
     ("        engine: {quantization: int3}\n", 5, "models[0].versions[0].engine", "quantization"),
     ("        engine: {num_thread: 2}\n", 5, "models[0].versions[0].engine.num_thread", "unknown key"),
     ("        tiers: [gold]\n", 5, "models[0].versions[0].tiers", "unknown tier"),
+    ("        engine: {override_generation_config: {temp: 0.5}}\n", 5, "models[0].versions[0].engine",
+     "--override-generation-config: unknown field 'temp'"),
+    ("        engine: {chat_template: '{% if %}'}\n", 5, "models[0].versions[0].engine",
+     "--chat-template (inline): the template does not compile"),
     ("        replicas: 2\n        max_replicas: 3\n", 5, "models[0].versions[0].replicas", "either"),
 ]
 

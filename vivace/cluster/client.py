@@ -66,6 +66,7 @@ class RemoteEngine:
         self.handle = handle.options(stream=True, method_name="generate")
         self.version = version
         self.tokenizer = info.tokenizer
+        self.sampling_defaults = info.sampling_defaults
         self.model_name = info.model_name
         self.limits = info.limits
         self.max_model_len = info.limits.max_model_len

@@ -51,6 +51,7 @@ class ClusterState(ServerState):
         for served in models.values():  # a reasoning parser must fit every version's tokenizer
             for version in served.versions:
                 self.reasoning_parser(version.engine)
+                logger.info("model %r: tool calls: %s", served.name, self.tool_format(version.engine).label)
 
     def engine_metrics(self) -> Collector:
         return _ClusterCollector(self)

@@ -34,11 +34,13 @@ class GenerateCall:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the ingress needs of a version's engine: its name, limits and tokenizer."""
+    """What the ingress needs of a version's engine: its name, limits, tokenizer (with its chat
+    template) and the sampling defaults of the requests sent to it."""
 
     model_name: str
     limits: RequestLimits
     tokenizer: Any
+    sampling_defaults: dict[str, float | int]
 
 
 class EngineReplica:
@@ -53,7 +55,8 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     def describe(self) -> EngineInfo:
-        return EngineInfo(self.engine.model_name, self.engine.engine.limits, self.engine.tokenizer)
+        return EngineInfo(self.engine.model_name, self.engine.engine.limits, self.engine.tokenizer,
+                          self.engine.sampling_defaults)
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[str | RequestOutput]:
         """First this replica's id (the request has started here), then the engine's delta

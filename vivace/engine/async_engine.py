@@ -46,6 +46,7 @@ class AsyncEngine:
         logger.info("vivace: engine built in %.1f s (model, native kernels, decode graph)",
                     time.perf_counter() - start)
         self.tokenizer = self.engine.tokenizer
+        self.sampling_defaults = self.engine.sampling_defaults  # for the sampling fields a request leaves out
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -23,7 +23,7 @@ from vivace.engine.pacer import Pacer, PromptPath, pacer_for
 from vivace.engine.prediction import MATCH_TOKENS, Prediction, prediction_adaptive_k
 from vivace.engine.request import Request
 from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler, score_tokens
-from vivace.engine.sampling_params import SamplingParams
+from vivace.engine.sampling_params import SamplingParams, served_defaults
 from vivace.engine.scheduler import ScheduledBatch, Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
 from vivace.engine.step_timing import StepTimings
@@ -73,6 +73,9 @@ class LLMEngine:
             backend.prepare(loaded, resolve_device(config.device))
         logger.info("vivace: model %s loaded in %.1f s", self.loaded.name, time.perf_counter() - start)
         self.tokenizer = self.loaded.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = config.chat_template
+        self.sampling_defaults = served_defaults(config, self.loaded.source)
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         num_blocks = backend.num_kv_blocks(config, self.loaded, self.max_model_len)

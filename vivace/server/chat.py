@@ -25,8 +25,9 @@ from vivace.server.responses import (
     TopLogprob, Usage, prompt_logprobs_of, thought)
 from vivace.server.sse import sse_event, sse_response
 from vivace.server.structured import check_compiles, json_schema, structured_output
-from vivace.server.tool_parser import ToolCallParser, parse_tool_calls
-from vivace.server.tools import call_grammar, parameters_schema, tool_choice
+from vivace.server.tool_formats import ToolFormat, parameters_schema
+from vivace.server.tool_parser import CallParser, ToolCallParser, parse_tool_calls
+from vivace.server.tools import tool_choice
 from vivace.server.state import server_state
 
 if TYPE_CHECKING:
@@ -50,13 +51,14 @@ async def create_chat_completion(request: Request) -> Response:
 @dataclass(frozen=True)
 class StartedChat:
     """A chat request on its way: its engine request, its admission ticket (the caller releases
-    it when the answer ends), whether tool calls may be in its output, and how a reasoning parser
-    reads its output (None: no parser)."""
+    it when the answer ends), whether tool calls may be in its output and the form they are
+    written in, and how a reasoning parser reads its output (None: no parser)."""
 
     job: EngineRequest
     ticket: Ticket
     calls: bool
     thinking: Thinking | None
+    tool_format: ToolFormat
 
 
 async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: str) -> StartedChat:
@@ -67,17 +69,21 @@ async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: s
     caller = state.caller(request)
     engine = state.engine_for(body.model, caller)
     choice = tool_choice(body)
+    form = state.tool_format(engine)
     effort_kwargs = effort_template_kwargs(body.reasoning_effort, state.settings.reasoning_parser)
     if effort_kwargs:  # the request's own chat_template_kwargs win
         body = body.model_copy(update={"chat_template_kwargs": {**effort_kwargs, **(body.chat_template_kwargs or {})}})
     prompt_ids = await off_the_loop(state.metrics.work["prompt"], chat_prompt_ids, engine.tokenizer, body, choice,
-                                    size=sum(len(m.text()) for m in body.messages))
+                                    False, form, size=sum(len(m.text()) for m in body.messages))
     max_tokens = fit_max_tokens(len(prompt_ids), body.requested_max_tokens(),
-                                engine.max_model_len, "messages")
-    params = sampling_params(body, max_tokens, body.requested_logprobs(), body.prompt_logprobs)
+                                engine.max_model_len, "messages", engine.sampling_defaults.get("max_tokens"))
+    params = sampling_params(body, max_tokens, body.requested_logprobs(), body.prompt_logprobs,
+                             engine.sampling_defaults)
     parser = state.reasoning_parser(engine)
     thinking = parser.thinking(prompt_ids) if parser is not None else None
-    params.structured = await _constraint(engine, body, choice, thinking)
+    params.structured = await _constraint(engine, body, choice, thinking, form)
+    if choice != "none" and form.keeps_special_tokens:  # the parser reads the calls' special markers
+        params.skip_special_tokens = False
     if body.prediction is not None:
         text = body.prediction.text()
         params.prediction = await off_the_loop(state.metrics.work["prompt"], partial(
@@ -85,11 +91,11 @@ async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: s
     job = EngineRequest(engine, state.metrics, prompt_ids, params, request_id_of(request, id_prefix),
                         caller.priority(body.priority), caller.deadlines)
     ticket = state.admission.admit(caller.api_key, caller.tier, [job])
-    return StartedChat(job, ticket, choice != "none", thinking)
+    return StartedChat(job, ticket, choice != "none", thinking, form)
 
 
-async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: str, thinking: Thinking | None
-                      ) -> StructuredOutput | None:
+async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: str, thinking: Thinking | None,
+                      form: ToolFormat) -> StructuredOutput | None:
     """The output's grammar: the tool-call grammar when tools may be called, else what
     ``response_format`` or vLLM's extras ask for; behind the thinking with a reasoning parser.
     Each part is checked to compile (400), on a worker thread."""
@@ -105,7 +111,7 @@ async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: 
         for i, tool in enumerate(body.tools):
             param = f"tools.{i}.function.parameters"
             await check_compiles(engine, param, json_schema(parameters_schema(tool), param))
-        param, grammar = "tools", call_grammar(body.tools, choice, body.parallel_tool_calls)
+        param, grammar = "tools", form.grammar(body.tools, choice, body.parallel_tool_calls)
     await check_compiles(engine, param, grammar)
     if thinking is not None:
         grammar = thinking.constrained(grammar)
@@ -124,13 +130,13 @@ def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> ChatLo
         for lp in logprobs or []])
 
 
-def _message(text: str | None, finish_reason: str | None, calls: bool, reasoning: str | None
+def _message(text: str | None, finish_reason: str | None, calls: ToolFormat | None, reasoning: str | None
              ) -> tuple[AssistantMessage, str | None]:
-    """The assistant's message, tool calls read out of its text (the answer, after any thinking)
-    when they may be there."""
-    if not calls:
+    """The assistant's message, tool calls (written in ``calls``) read out of its text (the answer,
+    after any thinking) when they may be there."""
+    if calls is None:
         return AssistantMessage(content=text, **thought(reasoning)), finish_reason
-    content, parsed = parse_tool_calls(text or "")
+    content, parsed = parse_tool_calls(text or "", calls.parser())
     tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                   for c in parsed]
     return (AssistantMessage(content=content, tool_calls=tool_calls, **thought(reasoning)),
@@ -147,8 +153,8 @@ def _response(chat: StartedChat, model: str, prompt_logprobs: int | None) -> Cha
     job, choices, thought_flags = chat.job, [], []
     for c in job.choices:
         split = chat.thinking.split(c.text) if chat.thinking is not None else None
-        message, reason = _message(c.text if split is None else split.content, c.finish_reason, chat.calls,
-                                   None if split is None else split.reasoning)
+        message, reason = _message(c.text if split is None else split.content, c.finish_reason,
+                                   chat.tool_format if chat.calls else None, None if split is None else split.reasoning)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(job, c.logprobs),
                                   finish_reason=reason))
         thought_flags.append(split is not None and split.thought)
@@ -166,7 +172,7 @@ class _HeldBack:
     reasoning parser) and then the tool-call parser (when calls may come)."""
 
     splitter: ThoughtSplitter | None
-    parser: ToolCallParser | None
+    parser: ToolCallParser | CallParser | None
 
     def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolCallDelta]]:
         """The (reasoning, content, tool-call deltas) that ``text`` releases."""
@@ -208,7 +214,7 @@ async def _chunks(chat: StartedChat, model: str, include_usage: bool, continuous
     """The stream's chunks; with ``continuous_usage`` each carries the usage so far."""
     job = chat.job
     held = [_HeldBack(chat.thinking.splitter() if chat.thinking is not None else None,
-                      ToolCallParser() if chat.calls else None) for _ in range(job.params.n)]
+                      chat.tool_format.parser() if chat.calls else None) for _ in range(job.params.n)]
 
     def usage() -> Usage:
         return usage_with_thinking(job, chat.thinking, [h.splitter is not None and h.splitter.thought for h in held])

@@ -38,8 +38,11 @@ async def create_completion(request: Request) -> Response:
     for i, prompt in enumerate(body.prompts()):
         ids = await off_the_loop(state.metrics.work["prompt"], completion_prompt_ids, engine.tokenizer, prompt,
                                  size=len(prompt) if isinstance(prompt, str) else 0)
-        max_tokens = fit_max_tokens(len(ids), body.max_tokens, engine.max_model_len, "prompt")
-        params = sampling_params(body, max_tokens, body.logprobs, body.requested_prompt_logprobs())
+        default = engine.sampling_defaults.get("max_tokens")
+        max_tokens = fit_max_tokens(len(ids), body.requested_max_tokens(default is not None), engine.max_model_len,
+                                    "prompt", default)
+        params = sampling_params(body, max_tokens, body.logprobs, body.requested_prompt_logprobs(),
+                                 engine.sampling_defaults)
         params.structured = structured
         jobs.append(EngineRequest(engine, state.metrics, ids, params, f"{request_id}-{i}",
                                   caller.priority(body.priority), caller.deadlines))

@@ -4,7 +4,7 @@ and token-id checks, sampling parameters. Every failure here is a 400 APIError."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jinja2
@@ -15,6 +15,7 @@ from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.step_timing import TimingLog, timed
 from vivace.server.errors import APIError, from_validation_error
 from vivace.server.protocol import ChatTemplateRequest, SamplingRequest
+from vivace.server.tool_formats import HERMES, ToolFormat
 from vivace.server.tools import chat_messages
 
 Schema = TypeVar("Schema", bound=BaseModel)
@@ -61,14 +62,14 @@ async def off_the_loop(log: TimingLog, work: Callable[..., T], *args: Any, size:
 
 
 def chat_prompt_ids(tokenizer: Any, body: ChatTemplateRequest, tool_choice: str = "none",
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, form: ToolFormat = HERMES) -> list[int]:
     """Token ids of the messages (and tools, unless ``tool_choice`` is "none") rendered with
-    the model's chat template, or its Hermes-style convention (``vivace.server.tools``), with
-    the request's ``chat_template_kwargs`` as template variables."""
+    the model's chat template, or vivace's convention (``vivace.server.tools``; calls written in
+    ``form``), with the request's ``chat_template_kwargs`` as template variables."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "This model has no chat template; use /v1/completions",
                        param="messages")
-    messages, tools = chat_messages(body, tokenizer, tool_choice)
+    messages, tools = chat_messages(body, tokenizer, tool_choice, form)
     try:
         text = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
@@ -104,10 +105,11 @@ def nonempty(ids: list[int], param: str) -> list[int]:
 
 
 def fit_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                   param: str) -> int:
-    """``max_tokens``, or all the room left when None; 400 naming both numbers if it won't fit."""
+                   param: str, default: int | None = None) -> int:
+    """``max_tokens``; when None, ``default`` (the model's recommended) or all the room left,
+    whichever is less; 400 naming both numbers if it won't fit."""
     room = max_model_len - prompt_tokens
-    wanted = max_tokens if max_tokens is not None else max(room, 1)
+    wanted = max_tokens if max_tokens is not None else max(min(room, default or room), 1)
     if prompt_tokens + wanted > max_model_len:
         raise APIError(
             400, f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -118,9 +120,11 @@ def fit_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: in
 
 
 def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The engine's SamplingParams for ``body``; 400 if the engine rejects the combination."""
+                    prompt_logprobs: int | None = None, defaults: Mapping[str, float | int] | None = None
+                    ) -> SamplingParams:
+    """The engine's SamplingParams for ``body``, ``defaults`` (the engine's ``sampling_defaults``) for
+    the sampling fields it left out; 400 if the engine rejects the combination."""
     try:
-        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs, defaults)
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None

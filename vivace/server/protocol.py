@@ -7,6 +7,7 @@ These models are also the published contract: ``/openapi.json`` is generated fro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
@@ -56,6 +57,11 @@ def _free_template_variables(value: dict[str, Any]) -> dict[str, Any]:
                          "continue_final_message and tools are fields of the request itself)")
     return value
 
+
+# What a sampling field a request leaves out (or sends as null) is when the server has no default of
+# its own for it (vivace.generation_config: the model's recommended values, --override-generation-config).
+SAMPLING_FALLBACKS: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_free_template_variables), Field(
     json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_VARIABLES)}}})]
@@ -202,8 +208,9 @@ class SamplingRequest(_Strict):
 
     model: str | None = None
     n: Integer(ge=1, le=128) | None = 1
-    temperature: Number(ge=0.0, le=100.0) | None = 1.0
-    top_p: Number(gt=0.0, le=1.0) | None = 1.0
+    # None: the server's default (SAMPLING_FALLBACKS, unless the model recommends its own)
+    temperature: Number(ge=0.0, le=100.0) | None = None
+    top_p: Number(gt=0.0, le=1.0) | None = None
     presence_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
     frequency_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
     seed: Integer(ge=-(2**63), lt=2**64) | None = None
@@ -220,9 +227,9 @@ class SamplingRequest(_Strict):
     service_tier: str | None = None
     logit_bias: LogitBias | None = None  # token id (as text) -> bias added to its logit
     # vLLM extras
-    top_k: Integer(ge=-1) | None = 0
-    min_p: Number(ge=0.0, le=1.0) | None = 0.0
-    repetition_penalty: Number(gt=0.0, le=100.0) | None = 1.0
+    top_k: Integer(ge=-1) | None = None
+    min_p: Number(ge=0.0, le=1.0) | None = None
+    repetition_penalty: Number(gt=0.0, le=100.0) | None = None
     ignore_eos: bool | None = False
     min_tokens: Integer(ge=0) | None = 0
     stop_token_ids: list[Integer(ge=0)] | None = None
@@ -265,12 +272,15 @@ class SamplingRequest(_Strict):
         """Whether every chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters; raises ValueError on a combination it rejects."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+        """The engine's parameters, ``defaults`` (else SAMPLING_FALLBACKS) for the sampling fields
+        the request left out; raises ValueError on a combination the engine rejects."""
+        given = defaults or {}
+        sampling = {name: given.get(name, fallback) if getattr(self, name) is None else getattr(self, name)
+                    for name, fallback in SAMPLING_FALLBACKS.items()}
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            n=self.n, **sampling,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids or []),
@@ -363,6 +373,11 @@ class CompletionRequest(SamplingRequest):
         if value is not None and value != (info.data.get("n") or 1):
             raise ValueError("best_of other than n is not supported")
         return value
+
+    def requested_max_tokens(self, has_default: bool) -> int | None:
+        """The request's max_tokens, None for the server's default or all the room left: what null asks,
+        and what leaving it out asks of a server with a default (without one it is 16, OpenAI's)."""
+        return self.max_tokens if "max_tokens" in self.model_fields_set or not has_default else None
 
     def requested_prompt_logprobs(self) -> int | None:
         """The engine's ``prompt_logprobs``: vLLM's field, and with ``echo`` and ``logprobs`` the

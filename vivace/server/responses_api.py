@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from vivace.server.chat import StartedChat, start_chat
 from vivace.server.errors import APIError
-from vivace.server.generation import run_whole, usage_with_thinking
+from vivace.server.generation import EngineRequest, run_whole, usage_with_thinking
 from vivace.server.prompts import parse_body
 from vivace.server.responses_objects import (
     FunctionToolCall, OutputMessage, OutputText, ReasoningItem, ReasoningText, ResponseObject)
@@ -43,9 +43,10 @@ async def create_response(request: Request) -> Response:
         chat = await start_chat(request, body.chat_request(), "resp")
     except APIError as exc:
         raise _in_responses_terms(exc) from None
-    answer = _settings(body, chat.job.request_id, state.model_name(body.model))
+    answer = _settings(body, chat.job, state.model_name(body.model))
     if body.stream:
-        return sse_response(response_events(chat.job, answer, chat.calls, chat.thinking), chat.ticket.release,
+        return sse_response(response_events(chat.job, answer, chat.calls, chat.thinking, chat.tool_format),
+                            chat.ticket.release,
                             state.metrics.work["sse_write"], end="")
     if not await run_whole(request, chat.job, chat.ticket.release):
         return Response(status_code=499)
@@ -65,13 +66,14 @@ def _in_responses_terms(exc: APIError) -> APIError:
     return exc
 
 
-def _settings(body: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
-    """The answer before any output: the request's settings, echoed as OpenAI does."""
+def _settings(body: ResponsesRequest, job: EngineRequest, model: str) -> ResponseObject:
+    """The answer before any output: the request's settings, echoed as OpenAI does (the sampling
+    values the job runs with, the server's defaults for those the request left out)."""
     choice = body.tool_choice
     form = body.text.format if body.text is not None else None
     return ResponseObject(
-        id=response_id, model=model, instructions=body.instructions, max_output_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, parallel_tool_calls=body.parallel_tool_calls,
+        id=job.request_id, model=model, instructions=body.instructions, max_output_tokens=body.max_output_tokens,
+        temperature=job.params.temperature, top_p=job.params.top_p, parallel_tool_calls=body.parallel_tool_calls,
         tool_choice=choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto",
         tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
         text={"format": form.model_dump(by_alias=True, exclude_none=True) if form else {"type": "text"},
@@ -90,7 +92,7 @@ def _output(answer: ResponseObject, chat: StartedChat) -> bool:
         text, thought = split.content, split.thought
         if split.reasoning is not None:
             answer.output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=split.reasoning)]))
-    content, parsed = parse_tool_calls(text or "") if chat.calls else (text, [])
+    content, parsed = parse_tool_calls(text or "", chat.tool_format.parser()) if chat.calls else (text, [])
     if content is not None or not (parsed or answer.output):
         answer.output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=content or "")]))
     answer.output += [FunctionToolCall(id=item_id("fc"), call_id=call.id, name=call.name or "",

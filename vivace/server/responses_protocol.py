@@ -179,8 +179,8 @@ class ResponsesRequest(_Strict):
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Integer(ge=1) | None = None
-    temperature: Number(ge=0.0, le=100.0) | None = 1.0
-    top_p: Number(gt=0.0, le=1.0) | None = 1.0
+    temperature: Number(ge=0.0, le=100.0) | None = None  # None: the server's default, as chat's
+    top_p: Number(gt=0.0, le=1.0) | None = None
     stream: bool | None = False
     tools: list[Annotated[FunctionTool, _only_types(("function",), "tools", "vivace serves function tools only")]
                 ] | None = None
@@ -206,9 +206,9 @@ class ResponsesRequest(_Strict):
     # vLLM's sampling extras, as chat completions take them
     seed: Integer(ge=-(2**63), lt=2**64) | None = None
     stop: str | list[str] | None = None
-    top_k: Integer(ge=-1) | None = 0
-    min_p: Number(ge=0.0, le=1.0) | None = 0.0
-    repetition_penalty: Number(gt=0.0, le=100.0) | None = 1.0
+    top_k: Integer(ge=-1) | None = None
+    min_p: Number(ge=0.0, le=1.0) | None = None
+    repetition_penalty: Number(gt=0.0, le=100.0) | None = None
     presence_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
     frequency_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
     ignore_eos: bool | None = False

@@ -23,7 +23,8 @@ from vivace.server.responses import Usage
 from vivace.server.responses_objects import (
     FunctionToolCall, IncompleteDetails, ItemStatus, OutputMessage, OutputText, ReasoningItem, ReasoningText,
     ResponseObject, ResponseUsage)
-from vivace.server.tool_parser import ToolCallDelta, ToolCallParser
+from vivace.server.tool_formats import HERMES, ToolFormat
+from vivace.server.tool_parser import ToolCallDelta
 
 Item = OutputMessage | FunctionToolCall | ReasoningItem
 
@@ -36,11 +37,12 @@ class ResponseEvents:
     """Writes the events of one answer as its thinking, text and tool calls arrive;
     ``answer.output`` holds the items so far, so the last event's response is the whole answer."""
 
-    def __init__(self, answer: ResponseObject, calls: bool, thinking: Thinking | None = None) -> None:
+    def __init__(self, answer: ResponseObject, calls: bool, thinking: Thinking | None = None,
+                 tool_format: ToolFormat = HERMES) -> None:
         self.answer = answer
         self.sequence_number = 0
         self.splitter = thinking.splitter() if thinking is not None else None
-        self.parser = ToolCallParser() if calls else None
+        self.parser = tool_format.parser() if calls else None
         self.held = ""  # trailing whitespace of the text so far (tool calls may follow)
         self.open: Item | None = None
 
@@ -167,11 +169,13 @@ def complete(answer: ResponseObject, job: EngineRequest, usage: Usage) -> None:
 
 
 async def response_events(job: EngineRequest, answer: ResponseObject, calls: bool,
-                          thinking: Thinking | None = None) -> AsyncGenerator[str, None]:
+                          thinking: Thinking | None = None, tool_format: ToolFormat = HERMES
+                          ) -> AsyncGenerator[str, None]:
     """The stream of ``job``'s answer, which starts as ``answer`` (the request's settings); tool
-    calls are read out of it when ``calls``, its thinking with a reasoning parser (``thinking``).
+    calls (written in ``tool_format``) are read out of it when ``calls``, its thinking with a
+    reasoning parser (``thinking``).
     An error after the first event ends the stream with an ``error`` event."""
-    events = ResponseEvents(answer, calls, thinking)
+    events = ResponseEvents(answer, calls, thinking, tool_format)
     yield "".join(events.start())
     try:
         async with contextlib.aclosing(job.deltas()) as deltas:

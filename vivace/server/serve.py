@@ -42,7 +42,7 @@ def _load_engine(config: EngineConfig, state: ServerState, server: uvicorn.Serve
     gc.collect()
     gc.freeze()
     state.attach_engine(engine)
-    logger.info("model %r ready", state.model_name())
+    logger.info("model %r ready; tool calls: %s", state.model_name(), state.tool_format(engine).label)
 
 
 def _keep_exit_status_zero() -> None:

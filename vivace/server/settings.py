@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from vivace.server.reasoning import PARSERS
 from vivace.server.tiers import Tier
+from vivace.server.tool_formats import PARSERS as TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,9 @@ class ServerSettings:
     web origins whose pages may call the API (CORS; ``*`` any, as vLLM and llama.cpp's server
     allow by default; empty: none but the server's own). ``reasoning_parser`` (one of
     ``vivace.server.reasoning.PARSERS``; None: off) hands a thinking model's ``<think>`` text
-    out apart from its answer.
+    out apart from its answer. ``tool_call_parser`` (one of
+    ``vivace.server.tool_formats.PARSERS``) is the form the model writes tool calls in; "auto"
+    reads it off the chat template.
     """
 
     host: str = "127.0.0.1"
@@ -48,6 +51,7 @@ class ServerSettings:
     otlp_traces_endpoint: str | None = None
     allowed_origins: tuple[str, ...] = ("*",)
     reasoning_parser: str | None = None
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -71,6 +75,9 @@ class ServerSettings:
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}: choose one of "
                              f"{', '.join(sorted(PARSERS))}")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}: choose one of "
+                             f"{', '.join(TOOL_PARSERS)}")
 
     def uvicorn_tls(self) -> dict[str, object]:
         """uvicorn.Config keywords serving https as these settings ask (none for plain http)."""

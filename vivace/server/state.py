@@ -15,6 +15,7 @@ from vivace.server.metrics import EngineStatsCollector, ServerMetrics
 from vivace.server.reasoning import ReasoningParser
 from vivace.server.settings import ServerSettings
 from vivace.server.tiers import Tier
+from vivace.server.tool_formats import ToolFormat, load_tool_format
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -44,8 +45,10 @@ class ServerState:
     engine: AsyncEngine | None = None
     metrics: ServerMetrics = field(init=False)
     admission: Admission = field(init=False)
-    # The reasoning parser of each served tokenizer, by its id (tokenizers live as long as the app).
+    # The reasoning parser and tool-call form of each served tokenizer, by its id (tokenizers live
+    # as long as the app).
     _reasoning: dict[int, ReasoningParser] = field(init=False, default_factory=dict)
+    _tool_formats: dict[int, ToolFormat] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine_metrics(),
@@ -76,6 +79,14 @@ class ServerState:
         if key not in self._reasoning:
             self._reasoning[key] = ReasoningParser.load(name, engine.tokenizer)
         return self._reasoning[key]
+
+    def tool_format(self, engine: AsyncEngine) -> ToolFormat:
+        """The form ``engine``'s model writes tool calls in (the settings' parser; "auto": read off
+        its chat template)."""
+        key = id(engine.tokenizer)
+        if key not in self._tool_formats:
+            self._tool_formats[key] = load_tool_format(self.settings.tool_call_parser, engine.tokenizer)
+        return self._tool_formats[key]
 
     def engine_metrics(self) -> Collector:
         """The engine series of ``/metrics`` (zeros while the model loads)."""

@@ -35,7 +35,7 @@ async def tokenize(request: Request) -> Response:
     tokenizer = engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
         ids = await off_the_loop(state.metrics.work["prompt"], chat_prompt_ids, tokenizer, body,
-                                 tool_choice(body), body.add_special_tokens,
+                                 tool_choice(body), body.add_special_tokens, state.tool_format(engine),
                                  size=sum(len(m.text()) for m in body.messages))
     else:
         ids = await off_the_loop(state.metrics.work["prompt"],

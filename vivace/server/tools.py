@@ -1,15 +1,16 @@
-"""Tool calling: the conversation as the chat template sees it, and the grammar of a call.
+"""Tool calling: the conversation as the chat template sees it.
 
-Rendering: a chat template that takes ``tools`` (Qwen, Hermes, Llama 3 style) gets them, and
-the history's tool calls and results, as transformers expects. Any other template (the
-default model's plain ChatML) gets vivace's Hermes-style convention: the tools as JSON lines
-inside ``<tools></tools>`` in the system message, earlier calls written into the assistant's
-text, and tool results as user turns inside ``<tool_response></tool_response>``.
+Rendering: a chat template that takes ``tools`` (Qwen, Hermes, Llama 3, Mistral style) gets
+them, and the history's tool calls and results, as transformers expects (with call ids a
+Mistral template accepts). Any other template (the default model's plain ChatML) gets vivace's
+convention: the tools as JSON lines inside ``<tools></tools>`` in the system message with how
+to call them, earlier calls written into the assistant's text as the model writes them, and
+tool results as user turns inside ``<tool_response></tool_response>``.
 
-Either way the model calls a tool by writing ``<tool_call>\\n{"name": ..., "arguments":
-{...}}\\n</tool_call>``, and llguidance holds it to that: from the first token with
-``tool_choice`` "required" or a named function; with "auto" the model writes freely until it
-opens a call, and from ``<tool_call>`` on the call must fit one of the tools' schemas.
+How the model writes a call, and the grammar that holds it to that, is its family's
+(``vivace.server.tool_formats``; Hermes-style ``<tool_call>`` blocks by default): from the first
+token with ``tool_choice`` "required" or a named function; with "auto" the model writes freely
+until it opens a call, and from there on the call must fit one of the tools' schemas.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vivace.engine.grammar import JSON_LAYOUT
-from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
-from vivace.server.protocol import ChatMessage, ChatTemplateRequest, Tool
+from vivace.server.protocol import ChatMessage, ChatTemplateRequest
+from vivace.server.tool_formats import HERMES, ToolFormat
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CONVENTION = """# Tools
 
 You may call one or more functions to assist with the user query.
@@ -32,12 +31,7 @@ You are provided with function signatures within <tools></tools> XML tags:
 {tools}
 </tools>
 
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
-_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+{instruction}"""
 
 
 def tool_choice(body: ChatTemplateRequest) -> str:
@@ -59,32 +53,6 @@ def tool_choice(body: ChatTemplateRequest) -> str:
         raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not "
                             f"among the tools", param="tool_choice.function.name")
     return choice.function.name
-
-
-def parameters_schema(tool: Tool) -> dict[str, Any]:
-    return tool.function.parameters or _EMPTY_PARAMETERS
-
-
-def call_grammar(tools: list[Tool], choice: str, parallel: bool) -> StructuredOutput:
-    """The llguidance Lark grammar of the output for ``choice`` ("auto", "required" or a
-    function name): free text or calls for "auto", calls for "required" (one unless
-    ``parallel``), exactly one call of a named function."""
-    chosen = [t for t in tools if choice in ("auto", "required") or t.function.name == choice]
-    schema = {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": t.function.name},
-                                          "arguments": parameters_schema(t)},
-         "required": ["name", "arguments"], "additionalProperties": False} for t in chosen],
-        "x-guidance": JSON_LAYOUT}
-    named = choice not in ("auto", "required")
-    more = f'("\\n{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}")*' if parallel and not named else ""
-    lines = [f"body: %json {json.dumps(schema)}", "TEXT: /(.|\\n)*/"]
-    if choice == "auto":
-        # lazy: the text ends at the first opener, so a call can't hide inside free text.
-        lines += [f'start: TEXT | head "\\n" body "\\n{CALL_CLOSE}" {more}',
-                  f'head[lazy]: TEXT "{CALL_OPEN}"']
-    else:
-        lines += [f'start: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}" {more}']
-    return StructuredOutput("grammar", "\n".join(lines))
 
 
 def template_takes_tools(tokenizer: Any) -> bool:
@@ -118,27 +86,27 @@ def _check_roles(index: int, message: ChatMessage) -> None:
                            param=f"messages.{index}.{name}")
 
 
-def _convention_message(index: int, message: ChatMessage) -> dict[str, Any]:
+def _convention_message(index: int, message: ChatMessage, form: ToolFormat) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
     text = message.text()
     if message.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
-    calls = [json.dumps({"name": c.function.name, "arguments": _arguments(index, i, c.function.arguments)})
+    calls = [(c.function.name, _arguments(index, i, c.function.arguments))
              for i, c in enumerate(message.tool_calls or [])]
-    text = "\n".join([text] * bool(text) + [f"{CALL_OPEN}\n{call}\n{CALL_CLOSE}" for call in calls])
+    text = "\n".join([text] * bool(text) + [form.write(calls)] * bool(calls))
     return _with_thinking({"role": role, "content": text}, message)
 
 
-def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+def _template_message(index: int, message: ChatMessage, form: ToolFormat) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
                                 "content": message.text()}
     if message.tool_calls:
         rendered["tool_calls"] = [
-            {"id": c.id, "type": "function",
+            {"id": form.history_id(c.id), "type": "function",
              "function": {"name": c.function.name, "arguments": _arguments(index, i, c.function.arguments)}}
             for i, c in enumerate(message.tool_calls)]
     if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
+        rendered["tool_call_id"] = form.history_id(message.tool_call_id)
     return _with_thinking(rendered, message)
 
 
@@ -148,21 +116,21 @@ def _with_thinking(rendered: dict[str, Any], message: ChatMessage) -> dict[str, 
     return rendered if thinking is None else {**rendered, "reasoning_content": thinking}
 
 
-def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str
+def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str, form: ToolFormat = HERMES
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages for ``apply_chat_template`` and its ``tools`` argument (None when the
-    template doesn't take tools, or no tool may be called)."""
+    template doesn't take tools, or no tool may be called); calls are written in ``form``."""
     for index, message in enumerate(body.messages):
         _check_roles(index, message)
     own = template_takes_tools(tokenizer)
     render = _template_message if own else _convention_message
-    messages = [render(i, m) for i, m in enumerate(body.messages)]
+    messages = [render(i, m, form) for i, m in enumerate(body.messages)]
     if choice == "none" or not body.tools:
         return messages, None
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
     if own:
         return messages, tools
-    listing = _CONVENTION.format(tools="\n".join(json.dumps(t) for t in tools))
+    listing = _CONVENTION.format(tools="\n".join(json.dumps(t) for t in tools), instruction=form.instruction())
     if messages and messages[0]["role"] == "system":
         messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{listing}"}
     else:

@@ -34,8 +34,10 @@ async function loadModels() {
 }
 
 function number(selector) {
-  const value = Number($(selector).value);
-  return Number.isFinite(value) ? value : undefined;
+  // An empty field is left out of the request: the server's default (the model's recommended one) applies.
+  const text = $(selector).value.trim();
+  const value = Number(text);
+  return text && Number.isFinite(value) ? value : undefined;
 }
 
 function addMessage(role, text) {

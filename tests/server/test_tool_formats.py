@@ -1,0 +1,198 @@
+"""The families' tool-call forms (``--tool-call-parser``): each parser reads the same calls however
+the text is split, keeps text before the calls and malformed text as content; each grammar, with
+the real llguidance and the default tokenizer, holds a tiny random model to calls its parser reads
+and that fit the schema; ``auto`` reads the form off the chat template; ids and history fit the
+family's template; an unknown parser name exits 2. End to end: ``test_tool_formats_served.py``."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import transformers
+
+from vivace.cli import main
+from vivace.engine.async_engine import AsyncEngine
+from vivace.engine.outputs import FinishReason
+from vivace.engine.sampling_params import SamplingParams
+from vivace.server.protocol import ChatTemplateRequest, Tool
+from vivace.server.tool_formats import HERMES, ToolFormat, detect, load_tool_format
+from vivace.server.tool_parser import parse_tool_calls
+from vivace.server.tools import chat_messages
+
+LLAMA, MISTRAL, MISTRAL_ARGS = ToolFormat("llama3_json"), ToolFormat("mistral"), ToolFormat("mistral", args_form=True)
+WEATHER = {"city": "Paris", "tags": ["a}", "b\"", "{;"]}
+TIME = {"zone": "utc"}
+# Each form's two calls, as the model writes them.
+TWO_CALLS = {
+    "llama3_json": '{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + '}; '
+                   '{"name": "get_time", "parameters": ' + json.dumps(TIME) + '}',
+    "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + '}, '
+               '{"name": "get_time", "arguments": ' + json.dumps(TIME) + ', "id": "abcdefghi"}]',
+    "mistral_args": "[TOOL_CALLS]get_weather[ARGS]" + json.dumps(WEATHER) + "[TOOL_CALLS]get_time[ARGS]" + json.dumps(TIME),
+}
+FORMS = {"llama3_json": LLAMA, "mistral": MISTRAL, "mistral_args": MISTRAL_ARGS}
+
+
+def stream(form: ToolFormat, pieces: list[str]) -> tuple[str, list[dict[str, str]]]:
+    """Feed ``pieces`` to a fresh parser of ``form``; assemble content and calls as an OpenAI
+    client does from the deltas."""
+    parser, content, calls = form.parser(), "", {}
+    for piece in pieces:
+        got, deltas = parser.feed(piece)
+        content += got
+        for delta in deltas:
+            if delta.id is not None:
+                assert delta.index not in calls and delta.arguments == "", "index, id and name come first"
+                calls[delta.index] = {"id": delta.id, "name": delta.name, "arguments": ""}
+            calls[delta.index]["arguments"] += delta.arguments
+    content += parser.finish()[0]
+    assert sorted(calls) == list(range(len(calls)))
+    return content, list(calls.values())
+
+
+def splits(text: str) -> list[list[str]]:
+    """``text`` whole, one character at a time, and in two pieces at every boundary."""
+    return [[text], list(text), *([text[:i], text[i:]] for i in range(1, len(text)))]
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_calls_are_the_same_however_the_text_is_split(form: str) -> None:
+    text = "Let me look. " + TWO_CALLS[form]
+    whole_content, whole_calls = parse_tool_calls(text, FORMS[form].parser())
+    assert whole_content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == [("get_weather", WEATHER), ("get_time", TIME)]
+    for pieces in splits(text):
+        content, calls = stream(FORMS[form], pieces)
+        assert content == "Let me look. ", pieces
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole_calls], pieces
+        assert calls[0]["id"] != calls[1]["id"]
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_a_call_alone_has_no_content(form: str) -> None:
+    content, calls = parse_tool_calls(TWO_CALLS[form], FORMS[form].parser())
+    assert content is None and len(calls) == 2
+
+
+@pytest.mark.parametrize("form, text", [
+    ("llama3_json", 'Here: {"city": "Paris"} and {"name": 5, "parameters": {}}; {"name"'),
+    ("llama3_json", '{"name": "f", "parameters": "not an object"}'),
+    ("mistral", "[TOOL_CALLS] not a list"),
+    ("mistral", '[TOOL_CALLS] [{"arguments": {}}]'),
+    ("mistral_args", "[TOOL_CALLS]no args here"),
+    ("mistral_args", "[TOOL_CALL"),
+])
+def test_malformed_calls_stay_content(form: str, text: str) -> None:
+    for pieces in splits(text):
+        assert stream(FORMS[form], pieces) == (text, []), pieces
+    assert parse_tool_calls(text, FORMS[form].parser()) == (text.strip(), [])
+
+
+def test_text_after_the_calls_is_content_and_a_call_cut_short_keeps_what_it_had() -> None:
+    content, calls = parse_tool_calls('{"name": "f", "parameters": {}} Done.', LLAMA.parser())
+    assert content == "Done." and calls[0].arguments == "{}"
+    parser = MISTRAL_ARGS.parser()
+    _, deltas = parser.feed('[TOOL_CALLS]f[ARGS]{"x": "ab')
+    assert deltas[0].name == "f" and deltas[-1].arguments == '{"x": "ab'
+    assert parser.finish() == ("", [])
+
+
+def test_ids_are_the_familys() -> None:
+    ids = {MISTRAL.new_call_id() for _ in range(20)}
+    assert len(ids) == 20 and all(len(i) == 9 and i.isalnum() for i in ids)
+    assert LLAMA.new_call_id().startswith("call_") and HERMES.new_call_id().startswith("call_")
+    # Mistral's templates raise unless an id is 9 alphanumerics: another id maps to one, always the same.
+    assert MISTRAL.history_id("abcdefghi") == "abcdefghi"
+    mapped = MISTRAL.history_id("call_1")
+    assert len(mapped) == 9 and mapped.isalnum() and mapped == MISTRAL.history_id("call_1") != MISTRAL.history_id("call_2")
+    assert LLAMA.history_id("call_1") == "call_1"
+
+
+@pytest.mark.parametrize("template, parser", [
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", "hermes"),
+    ("{% if tools %}<tools>{{ tools }}</tools> reply in <tool_call></tool_call>{% endif %}", "hermes"),
+    ("{%- if tools %}Environment: ipython{% endif %}<|python_tag|>", "llama3_json"),
+    ('{% if tools %}Respond in the format {"name": function name, "parameters": dict}{% endif %}', "llama3_json"),
+    ("{% if m.tool_calls %}[TOOL_CALLS] [{{ m.tool_calls | tojson }}]{% endif %}", "mistral"),
+])
+def test_auto_reads_the_form_off_the_chat_template(template: str, parser: str) -> None:
+    assert detect(template) == parser
+
+
+def test_mistral_form_and_special_markers_come_from_the_tokenizer(default_tokenizer_dir) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    tokenizer.chat_template = "{{ messages }}[TOOL_CALLS]"
+    assert load_tool_format("auto", tokenizer) == ToolFormat("mistral")  # markers as text
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    form = load_tool_format("auto", tokenizer)
+    assert form.args_form and form.keeps_special_tokens
+    assert dict(form.specials) == {"[TOOL_CALLS]": tokenizer.convert_tokens_to_ids("[TOOL_CALLS]"),
+                                   "[ARGS]": tokenizer.convert_tokens_to_ids("[ARGS]")}
+    assert load_tool_format("llama3_json", tokenizer) == LLAMA  # a named parser wins over the template
+    with pytest.raises(ValueError, match="unknown tool call parser 'pythonic'"):
+        load_tool_format("pythonic", tokenizer)
+
+
+SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                                     "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+                    "required": ["unit", "days"], "additionalProperties": False},
+    "get_time": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+                 "additionalProperties": False}}
+TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "parameters": p}}) for n, p in SCHEMAS.items()]
+
+
+@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS], ids=lambda f: f.label)
+@pytest.mark.parametrize("choice", ["required", "get_time"])
+async def test_each_grammar_holds_a_random_model_to_calls_that_fit(tiny_engine: AsyncEngine, form: ToolFormat,
+                                                                   choice: str) -> None:
+    for seed in (0, 1):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+                                structured=form.grammar(TOOLS, choice, parallel=False))
+        text, finish = "", None
+        async for out in tiny_engine.generate("What is the weather?", params, f"{form.name}-{choice}-{seed}"):
+            text += out.outputs[0].text
+            finish = out.outputs[0].finish_reason
+        assert finish is FinishReason.STOP, text  # the grammar completed: one whole call
+        content, calls = parse_tool_calls(text, form.parser())
+        assert content is None and len(calls) == 1, text
+        assert choice == "required" or calls[0].name == choice
+        jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+
+
+def test_grammars_of_each_form_name_only_the_chosen_function() -> None:
+    tools = [Tool.model_validate({"type": "function", "function": {"name": n}}) for n in ("get_weather", "get_time")]
+    for form in (HERMES, LLAMA, MISTRAL, MISTRAL_ARGS):
+        named = form.grammar(tools, "get_time", parallel=True).spec
+        assert "get_time" in named and "get_weather" not in named and "TEXT |" not in named
+        assert "TEXT |" in form.grammar(tools, "auto", parallel=True).spec
+
+
+def test_an_unknown_tool_call_parser_exits_2_naming_the_choices(capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    assert main(["serve", "--tool-call-parser", "pythonic", "--enable-auto-tool-choice", "--port", "1"]) == 2
+    assert "unknown tool call parser 'pythonic': choose one of auto, hermes, llama3_json, mistral" in capsys.readouterr().err
+    monkeypatch.setenv("VIVACE_TOOL_CALL_PARSER", "granite")
+    assert main(["serve", "--port", "1"]) == 2
+    assert "unknown tool call parser 'granite'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form, written", [
+    (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'),
+    (LLAMA, '{"name": "get_time", "parameters": {"zone": "utc"}}'),
+    (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "utc"}}]'),
+    (MISTRAL_ARGS, '[TOOL_CALLS]get_time[ARGS]{"zone": "utc"}'),
+])
+def test_a_template_without_tools_is_told_the_form_and_sees_its_calls_in_it(default_tokenizer_dir, form: ToolFormat,
+                                                                           written: str) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    body = ChatTemplateRequest.model_validate({"tools": [t.model_dump() for t in TOOLS], "messages": [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_time", "arguments": json.dumps(TIME)}}]}]})
+    messages, tools = chat_messages(body, tokenizer, "auto", form)
+    assert tools is None and form.instruction() in messages[0]["content"]
+    assert messages[-1]["content"] == written
+    assert parse_tool_calls(written, form.parser())[1][0].name == "get_time"
