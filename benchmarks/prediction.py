@@ -14,10 +14,9 @@ tokens), the ratios, whether each answer was the same in both modes (it must be)
 server's median decode step time by its rows (1: a plain step; k + 1: verifying k proposals;
 from ``/debug/timings``, its last 4,096 steps), which is what a longer proposal costs.
 The default model (135M parameters) copies a file only in part before it wanders off, so its
-acceptance is low; a model that follows the instruction shows what predictions are for. With its
-GGUF-quantized weights (the default) a multi-row verify step's logits differ from a one-row step's
-enough to change some answers (n-gram speculation too); ``--serve-args "--quantization none"``
-serves float weights, where the answers are identical (the script exits 1 when one is not).
+acceptance is low; a model that follows the instruction shows what predictions are for. The
+answers must be identical in both modes (the script exits 1 when one is not): the server waits for
+its compiled decode graph (``--compile-wait``), whose verify steps compute what its one-row steps do.
 """
 
 from __future__ import annotations

@@ -113,3 +113,24 @@ def test_windowed_op_matches_reference(window, dtype, tol):
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
     if window == 1:  # a query that sees only itself returns its own value
         torch.testing.assert_close(out.float(), v.repeat_interleave(3, dim=1).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("first_len, run", [(12, 5), (14, 5), (29, 17), (16, 3), (40, 2)])
+def test_a_verify_steps_rows_equal_one_row_steps_bit_for_bit(cache_dtype, first_len, run):
+    """A verify step (``run`` consecutive rows of one sequence, proposals after its next token)
+    computes each row's attention exactly as the one-row step at that length would, also where the
+    run crosses into a new block (the last block then holds more tokens than a shorter row sees):
+    greedy speculative decoding depends on it."""
+    q, k, v, cache, _, tables, _ = random_batch(torch.float32, run, heads=9, kv_heads=3, head_dim=64,
+                                                block_size=16, num_blocks=run * 6, seed=first_len + run, width=6)
+    cache = cache.to(cache_dtype)
+    tables[:] = tables[0]
+    seq_lens = torch.arange(first_len, first_len + run)
+    slots = tables[0, (seq_lens - 1) // 16] * 16 + (seq_lens - 1) % 16
+    together = OP(q, k, v, cache.clone(), slots, tables, seq_lens, 0.125)
+    one_cache = cache.clone()
+    for row in range(run):  # as one-row steps, each writing its K/V before the next attends
+        alone = OP(q[row:row + 1], k[row:row + 1], v[row:row + 1], one_cache, slots[row:row + 1], tables[:1],
+                   seq_lens[row:row + 1], 0.125)
+        assert torch.equal(alone[0], together[row]), f"row {row} (length {first_len + row})"

@@ -117,14 +117,24 @@ void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int
         _mm512_storeu_ps(scores[g] + at + t, sums);
       }
     }
-    for (; t < n; ++t) {
-      __m512 dot[GB] = {};
-      head_dots<C, ND, GB>(query, base + t * stride, gb, dot);
+    if (t < n) {
+      // The block's last tokens, summed by the same tree as a whole run of 16 (the missing ones
+      // zero): a token's score must not depend on how far the longest query of the group reaches,
+      // or a verify step's rows would differ from the one-row steps they stand for (greedy
+      // speculation exact) once their run crosses into a new block.
+      const int64_t rest = n - t;
+      __m512 part[GB][16];
+      for (int u = 0; u < 16; ++u) {
+        __m512 dot[GB] = {};
+        if (u < rest) head_dots<C, ND, GB>(query, base + (t + u) * stride, gb, dot);
+        for (int g = 0; g < GB; ++g) part[g][u] = dot[g];
+      }
+      const __mmask16 m = tail_mask(rest);
       for (int g = 0; g < GB; ++g) {
         if (g >= gb) break;
-        const float x = _mm512_reduce_add_ps(dot[g]);
-        scores[g][at + t] = x;
-        peak[g] = _mm512_max_ps(peak[g], _mm512_set1_ps(x));
+        const __m512 sums = hsum16(part[g]);
+        peak[g] = _mm512_mask_max_ps(peak[g], m, peak[g], sums);
+        _mm512_mask_storeu_ps(scores[g] + at + t, m, sums);
       }
     }
   }
@@ -212,8 +222,10 @@ int64_t run_end(const at::Tensor& tables, const int64_t* lens, int64_t b, int64_
 // K/V row read once per pass of heads_per_pass (row, head) pairs; the prefill kernel reads each
 // row once for the whole run but first packs the sequence's K/V into float32 tiles, a cost that
 // grows with the sequence, not the run (8 streams beside a run at 3,000 tokens: 4 rows added
-// ~35 ms to the step, 16 rows ~49 ms).
-constexpr int64_t MIN_PREFILL_RUN = 16;
+// ~35 ms to the step, 16 rows ~49 ms). The bound is past a verify step's rows (up to 17: a
+// prediction's 16 proposals and the next token), which must stay here: this kernel's rows compute
+// what one-row steps do, bit for bit, so greedy speculation is exact; the prefill kernel's differ.
+constexpr int64_t MIN_PREFILL_RUN = 18;
 
 using PrefillFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
 
