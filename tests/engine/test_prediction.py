@@ -17,7 +17,7 @@ def propose(prediction: Prediction, output: list[int], room: int = 99) -> list[i
 
 def test_alignment_follows_the_output_through_edits():
     prediction = Prediction(list(range(100, 140)))
-    assert propose(prediction, []) == list(range(100, 116))  # nothing out yet: from the start
+    assert propose(prediction, []) == list(range(100, 100 + PREDICTION_MAX_K))  # nothing out yet: from the start
     assert propose(prediction, [100, 101, 102])[:3] == [103, 104, 105]
     # Tokens 103..109 deleted: the output's tail is found after the alignment.
     assert propose(prediction, [100, 101, 102, 110, 111])[:2] == [112, 113]
@@ -42,11 +42,12 @@ def test_the_length_doubles_while_proposals_land_and_drops_on_a_miss():
     adaptive = prediction_adaptive_k()
     prediction = Prediction(list(range(200)))
     lengths = []
-    for proposed, accepted in ((16, 16), (16, 3), (3, 3), (6, 6), (12, 12), (16, 0)):
+    k = PREDICTION_MAX_K
+    for proposed, accepted in ((k, k), (k, 3), (3, 3), (6, 6), (12, 12), (k, 0)):
         assert adaptive.next_k(prediction) == proposed
         adaptive.update(prediction, proposed, accepted)
         lengths.append(prediction.spec_k)
-    assert lengths == [PREDICTION_MAX_K, 3, 6, 12, PREDICTION_MAX_K, 8]
+    assert lengths == [k, 3, 6, 12, k, k // 2]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def prompts_and_greedy(plain_llm):
 
 def predictions_for(expected: list[int]) -> dict[str, list[int]]:
     """A prediction equal to the output, one that differs in the middle, an unrelated one, an empty one."""
-    middle = expected[:15] + [11, 12, 13] + expected[22:]
+    middle = expected[:8] + [11, 12, 13] + expected[15:]  # the edit inside the first proposal
     unrelated = [random.Random(len(expected)).randrange(3, 49152) for _ in range(len(expected))]
     return {"equal": expected, "middle": middle, "unrelated": unrelated, "empty": []}
 

@@ -23,12 +23,14 @@ from vivace.engine.speculative import AdaptiveK
 MATCH_TOKENS = 3
 # Longest proposal. An edit keeps long runs of the file identical, and a landing proposal of k
 # tokens saves k forwards for one verify step of k + 1 rows, which reads the weights once; but
-# its rows cost compute (the default model's compiled CPU step: 5 rows 9.0 ms, 1 row 7.2 ms, in
-# docs/benchmarks.md; at that rate 17 rows cost about twice one) and a miss wastes them, so the
-# length doubles while proposals land and falls back on a miss (``AdaptiveK``). n-gram's default
-# of 4 would cap a perfect prediction at 5 tokens a step; 16 gives up to 17, about 8x fewer steps
-# for twice the cost each, and longer would gain little more while a miss would cost more.
-PREDICTION_MAX_K = 16
+# its rows cost compute (the default model's compiled CPU step, served: 1 row 6.95 ms, 5 rows
+# 10.6, 9 rows 15.9, 17 rows 25.5; docs/benchmarks.md, "Predicted outputs") and a miss wastes
+# them, so the length doubles while proposals land and falls back on a miss (``AdaptiveK``).
+# n-gram's default of 4 would cap a perfect prediction at 5 tokens a step. 14 keeps a verify step
+# at 15 rows, below the run at which the decode attention op hands rows to the prefill kernel
+# (MIN_PREFILL_RUN, 16, in vivace/layers/decode_attention.cpp): only the decode kernel computes a
+# verify row exactly as the one-row step it stands for, which greedy exactness needs.
+PREDICTION_MAX_K = 14
 
 
 class Prediction:

@@ -222,10 +222,11 @@ int64_t run_end(const at::Tensor& tables, const int64_t* lens, int64_t b, int64_
 // K/V row read once per pass of heads_per_pass (row, head) pairs; the prefill kernel reads each
 // row once for the whole run but first packs the sequence's K/V into float32 tiles, a cost that
 // grows with the sequence, not the run (8 streams beside a run at 3,000 tokens: 4 rows added
-// ~35 ms to the step, 16 rows ~49 ms). The bound is past a verify step's rows (up to 17: a
-// prediction's 16 proposals and the next token), which must stay here: this kernel's rows compute
-// what one-row steps do, bit for bit, so greedy speculation is exact; the prefill kernel's differ.
-constexpr int64_t MIN_PREFILL_RUN = 18;
+// ~35 ms to the step, 16 rows ~49 ms). A verify step's rows must stay under it (up to 15: a
+// prediction's 14 proposals and the next token, vivace/engine/prediction.py): this kernel's rows
+// compute what one-row steps do, bit for bit, so greedy speculation is exact; the prefill
+// kernel's differ.
+constexpr int64_t MIN_PREFILL_RUN = 16;
 
 using PrefillFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
 
