@@ -5,21 +5,17 @@ today's answer."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import transformers
 
-from tests.server.harness import RunningServer, assert_engine_idle, serving_own_engine
+from tests.server.harness import RunningServer, serving_command_line
 from vivace.chat_template import read_chat_template
-from vivace.cli import engine_config, parse_args
-from vivace.server import ServerSettings
 
 FILE_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 INLINE_TEMPLATE = "{% for m in messages %}{{ m['content'] | upper }}\\n{% endfor %}"  # as typed in a shell
@@ -57,15 +53,6 @@ def untemplated_model(make_tiny_llama, tmp_path_factory: pytest.TempPathFactory)
     return model
 
 
-@contextlib.contextmanager
-def _served(model: Path, *flags: str) -> Iterator[RunningServer]:
-    args = parse_args(["serve", str(model), "--eager", "--max-model-len", "128", "--num-kv-blocks", "32", *flags])
-    with serving_own_engine(engine_config(args), ServerSettings(served_model_name="tiny")) as running:
-        yield running
-        assert running.engine is not None
-        assert_engine_idle(running.engine)
-
-
 def _tokenize(server: RunningServer) -> list[int]:
     with server.http() as http:
         answer = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES, "add_generation_prompt": False})
@@ -77,7 +64,7 @@ def test_a_template_file_replaces_the_tokenizers_everywhere(untemplated_model: P
     path = tmp_path / "template.jinja"
     path.write_text(FILE_TEMPLATE)
     tokenizer = transformers.AutoTokenizer.from_pretrained(untemplated_model)
-    with _served(untemplated_model, "--chat-template", str(path)) as server:
+    with serving_command_line(untemplated_model, "--chat-template", str(path)) as server:
         ids = _tokenize(server)
         assert ids == tokenizer.encode("<user>hello there", add_special_tokens=False)
         reply = server.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
@@ -86,12 +73,12 @@ def test_a_template_file_replaces_the_tokenizers_everywhere(untemplated_model: P
 
 def test_an_inline_template_replaces_it_too(untemplated_model: Path) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(untemplated_model)
-    with _served(untemplated_model, "--chat-template", INLINE_TEMPLATE) as server:
+    with serving_command_line(untemplated_model, "--chat-template", INLINE_TEMPLATE) as server:
         assert _tokenize(server) == tokenizer.encode("HELLO THERE\n", add_special_tokens=False)
 
 
 def test_without_a_template_chat_requests_get_todays_answer(untemplated_model: Path) -> None:
-    with _served(untemplated_model) as server, server.http() as http:
+    with serving_command_line(untemplated_model) as server, server.http() as http:
         for path in ("/tokenize", "/v1/chat/completions"):
             answer = http.post(path, json={"model": "tiny", "messages": MESSAGES})
             assert answer.status_code == 400

@@ -9,12 +9,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
 import uvicorn
 from fastapi import FastAPI
 
+from vivace.cli import engine_config, parse_args
 from vivace.config import EngineConfig
 from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings, build_app
@@ -71,6 +73,18 @@ def serving_own_engine(config: EngineConfig, settings: ServerSettings) -> Iterat
             yield running
     finally:
         engine.shutdown()
+
+
+@contextlib.contextmanager
+def serving_command_line(model: Path | str, *flags: str) -> Iterator[RunningServer]:
+    """The engine ``vivace serve MODEL --eager --max-model-len 128 --num-kv-blocks 64 FLAGS...``
+    builds (its flags parsed as the command line parses them), served as "tiny" on a free port;
+    it must be idle, every KV block free, when the block exits."""
+    args = parse_args(["serve", str(model), "--eager", "--max-model-len", "128", "--num-kv-blocks", "64", *flags])
+    with serving_own_engine(engine_config(args), ServerSettings(served_model_name="tiny")) as running:
+        yield running
+        assert running.engine is not None
+        assert_engine_idle(running.engine)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

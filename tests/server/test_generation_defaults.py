@@ -5,7 +5,6 @@ model whose generation_config.json says ``top_k: 1`` samples greedily at tempera
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,10 +12,8 @@ from typing import Any
 
 import pytest
 
-from vivace.cli import engine_config, parse_args
-from vivace.server import ServerSettings
 
-from .harness import RunningServer, assert_engine_idle, serving_own_engine
+from .harness import RunningServer, serving_command_line
 
 MAX_NEW_TOKENS = 6
 QUESTION = "Name a colour."
@@ -34,19 +31,9 @@ def recommending_model(make_tiny_llama) -> Path:
     return model
 
 
-@contextlib.contextmanager
-def _served(model: Path, *flags: str) -> Iterator[RunningServer]:
-    """``vivace serve MODEL FLAGS...``'s engine, served on a free port."""
-    args = parse_args(["serve", str(model), "--eager", "--max-model-len", "128", "--num-kv-blocks", "64", *flags])
-    with serving_own_engine(engine_config(args), ServerSettings(served_model_name="tiny")) as running:
-        yield running
-        assert running.engine is not None
-        assert_engine_idle(running.engine)
-
-
 @pytest.fixture(scope="module")
 def auto_server(recommending_model: Path) -> Iterator[RunningServer]:
-    with _served(recommending_model) as running:
+    with serving_command_line(recommending_model) as running:
         yield running
 
 
@@ -86,7 +73,7 @@ def test_completions_and_the_responses_api_take_the_defaults_too(auto_server: Ru
 
 
 def test_generation_config_vllm_turns_the_models_defaults_off(recommending_model: Path) -> None:
-    with _served(recommending_model, "--generation-config", "vllm") as server:
+    with serving_command_line(recommending_model, "--generation-config", "vllm") as server:
         greedy = _chat(server, temperature=0, max_tokens=MAX_NEW_TOKENS)
         assert _chat(server, temperature=1.0, max_tokens=MAX_NEW_TOKENS)[0] != greedy[0]
         assert _completion(server, temperature=0)[1] == 16  # OpenAI's default, as without a generation config
@@ -94,7 +81,7 @@ def test_generation_config_vllm_turns_the_models_defaults_off(recommending_model
 
 def test_the_override_wins_over_the_models_file(recommending_model: Path) -> None:
     override = json.dumps({"top_k": 0, "max_new_tokens": 3})
-    with _served(recommending_model, "--override-generation-config", override) as server:
+    with serving_command_line(recommending_model, "--override-generation-config", override) as server:
         greedy = _chat(server, temperature=0)
         assert greedy[1] == 3
         assert _chat(server, temperature=1.0)[0] != greedy[0]
