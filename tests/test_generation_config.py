@@ -11,8 +11,7 @@ import gguf
 import pytest
 
 from vivace.config import EngineConfig
-from vivace.engine.sampling_params import served_defaults
-from vivace.generation_config import model_recommendations, sampling_defaults
+from vivace.generation_config import model_recommendations, sampling_defaults, served_defaults
 from vivace.server.errors import APIError
 from vivace.server.prompts import fit_max_tokens
 from vivace.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -71,7 +70,7 @@ def test_engine_config_checks_the_flags(tmp_path: Path) -> None:
 def test_served_defaults_refuse_values_the_engine_would_and_log_what_they_apply(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = _folder(tmp_path, "model", QWEN3)
-    with caplog.at_level(logging.INFO, logger="vivace.engine.sampling_params"):
+    with caplog.at_level(logging.INFO, logger="vivace.generation_config"):
         assert served_defaults(EngineConfig(), model) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
     assert [r.getMessage() for r in caplog.records] == [
         "vivace: default sampling parameters from the model's generation config (auto), for requests that leave "

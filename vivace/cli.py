@@ -246,8 +246,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chat_template=None if args.chat_template is None else read_chat_template(args.chat_template))
     # --device cuda without a GPU, or a quantization the device cannot run: an error now, before loading
     check_quantization(config.quantization, resolve_device(config.device))
-    from vivace.engine.sampling_params import check_sampling_defaults
-    from vivace.generation_config import check_override
+    from vivace.generation_config import check_override, check_sampling_defaults
 
     check_sampling_defaults(check_override(config.override_generation_config), "--override-generation-config")
     return config

@@ -5,9 +5,15 @@ under the request field names they stand for, with ``--override-generation-confi
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from vivace.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vivace.config import EngineConfig
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # --generation-config's words: the model's own file ("auto") or none ("vllm"); else a folder.
@@ -94,3 +100,30 @@ def _sampling_fields(raw: Mapping[str, Any], names: Mapping[str, str], where: st
             raise ValueError(f"{where}: {key} must be {kind}, got {value!r}")
         fields[name] = int(value) if name in _INTEGRAL else float(value)
     return fields
+
+
+def check_sampling_defaults(defaults: Mapping[str, float | int], source: str) -> None:
+    """Raise ValueError naming ``source`` when a request given ``defaults`` would be refused: a
+    value SamplingParams rejects, or max_tokens below 1."""
+    try:
+        SamplingParams(**defaults)
+        if defaults.get("max_tokens", 1) < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def served_defaults(config: EngineConfig, model_source: Path) -> dict[str, float | int]:
+    """The sampling defaults ``config`` gives requests to the model loaded from ``model_source``
+    (``sampling_defaults``), checked (ValueError naming the flag) and
+    logged when there are any."""
+    defaults = sampling_defaults(config.generation_config, model_source, config.override_generation_config)
+    check_sampling_defaults(defaults, f"--generation-config {config.generation_config}")
+    if defaults:
+        source = "--override-generation-config" if config.generation_config == "vllm" else \
+            f"the model's generation config ({config.generation_config})"
+        logging.getLogger(__name__).info(
+            "vivace: default sampling parameters from %s, for requests that leave them out: %s "
+            "(--generation-config vllm turns this off)", source,
+            ", ".join(f"{name}={value}" for name, value in defaults.items()))
+    return defaults

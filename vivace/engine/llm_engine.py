@@ -23,10 +23,11 @@ from vivace.engine.pacer import Pacer, PromptPath, pacer_for
 from vivace.engine.prediction import MATCH_TOKENS, Prediction, prediction_adaptive_k
 from vivace.engine.request import Request
 from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler, score_tokens
-from vivace.engine.sampling_params import SamplingParams, served_defaults
+from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import ScheduledBatch, Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
 from vivace.engine.step_timing import StepTimings
+from vivace.generation_config import served_defaults
 from vivace.layers.packed_linear import prepack_linears
 from vivace.models import LoadedModel, load_model
 

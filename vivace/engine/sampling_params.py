@@ -1,15 +1,9 @@
-"""Per-request sampling and stopping parameters, and the defaults a server gives them."""
+"""Per-request sampling and stopping parameters."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
-
-from vivace.config import EngineConfig
-from vivace.generation_config import sampling_defaults
 
 GrammarKind = Literal["json_schema", "regex", "choice", "grammar"]
 
@@ -123,29 +117,3 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-
-def check_sampling_defaults(defaults: Mapping[str, float | int], source: str) -> None:
-    """Raise ValueError naming ``source`` when a request given ``defaults`` would be refused: a
-    value SamplingParams rejects, or max_tokens below 1."""
-    try:
-        SamplingParams(**defaults)
-        if defaults.get("max_tokens", 1) < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-    except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from None
-
-
-def served_defaults(config: EngineConfig, model_source: Path) -> dict[str, float | int]:
-    """The sampling defaults ``config`` gives requests to the model loaded from ``model_source``
-    (``vivace.generation_config.sampling_defaults``), checked (ValueError naming the flag) and
-    logged when there are any."""
-    defaults = sampling_defaults(config.generation_config, model_source, config.override_generation_config)
-    check_sampling_defaults(defaults, f"--generation-config {config.generation_config}")
-    if defaults:
-        source = "--override-generation-config" if config.generation_config == "vllm" else \
-            f"the model's generation config ({config.generation_config})"
-        logging.getLogger(__name__).info(
-            "vivace: default sampling parameters from %s, for requests that leave them out: %s "
-            "(--generation-config vllm turns this off)", source,
-            ", ".join(f"{name}={value}" for name, value in defaults.items()))
-    return defaults
