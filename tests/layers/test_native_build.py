@@ -120,3 +120,30 @@ def test_another_checkout_of_the_same_sources_reuses_the_build(tmp_path: Path) -
         (library,) = build_dir.glob("*.so")
         built.append(library.stat().st_mtime_ns)
     assert built[0] == built[1]
+
+
+_LOAD_IN_A_NEW_PROCESS = """
+import sys
+from pathlib import Path
+from vivace.layers import native
+assert native.load_library(Path(sys.argv[1]))
+"""
+
+
+def test_a_cache_reached_through_a_symlink_reuses_the_build(tmp_path: Path) -> None:
+    """The same kernels directory named through a symlink (as a child given a cache of links
+    sees it) loads the library built before instead of compiling it again."""
+    kernels = tmp_path / "cache" / "vivace" / "kernels"
+    kernels.mkdir(parents=True)
+    (tmp_path / "link" / "vivace").mkdir(parents=True)
+    (tmp_path / "link" / "vivace" / "kernels").symlink_to(kernels, target_is_directory=True)
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int vivace_test_eight() { return 8; }\n')
+    built = []
+    for cache in ("cache", "link", "cache"):
+        env = {k: v for k, v in os.environ.items() if k != native.FORCE_FALLBACK_ENV}
+        env["XDG_CACHE_HOME"] = str(tmp_path / cache)
+        subprocess.run([sys.executable, "-c", _LOAD_IN_A_NEW_PROCESS, str(source)], env=env, check=True, timeout=300)
+        (library,) = kernels.glob("*/*.so")
+        built.append(library.stat().st_mtime_ns)
+    assert built[0] == built[1] == built[2]

@@ -139,8 +139,10 @@ def _claim(source: Path, cflags: tuple[str, ...], cpu_flags: tuple[str, ...]
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = source.read_bytes() + headers + " ".join(cflags).encode() + torch.__version__.encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
+    # Resolved: ninja's build file names the build directory, so the same cache reached through
+    # a symlink would otherwise build everything again (and again for the other path after).
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    build_dir = cache / "vivace" / "kernels" / f"{source.stem}-{digest}"
+    build_dir = (cache / "vivace" / "kernels").resolve() / f"{source.stem}-{digest}"
     with _builds_lock:
         if build_dir in _builds:
             return _builds[build_dir], None
