@@ -50,6 +50,7 @@ def test_eager_until_the_package_is_there_then_compiled(tiny_model_dir, cache_di
 
     assert build._process.wait(timeout=600) == 0
     assert build.path.exists() and build.path.parent == aot_decode.default_cache_dir()
+    assert not list(build.path.parent.glob("*.config.pickle"))  # the child removed what it read
     calls = []
     original = CompiledDecoder.__call__
     monkeypatch.setattr(CompiledDecoder, "__call__", lambda self, *a: calls.append(len(a[0])) or original(self, *a))

@@ -274,6 +274,7 @@ def _build_in_child(config_file: Path, max_batch: int, path: Path) -> int:
     from vivace.models.llama import kv_cache_shape
 
     config = pickle.loads(config_file.read_bytes())
+    config_file.unlink(missing_ok=True)  # read: gone even if the server is killed before it polls
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     loaded = backend.load(config)
