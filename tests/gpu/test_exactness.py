@@ -23,7 +23,7 @@ from .conftest import DEVICE  # noqa: E402
 
 pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="64 tokens x 64 requests need a GPU")
 
-KINDS = ["llama", "llama_bias", "qwen2", "mistral", "mistral_sliding", "qwen3", "phi3", "gemma3_pattern2"]
+KINDS = ["llama", "llama_bias", "qwen2", "mistral", "mistral_sliding", "qwen3", "phi3", "gemma3_pattern2", "granite"]
 NEW = 64
 # Four prompts, two sharing a 16-token prefix (prefix-cache hits), repeated to 64 requests.
 BASE = [5, 90, 31, 242, 77, 12, 5, 90, 31, 242, 77, 12, 40, 41, 42, 43]

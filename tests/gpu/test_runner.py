@@ -1,5 +1,5 @@
 """The CUDA runner behind the engine seam, end to end: greedy tokens of tiny random Llama, Qwen3,
-Gemma 3 and Phi-3 (partial rotary, LongRoPE) models equal transformers' and the CPU runner's,
+Gemma 3, Phi-3 (partial rotary, LongRoPE) and Granite models equal transformers' and the CPU runner's,
 through whole-prompt and chunked prefill, prefix-cache hits, mixed batches and n-gram verification
 rows; a prompt's logits equal transformers'; tokens drawn by the device sampler (penalties,
 logprobs, seeds) match the CPU engine's host sampler or reproduce across runs and batches (on CPU
@@ -27,10 +27,11 @@ NEW = 6
 # norms, scaled embeddings, GELU MLP, sliding layers (window 6) with their own rope base, a query
 # scale apart from head_dim, and final logit soft-capping.
 # Phi-4-mini's partial rotary (12 of 16 dims) with LongRoPE's short factors (served within the
-# original context) and an attention factor.
+# original context) and an attention factor. Granite's four multipliers (tiny.GRANITE).
 FAMILIES = {"qwen3": ("qwen3", {}), "gemma3": ("gemma3_pattern2", dict(final_logit_softcapping=2.0)),
             "phi3": ("phi3", dict(PHI3_LONGROPE, original_max_position_embeddings=128,
-                                  rope_scaling=dict(PHI3_LONGROPE["rope_scaling"], attention_factor=1.25)))}
+                                  rope_scaling=dict(PHI3_LONGROPE["rope_scaling"], attention_factor=1.25))),
+            "granite": ("granite", {})}
 
 
 def greedy(**params: object) -> SamplingParams:
@@ -259,8 +260,8 @@ def test_batch1_gemv_in_the_forward_keeps_greedy_tokens(family, request) -> None
     """The Triton GEMV (down projection with its activation fused) in every batch-1 projection,
     as ``choose_gemv`` sets it where it beats cuBLAS: the same greedy tokens as the CPU runner
     (on CPU for SiLU and GELU: Llama and Gemma 3)."""
-    if DEVICE != "cuda" and request.node.callspec.params["family"] in ("qwen3", "phi3"):
-        pytest.skip("Qwen3's and Phi-3's MLPs are Llama's")
+    if DEVICE != "cuda" and request.node.callspec.params["family"] in ("qwen3", "phi3", "granite"):
+        pytest.skip("Qwen3's, Phi-3's and Granite's MLPs are Llama's")
     path, _ = family
     config = dict(num_kv_blocks=32, block_size=4, max_model_len=64, device="cpu")
     want = LLM(path, **config).generate(PROMPTS[1], greedy())[0].outputs[0].token_ids

@@ -1,8 +1,9 @@
 """Write a tiny transformers model as a GGUF the way llama.cpp's convert_hf_to_gguf.py does:
-its metadata keys, tensor names, q/k row permutation (llama arch only), rope_freqs for
+its metadata keys, tensor names, q/k row permutation (llama-arch models only), rope_freqs for
 llama3 scaling, Phi-3's LongRoPE factor tensors, YaRN's keys, the rotary dims of partial
-rotary, Gemma's norms stored as 1 + w, norms and biases in F32, a mixture's experts stacked into
-one [num_experts, out, in] tensor a projection (router in F32), and a byte-level ("gpt2") tokenizer.
+rotary, Granite's multipliers as llama.cpp's scales, Gemma's norms stored as 1 + w, norms and
+biases in F32, a mixture's experts stacked into one [num_experts, out, in] tensor a projection
+(router in F32), and a byte-level ("gpt2") tokenizer.
 Mixtral is llama arch with expert_count, as convert_hf_to_gguf writes it."""
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ _LAYER = {
 _GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-         "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+         "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+         "granite": "granite"}
 
 
 def write_gguf(model: transformers.PreTrainedModel, path: Path,
@@ -108,6 +110,11 @@ def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig,
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "granite":  # GraniteModel.set_gguf_parameters
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if getattr(config, "sliding_window", None) and arch in ("gemma3", "phi3"):
         writer.add_sliding_window(config.sliding_window)
     writer.add_vocab_size(config.vocab_size)
@@ -165,9 +172,9 @@ def _gguf_name(hf_name: str, arch: str) -> str:
 
 
 def _llama_cpp_order(values: np.ndarray, name: str, config: transformers.PretrainedConfig, arch: str) -> np.ndarray:
-    """convert_hf_to_gguf's LlamaModel.permute, applied to q and k weights and biases (llama and
-    SmolLM3Model, a LlamaModel)."""
-    if arch not in ("llama", "smollm3") or not (".q_proj." in name or ".k_proj." in name):
+    """convert_hf_to_gguf's LlamaModel.permute, applied to q and k weights and biases (llama, and
+    SmolLM3Model and GraniteModel, LlamaModels)."""
+    if arch not in ("llama", "smollm3", "granite") or not (".q_proj." in name or ".k_proj." in name):
         return values
     heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
     shape = values.shape

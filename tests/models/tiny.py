@@ -38,6 +38,10 @@ PHI3_LONGROPE = dict(partial_rotary_factor=0.75, original_max_position_embedding
 # hidden/heads, and llama.cpp's attention scale (1/sqrt(head_dim)), so that a GGUF export holds it all.
 GEMMA3 = dict(num_hidden_layers=7, hidden_size=32, intermediate_size=48, head_dim=32, query_pre_attn_scalar=32,
               sliding_window=6, tie_word_embeddings=True, rope_theta=1e6, rope_local_base_freq=1e4)
+# Granite 3.x's four multipliers at non-trivial values (granite-3.3-2b's, but the residual one's
+# 0.22 and logits' 8), embeddings tied as in the 2B.
+GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0,
+               tie_word_embeddings=True)
 KINDS = {
     "llama": (transformers.LlamaConfig, {}),
     "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=4)),
@@ -51,6 +55,7 @@ KINDS = {
     "mistral_sliding": (transformers.MistralConfig, dict(sliding_window=7)),
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32, rope_theta=1e6)),
     "phi3": (transformers.Phi3Config, dict(sliding_window=9, pad_token_id=None)),
+    "granite": (transformers.GraniteConfig, GRANITE),
     "gemma3": (transformers.Gemma3TextConfig, GEMMA3),
     # gemma-3-4b/12b/27b's rope: linear scaling on the global layers only (a GGUF carries it too).
     "gemma3_linear_rope": (transformers.Gemma3TextConfig,

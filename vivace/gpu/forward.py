@@ -1,6 +1,6 @@
 """The decoder forward from the Triton kernels and cuBLAS GEMMs, over the same modules and weights
 as ``vivace.models.llama`` and ``vivace.models.gemma3`` (which the CPU backend runs): the Llama
-family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3, SmolLM3) and Gemma 3. Each layer rotates
+family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite) and Gemma 3. Each layer rotates
 with the table its config names (a NoPE layer's is the identity: cos 1, sin 0); Ministral 3's
 queries are scaled by position before the rotation, which is linear, so the scale commutes with it.
 
@@ -90,7 +90,7 @@ def forward(model: LlamaForCausalLM, batch: GpuBatch, kv_caches: list[torch.Tens
         query_scale = query_temperature(batch.positions, *model.config.query_temperature)[:, None]
     layer_step = _LAYER_STEPS[type(model)]
     adds_after_attention = layer_step is _llama_layer
-    eps = model.config.rms_norm_eps
+    eps = model.norm.eps  # the residual stream's norms' (ModelConfig.residual_norm_eps)
     # The residual stream, and the last block's output not yet added into it (None: added already)
     residual, pending = model.embed(batch.input_ids), None  # Gemma scales its embeddings there
     scales = kv_scales or [None] * len(kv_caches)
@@ -236,7 +236,7 @@ def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), s
     ``GemvConfig`` candidates against the launcher's defaults, the best kept as ``gemv_config``
     where it is 3% faster. CUDA only: graph replays timed by CUDA events, median of ``repeats``."""
     llama = not isinstance(model, Gemma3ForCausalLM)
-    eps = model.config.rms_norm_eps
+    eps = model.norm.eps
     groups: dict[tuple, list[tuple[nn.Module, torch.Tensor | None]]] = {}
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp

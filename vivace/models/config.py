@@ -17,7 +17,7 @@ _MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM", "ministral": "MinistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "granite": "GraniteForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _CONFIG_TYPES = {**_MODEL_TYPES, **MULTIMODAL_TYPES}  # what a config.json may name
@@ -68,6 +68,14 @@ class ModelConfig:
     ``query_temperature`` ``(beta, period)`` scales the rotated queries at position ``p`` by
     ``1 + beta * log(1 + floor(p / period))`` (Ministral 3's ``llama_4_scaling_beta``;
     ``vivace.layers.rotary.query_temperature``).
+
+    Granite's four scalars (defaults: none of them): embeddings times ``embedding_multiplier``,
+    each block's attention and MLP outputs times ``residual_multiplier`` before they join the
+    residual stream, ``attention_multiplier`` as the softmax scale, logits divided by
+    ``logits_scaling``. The model applies them without a kernel of its own
+    (``vivace.models.llama.LlamaForCausalLM``): it carries the residual stream divided by
+    ``residual_multiplier`` (``embed_scale``, ``residual_norm_eps``) and divides the final norm's
+    weight by ``logits_scaling`` at load.
     """
 
     architecture: str
@@ -97,6 +105,10 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3)
     query_temperature: tuple[float, int] | None = None  # (beta, period) of Llama 4's query scaling
     moe: MoeConfig | None = None  # the experts of a mixture-of-experts architecture; None: dense
+    embedding_multiplier: float = 1.0  # Granite's four scalars (docstring)
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # the attention scale itself (Granite); see attention_scale
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -123,6 +135,9 @@ class ModelConfig:
         if not set(self.nope_layers) <= set(range(self.num_hidden_layers)):
             raise ValueError(f"nope_layers {self.nope_layers} name layers the model lacks "
                              f"(it has {self.num_hidden_layers})")
+        if min(self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) <= 0:
+            raise ValueError(f"unsupported multipliers: embedding {self.embedding_multiplier}, residual "
+                             f"{self.residual_multiplier}, logits scaling {self.logits_scaling} (all must be > 0)")
         if self.query_temperature and self.qk_norm:  # the CUDA forward scales queries before their norm
             raise ValueError("unsupported query temperature (llama_4_scaling_beta) with q/k norms")
 
@@ -157,7 +172,19 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        """The softmax scale: ``attention_multiplier`` (Granite), else ``query_pre_attn_scalar ** -0.5``
+        (Gemma 3), else ``head_dim ** -0.5``."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def residual_norm_eps(self) -> float:
+        """The epsilon of the norms over the residual stream as vivace carries it, divided by
+        ``residual_multiplier`` r: ``rms_norm(x / r, eps / r**2) == rms_norm(x, eps)``, so the blocks'
+        outputs join the stream unscaled, whatever form (float, quantized, GGUF blocks) their
+        projections take."""
+        return self.rms_norm_eps / self.residual_multiplier ** 2
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | transformers.PretrainedConfig) -> ModelConfig:
@@ -205,6 +232,7 @@ class ModelConfig:
             nope_layers=_nope_layers(config),
             query_temperature=_query_temperature(config, architecture),
             moe=_moe(config, architecture),
+            **_granite_multipliers(config, architecture),
         )
 
 
@@ -236,6 +264,16 @@ def _check_supported_features(config: transformers.PretrainedConfig, architectur
         raise ValueError("unsupported attn_logit_softcapping (Gemma 2); Gemma 3 has none")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("unsupported use_bidirectional_attention=True (an encoder, not a causal LM)")
+
+
+def _granite_multipliers(config: transformers.PretrainedConfig, architecture: str) -> dict[str, float]:
+    """Granite's ``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier`` and
+    ``logits_scaling``, those its config has (transformers' has all four); none for another
+    architecture, whose transformers model ignores keys of those names."""
+    if architecture != "GraniteForCausalLM":
+        return {}
+    names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    return {name: float(getattr(config, name)) for name in names if getattr(config, name, None) is not None}
 
 
 def _moe(config: transformers.PretrainedConfig, architecture: str) -> MoeConfig | None:

@@ -57,9 +57,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device="cpu"))
 
     @staticmethod
-    def convert_checkpoint_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def convert_checkpoint_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         """Norm weights ``w`` become ``1 + w`` (in float32, before any cast)."""
         return tensor.float() + 1.0 if name.endswith("norm.weight") else tensor
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embed_scale

@@ -1,6 +1,6 @@
 """A llama.cpp GGUF model: config and tokenizer from its metadata, weights dequantized to
 float32 under Hugging Face names and conventions: llama.cpp's rotary row permutation undone
-(llama and smollm3 archs), Gemma's stored ``1 + w`` norms back to ``w``."""
+(llama, smollm3 and granite archs), Gemma's stored ``1 + w`` norms back to ``w``."""
 
 from __future__ import annotations
 
@@ -20,10 +20,14 @@ from vivace.models.gguf_file import GGUFFile
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                  "smollm3": "SmolLM3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                  "smollm3": "SmolLM3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                  "granite": "GraniteForCausalLM"}
 # Architectures whose q/k rows convert_hf_to_gguf permutes for llama.cpp's GPT-J-style rope kernel
-# (Mixtral is written as llama-arch).
-_PERMUTED = ("LlamaForCausalLM", "SmolLM3ForCausalLM", "MixtralForCausalLM")
+# (Mixtral is written as llama-arch; its GraniteModel is a LlamaModel).
+_PERMUTED = ("LlamaForCausalLM", "SmolLM3ForCausalLM", "MixtralForCausalLM", "GraniteForCausalLM")
+# Granite's scalars: ModelConfig field -> llama.cpp key (convert_hf_to_gguf writes those set).
+_GRANITE_KEYS = {"embedding_multiplier": "{arch}.embedding_scale", "residual_multiplier": "{arch}.residual_scale",
+                 "attention_multiplier": "{arch}.attention.scale", "logits_scaling": "{arch}.logit_scale"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -129,6 +133,10 @@ def model_config(file: GGUFFile) -> ModelConfig:
     if arch == "smollm3":
         nope = tuple(i for i in range(layers) if (i + 1) % _SMOLLM3_NO_ROPE_STEP == 0)
         config = dataclasses.replace(config, nope_layers=nope)
+    if arch == "granite":
+        config = dataclasses.replace(config, **{field: float(file.metadata[key.format(arch=arch)])
+                                                for field, key in _GRANITE_KEYS.items()
+                                                if key.format(arch=arch) in file.metadata})
     return config
 
 

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3, SmolLM3) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite) over a paged KV cache.
 
 Inputs are one flat batch: tokens of every sequence back to back, no batch dimension.
 q/k/v and gate/up are each one fused Linear, so a decode step issues fewer kernels;
@@ -7,7 +7,10 @@ What sets the members apart, all read from ``ModelConfig``: q/k/v biases (Qwen2)
 RMSNorm (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen2/3 with ``use_sliding_window``),
 partial rotary (Phi-4-mini: q/k head dims reordered at load, ``vivace.models.partial_rotary``),
 layers without rotary (SmolLM3's NoPE layers rotate by an identity table: cos 1, sin 0), queries
-scaled by position (Ministral 3's Llama 4 temperature).
+scaled by position (Ministral 3's Llama 4 temperature), Granite's multipliers (the residual stream
+carried divided by ``residual_multiplier`` so the blocks add their outputs unscaled, embeddings
+scaled at ``embed``, the attention scale, logits scaled through the final norm's weight; see
+``ModelConfig``).
 Gemma 3 (``vivace.models.gemma3``) and the mixtures of experts (``vivace.models.moe``: Qwen3-MoE,
 Mixtral) build on the attention and model classes here.
 """
@@ -100,9 +103,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.residual_norm_eps, dtype)
         self.self_attn = Attention(config, layer, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.residual_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
@@ -121,7 +124,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names are Hugging Face's without the ``model.`` prefix, except the fused
     ``qkv_proj`` and ``gate_up_proj``; with tied embeddings there is no ``lm_head``.
-    Subclasses change ``layer_class``, ``embed`` and ``convert_checkpoint_tensor``."""
+    ``embed`` scales the embeddings by ``embed_scale`` (Granite's ``embedding_multiplier`` over its
+    ``residual_multiplier``: the stream is carried divided by it; Gemma 3's square root of the width).
+    Subclasses change ``layer_class``, ``embed_scale`` and ``convert_checkpoint_tensor``."""
 
     layer_class: type[nn.Module] = DecoderLayer
     # Whether every tensor's shape follows from the batch's: what compiled decode graphs need.
@@ -135,7 +140,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(self.layer_class(config, i, dtype) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.residual_norm_eps, dtype)
+        self.embed_scale = config.embedding_multiplier / config.residual_multiplier
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling, dtype, config.rotary_dim)
         self.local_rotary = self.no_rotary = None
@@ -150,12 +156,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
     @staticmethod
-    def convert_checkpoint_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A Hugging Face checkpoint tensor as this model holds it (unchanged here)."""
+    def convert_checkpoint_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        """A Hugging Face checkpoint tensor as this model holds it: the final norm's weight divided
+        by ``logits_scaling`` (in float32, before any cast), since only the logits read that norm;
+        any other tensor unchanged."""
+        if name == "model.norm.weight" and config.logits_scaling != 1.0:
+            return tensor.float() / config.logits_scaling
         return tensor
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        embeddings = self.embed_tokens(input_ids)
+        return embeddings if self.embed_scale == 1.0 else embeddings * self.embed_scale
 
     @property
     def rotaries(self) -> dict[str, RotaryEmbedding]:

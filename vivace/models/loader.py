@@ -226,7 +226,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype,
         model = model_class(config, dtype)
     if config.moe is not None:
         tensors = expert_tensors(tensors)
-    converted = ((name, to_vivace_rows(name, model_class.convert_checkpoint_tensor(name, tensor), config))
+    converted = ((name, to_vivace_rows(name, model_class.convert_checkpoint_tensor(name, tensor, config), config))
                  for name, tensor in tensors)
     state = fuse_checkpoint(converted, dtype, config.tie_word_embeddings)
     expected = set(model.state_dict())
