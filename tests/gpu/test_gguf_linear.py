@@ -1,7 +1,8 @@
 """GGUF projections kept as their blocks on the CUDA backend, end to end: a tiny random Llama written
 as a GGUF file of quantized projections loads with them packed in ``GgufLinear`` (uint8 planar
 rows, in Hugging Face order), and the CUDA runner over it gives the greedy tokens of the CPU runner
-on the same file dequantized to float32 (on CPU under Triton's interpreter where there is no GPU);
+on the same file dequantized to float32 (on CPU under Triton's interpreter where there is no GPU),
+and so does a Granite's (its multipliers live outside the projections, which run as stored);
 a module's chosen GEMV tiling gives its default's product."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 pytest.importorskip("triton", reason="the CUDA backend's kernels need triton (pip install triton)")
 
 from models.gguf_export import write_gguf  # noqa: E402  (tests/ is on sys.path)
-from models.tiny import tiny_config  # noqa: E402
+from models.tiny import tiny_config, tiny_model  # noqa: E402
 from vivace import LLM, SamplingParams  # noqa: E402
 from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, default_gemv_config, planar  # noqa: E402
 from vivace.gpu.forward import linear  # noqa: E402
@@ -97,6 +98,21 @@ def test_cuda_runner_greedy_tokens_equal_the_dequantized_cpu_runner(gguf_model) 
     gpu = LLM(str(path), **CONFIG)
     loaded = load_model(str(path), torch.float32, "auto", device=DEVICE, packed_gguf=True)
     assert any(isinstance(m, GgufLinear) for m in loaded.model.modules())
+    engine = gpu.engine
+    engine.runner = CudaRunner(loaded, len(engine.kv.blocks), engine.kv.block_size, torch.float32,
+                               engine.max_model_len, device=DEVICE)
+    assert [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)] == want
+    engine.check_integrity()
+
+
+def test_granite_q8_0_packed_greedy_tokens_equal_the_dequantized_cpu_runner(tmp_path) -> None:
+    path = write_gguf(tiny_model("granite"), tmp_path / "granite.gguf", T.Q8_0)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **CONFIG).generate(PROMPTS, params)]
+    gpu = LLM(str(path), **CONFIG)
+    loaded = load_model(str(path), torch.float32, "auto", device=DEVICE, packed_gguf=True)
+    layer = loaded.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj, GgufLinear) and isinstance(layer.mlp.down_proj, GgufLinear)
     engine = gpu.engine
     engine.runner = CudaRunner(loaded, len(engine.kv.blocks), engine.kv.block_size, torch.float32,
                                engine.max_model_len, device=DEVICE)

@@ -66,7 +66,9 @@ def family(request, tiny_model_dir, tmp_path_factory):
     return str(save_hf_dir(hf, tmp_path_factory.mktemp(request.param))), hf
 
 
-def test_greedy_equals_transformers_and_the_cpu_runner(family) -> None:
+def test_greedy_equals_transformers_and_the_cpu_runner(family, request) -> None:
+    if DEVICE != "cuda" and request.node.callspec.params["family"] == "granite":
+        pytest.skip("on CPU, Granite's forward is checked by its prompt logits (the interpreter's time)")
     path, hf = family
     # A 5-token budget: the 14-token prompt prefills in chunks, riding with the other's decodes.
     config = dict(num_kv_blocks=32, block_size=4, max_num_batched_tokens=5, max_model_len=64, device="cpu")
