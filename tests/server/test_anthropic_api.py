@@ -216,7 +216,8 @@ def test_thinking_blocks(thinker: RunningServer) -> None:
     assert omitted.content[0].thinking == "" and omitted.content[0].signature == thought.signature
     off = _parsed(client.messages.create(**{**args, "thinking": {"type": "disabled"}}))
     assert [block.type for block in off.content] == ["text"] and off.content[0].text == ANSWER
-    again = [*args["messages"], {"role": "assistant", "content": message.content}, {"role": "user", "content": "Sure?"}]
+    sent_back = [{"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix/LafPsn4a"}, *message.content]
+    again = [*args["messages"], {"role": "assistant", "content": sent_back}, {"role": "user", "content": "Sure?"}]
     assert _parsed(client.messages.create(**{**args, "messages": again})).content[-1].text == ANSWER
 
 
