@@ -27,12 +27,14 @@ import httpx
 HERE = Path(__file__).resolve().parent
 CHECKS = "not_a_server_error,negative_data_rejection,positive_data_acceptance,response_schema_conformance"
 STREAM_TOKENS = 48
+SERVED_MODEL = "fuzzed"  # the name the Messages API's positive cases ask for (fuzz_hooks.MODEL)
 
 
 def start_server(port: int, model: str, log: Path) -> subprocess.Popen:
-    """``vivace serve`` on the default model (eager, a short context so cases stay small)."""
+    """``vivace serve`` on the default model (eager, a short context so cases stay small), served
+    as SERVED_MODEL."""
     command = [sys.executable, "-m", "vivace.cli", "serve", model, "--port", str(port), "--eager",
-               "--max-model-len", "1024", "--log-level", "warning"]
+               "--max-model-len", "1024", "--log-level", "warning", "--served-model-name", SERVED_MODEL]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

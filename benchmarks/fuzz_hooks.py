@@ -11,18 +11,25 @@ their calls) are valid only if the grammar engine compiles them, which no JSON s
 For positive cases only, this hook makes such a body obey the rules and drops those fields, and
 keeps each case short (at most 8 tokens, 2 choices) so a bounded run covers many cases; the
 messages of a ``/tokenize`` body get the same care (its tools stay, with unique names, and no tool_choice), and a ``/v1/responses`` body
-its own (no tools or json_schema format, function calls' arguments ``{}``, few tokens). Negative cases go out
-untouched. Structured output and tools have their own tests.
+its own (no tools or json_schema format, function calls' arguments ``{}``, few tokens), and a
+``/v1/messages`` (or count_tokens) body its own (the served model's name, which it must give; no
+tools or output format, a prompt within the context, no thinking budget, few tokens). Negative cases
+go out untouched. Structured output and tools have their own tests.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import schemathesis
 
 MAX_TOKENS = 8
 MAX_CHOICES = 2
+MODEL = "fuzzed"  # the name fuzz.py serves the model under (fuzz.SERVED_MODEL)
+# Characters of a Messages API conversation's JSON (escaped: a character of it makes a token at most)
+# that leave its prompt room in fuzz.py's context of 1024 tokens, with the template's own tokens.
+PROMPT_CHARS = 400
 
 
 GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -123,12 +130,42 @@ def _fit_response(body: dict[str, Any]) -> None:
     body["max_output_tokens"] = min(body["max_output_tokens"], MAX_TOKENS)
 
 
+def _fit_messages(body: dict[str, Any]) -> None:
+    """A Messages API body: the served model, no tools or output format (grammars), a prompt
+    within the context (tool_use blocks' input ``{}``, then fewer messages, or a short one, while
+    the conversation's JSON is longer than PROMPT_CHARS), no thinking budget (at least 1024 tokens,
+    more than max_tokens), at most MAX_TOKENS tokens."""
+    body["model"] = MODEL
+    for field in ("tools", "tool_choice"):
+        body.pop(field, None)
+    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    for message in messages:
+        blocks = message.get("content") if isinstance(message, dict) else None
+        for block in blocks if isinstance(blocks, list) else []:
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                block["input"] = {}
+    while len(messages) > 1 and len(json.dumps(messages)) > PROMPT_CHARS:  # the conversation's start stays
+        messages.pop()
+    if messages and isinstance(messages[0], dict) and len(json.dumps(messages)) > PROMPT_CHARS:
+        messages[0]["content"] = "Hi"
+    if len(json.dumps(body.get("system"))) > PROMPT_CHARS:
+        body["system"] = "Be brief."
+    if isinstance(body.get("output_config"), dict):
+        body["output_config"].pop("format", None)
+    if isinstance(body.get("thinking"), dict) and body["thinking"].get("type") == "enabled":
+        body.pop("thinking")
+    if "max_tokens" in body and _number(body["max_tokens"]):
+        body["max_tokens"] = min(body["max_tokens"], MAX_TOKENS)
+
+
 @schemathesis.hook
 def before_call(ctx: Any, case: Any, kwargs: Any) -> None:
     meta = case.meta
     if meta is not None and meta.generation.mode.is_positive and isinstance(case.body, dict):
         if case.path == "/v1/responses":
             _fit_response(case.body)
+        elif case.path.startswith("/v1/messages"):
+            _fit_messages(case.body)
         elif case.path.startswith("/v1/"):
             _fit(case.body)
         elif case.path == "/tokenize":

@@ -126,7 +126,8 @@ SERVER_FLAGS = (
     Flag("--compile-wait", False, "report ready only once the decode graph is compiled (a minute or more on a "
          "cold cache); by default the server decodes eagerly while it compiles in a background process",
          kind="switch"),
-    Flag("--api-key", [], "accepted bearer key (repeatable); none: no authentication", kind="list"),
+    Flag("--api-key", [], "accepted key, as a bearer token or x-api-key (repeatable); none: no authentication",
+         kind="list"),
     Flag("--api-key-file", None, "file of accepted keys: one a line, or JSON mapping keys to "
          "tiers (priority, concurrency, rate limits, queue delay; see the README)"),
     Flag("--served-model-name", None, "model name clients use (default: the model's)"),

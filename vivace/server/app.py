@@ -8,11 +8,14 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 
+from vivace.server.anthropic_api import count_message_tokens, create_message
+from vivace.server.anthropic_objects import Message, TokenCount
+from vivace.server.anthropic_protocol import MessagesPrompt, MessagesRequest
 from vivace.server.auth import check_api_key
 from vivace.server.body_limit import BodyLimitMiddleware
 from vivace.server.chat import create_chat_completion
 from vivace.server.completions import create_completion
-from vivace.server.errors import install_error_handlers
+from vivace.server.errors import AnthropicErrorResponse, install_error_handlers
 from vivace.server.openapi import error_responses, generation_route, install_openapi, json_route, schema_ref
 from vivace.server.playground import mount_playground
 from vivace.server.protocol import (
@@ -75,6 +78,10 @@ def build_app(engine: AsyncEngine | None, settings: ServerSettings,
                       dependencies=authenticated, **generation_route(CompletionRequest, CompletionResponse))
     app.add_api_route("/v1/responses", create_response, methods=["POST"], dependencies=authenticated,
                       **generation_route(ResponsesRequest, ResponseObject, done=False))
+    app.add_api_route("/v1/messages", create_message, methods=["POST"], dependencies=authenticated,
+                      **generation_route(MessagesRequest, Message, done=False, error_body=AnthropicErrorResponse))
+    app.add_api_route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"], dependencies=authenticated,
+                      **json_route(schema_ref(MessagesPrompt), TokenCount, error_body=AnthropicErrorResponse))
     tokenize_body = {"oneOf": [schema_ref(TokenizeCompletionRequest), schema_ref(TokenizeChatRequest)]}
     app.add_api_route("/tokenize", tokenize, methods=["POST"], dependencies=authenticated,
                       **json_route(tokenize_body, TokenizeResponse))

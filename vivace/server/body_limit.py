@@ -53,7 +53,7 @@ class BodyLimitMiddleware(HTTPMiddleware):
     async def _reject(scope: Scope, send: Send, error: APIError) -> None:
         async def no_body() -> Message:
             return {"type": "http.request", "body": b"", "more_body": False}
-        await error.response()(scope, no_body, send)
+        await error.response(scope["path"])(scope, no_body, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

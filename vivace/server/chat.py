@@ -33,13 +33,14 @@ from vivace.server.state import server_state
 if TYPE_CHECKING:
     from vivace.engine.async_engine import AsyncEngine
     from vivace.server.admission import Ticket
+    from vivace.server.state import ServerState
 
 
 async def create_chat_completion(request: Request) -> Response:
     """OpenAI chat completions; see ``vivace.server.protocol.ChatCompletionRequest``."""
     state = server_state(request)
     body = await parse_body(request, ChatCompletionRequest, state.metrics.work["parse"])
-    chat = await start_chat(request, body, "chatcmpl")
+    chat = await start_chat(request, body, "chatcmpl-")
     if body.stream:
         return sse_response(_chunks(chat, state.model_name(body.model), body.include_usage(), body.continuous_usage()),
                             chat.ticket.release, state.metrics.work["sse_write"])
@@ -61,13 +62,21 @@ class StartedChat:
     tool_format: ToolFormat
 
 
-async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: str) -> StartedChat:
-    """The engine request for ``body`` (templated, its limits and grammar checked), admitted.
-    With a reasoning parser a grammar constrains only what follows the thinking. Raises
-    APIError (400, 404, 429, 503) before anything runs."""
-    state = server_state(request)
-    caller = state.caller(request)
-    engine = state.engine_for(body.model, caller)
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request as the engine sees it: ``body`` with its reasoning effort's template
+    variables, its tool choice ("none", "auto", "required" or a function's name), the form tool
+    calls are written in, and the rendered prompt's token ids."""
+
+    body: ChatCompletionRequest
+    choice: str
+    form: ToolFormat
+    prompt_ids: list[int]
+
+
+async def render_chat(state: ServerState, engine: AsyncEngine, body: ChatCompletionRequest) -> ChatPrompt:
+    """``body``'s conversation (and tools) rendered with ``engine``'s chat template and tokenized, as
+    :func:`start_chat` renders it; raises APIError (400) for what the template or tools can't take."""
     choice = tool_choice(body)
     form = state.tool_format(engine)
     effort_kwargs = effort_template_kwargs(body.reasoning_effort, state.settings.reasoning_parser)
@@ -75,8 +84,23 @@ async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: s
         body = body.model_copy(update={"chat_template_kwargs": {**effort_kwargs, **(body.chat_template_kwargs or {})}})
     prompt_ids = await off_the_loop(state.metrics.work["prompt"], chat_prompt_ids, engine.tokenizer, body, choice,
                                     False, form, size=sum(len(m.text()) for m in body.messages))
-    max_tokens = fit_max_tokens(len(prompt_ids), body.requested_max_tokens(),
-                                engine.max_model_len, "messages", engine.sampling_defaults.get("max_tokens"))
+    return ChatPrompt(body, choice, form, prompt_ids)
+
+
+async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: str,
+                     clamp: bool = False) -> StartedChat:
+    """The engine request for ``body`` (templated, its limits and grammar checked), admitted; its
+    id starts with ``id_prefix``. With a reasoning parser a grammar constrains only what follows
+    the thinking. ``clamp`` cuts a max_tokens past the context to the room left
+    (``vivace.server.prompts.fit_max_tokens``). Raises APIError (400, 404, 429, 503) before
+    anything runs."""
+    state = server_state(request)
+    caller = state.caller(request)
+    engine = state.engine_for(body.model, caller)
+    prompt = await render_chat(state, engine, body)
+    body, choice, form, prompt_ids = prompt.body, prompt.choice, prompt.form, prompt.prompt_ids
+    max_tokens = fit_max_tokens(len(prompt_ids), body.requested_max_tokens(), engine.max_model_len, "messages",
+                                engine.sampling_defaults.get("max_tokens"), clamp)
     params = sampling_params(body, max_tokens, body.requested_logprobs(), body.prompt_logprobs,
                              engine.sampling_defaults)
     parser = state.reasoning_parser(engine)

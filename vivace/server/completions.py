@@ -33,7 +33,7 @@ async def create_completion(request: Request) -> Response:
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone, as in vLLM)",
                        param="max_tokens")
     structured = await requested_constraint(engine, body)
-    request_id = request_id_of(request, "cmpl")
+    request_id = request_id_of(request, "cmpl-")
     jobs, echoes = [], []
     for i, prompt in enumerate(body.prompts()):
         ids = await off_the_loop(state.metrics.work["prompt"], completion_prompt_ids, engine.tokenizer, prompt,

@@ -1,12 +1,17 @@
 """OpenAI-shaped error bodies and the exception handlers that make every failure one.
 
 Contract: a client's mistake is a 4xx with ``{"error": {"message", "type", "param", "code"}}``;
-only a fault of the server itself is a 500.
+only a fault of the server itself is a 500. The routes of Anthropic's Messages API (``/v1/messages``
+and the paths under it) answer the same errors in Anthropic's shape instead,
+``{"type": "error", "error": {"type", "message"}}``, with the same statuses.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +32,20 @@ _ERROR_TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+# Anthropic's error types. Overload keeps its 503 (Retry-After), which the anthropic client retries as
+# it retries Anthropic's own 529; proxies and load balancers know 503 and not 529.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -38,9 +57,26 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """OpenAI's error body, the answer to every failed request."""
+    """OpenAI's error body, the answer to every failed request (but the Messages API's)."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error body, the answer to every failed request of the Messages API."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether the route at ``path`` answers errors in Anthropic's shape (the Messages API's)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 class APIError(Exception):
@@ -62,13 +98,22 @@ class APIError(Exception):
         kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
+        """Anthropic's body, which has no ``param``: the message names the field instead."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        message = self.message if self.param is None or self.param in self.message else f"{self.param}: {self.message}"
+        return AnthropicErrorResponse(error=AnthropicErrorDetail(type=kind, message=message)).model_dump()
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as an HTTP response of the route at ``path``: in Anthropic's shape on the
+        Messages API's routes, OpenAI's elsewhere."""
         headers = dict(self.headers)
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
@@ -90,14 +135,27 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
                     code="invalid_json" if kind == "json_invalid" else "invalid_value")
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+def renamed(exc: APIError, renames: Sequence[tuple[re.Pattern[str], str]]) -> APIError:
+    """``exc`` naming its field as an endpoint that maps its fields onto chat's names it: each
+    ``(pattern, replacement)`` of ``renames`` applied to its param, and the param in its message."""
+    if exc.param is None:
+        return exc
+    param = exc.param
+    for pattern, name in renames:
+        param = pattern.sub(name, param)
+    exc.message = exc.message.replace(exc.param, param)
+    exc.param = param
+    return exc
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ValidationError | RequestValidationError)
-    return from_validation_error(exc).response()
+    return from_validation_error(exc).response(request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -105,16 +163,17 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     message = str(exc.detail)
     if exc.status_code == 404 and message == "Not Found":  # no such route: say which, as OpenAI does
         message = f"Invalid URL ({request.method} {request.url.path})"
-    return APIError(exc.status_code, message, headers=exc.headers).response()
+    return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
 
-async def _server_error(_: Request, exc: Exception) -> JSONResponse:
+async def _server_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("internal error", exc_info=exc)
-    return APIError(500, "Internal server error").response()
+    return APIError(500, "Internal server error").response(request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception type the app can raise to an OpenAI error body."""
+    """Route every exception type the app can raise to an error body (OpenAI's; Anthropic's on
+    the Messages API's routes)."""
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ValidationError, _validation_error)

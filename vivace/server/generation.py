@@ -42,6 +42,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, from its first output
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
@@ -53,7 +54,7 @@ class ChoiceState:
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs or [])
         if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason.value
+            self.finish_reason, self.stop_reason = delta.finish_reason.value, delta.stop_reason
 
 
 class EngineRequest:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 import vivace
+from vivace.server.anthropic_protocol import MessagesPrompt, MessagesRequest
 from vivace.server.errors import ErrorResponse
 from vivace.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest)
@@ -36,7 +37,7 @@ _ERRORS = {
 }
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
-    ResponsesRequest)
+    ResponsesRequest, MessagesRequest, MessagesPrompt)
 # One server-sent event of a streamed answer (OpenAPI 3.1 gives an event stream's media type
 # the schema of each event, as tools like schemathesis read it): ``data`` is a chunk, as JSON,
 # or ``[DONE]`` at the end; an error ends the stream as an error body, then ``[DONE]``.
@@ -45,9 +46,9 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` entries: OpenAI's error body for each of ``statuses``."""
-    return {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
+def error_responses(*statuses: int, body: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries: the error ``body`` (OpenAI's) for each of ``statuses``."""
+    return {status: {"model": body, "description": _ERRORS[status]} for status in statuses}
 
 
 def schema_ref(model: type[BaseModel]) -> dict[str, str]:
@@ -59,19 +60,20 @@ def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
-def json_route(body: dict[str, Any], response_model: type[BaseModel]) -> dict[str, Any]:
+def json_route(body: dict[str, Any], response_model: type[BaseModel],
+               error_body: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
     """``add_api_route`` keywords documenting a POST of a JSON body (``body``: its schema) answered
-    by one JSON body, and its error statuses."""
+    by one JSON body, and its error statuses (with ``error_body``)."""
     ok = {"model": response_model, "description": "The answer"}
     return {"openapi_extra": {"requestBody": _json_body(body)},
-            "responses": {200: ok, **error_responses(400, 401, 404, 405, 413, 415, 503)}}
+            "responses": {200: ok, **error_responses(400, 401, 404, 405, 413, 415, 503, body=error_body)}}
 
 
 def generation_route(request_model: type[BaseModel], response_model: type[BaseModel],
-                     done: bool = True) -> dict[str, Any]:
+                     done: bool = True, error_body: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
     """``add_api_route`` keywords documenting a generation endpoint: its JSON body, the whole or
     streamed (SSE) answer (ended by ``data: [DONE]`` if ``done``), the X-Request-Id header, and
-    its error statuses."""
+    its error statuses (with ``error_body``)."""
     body = _json_body(schema_ref(request_model))
     header = {"name": HEADER, "in": "header", "required": False,
               "description": "The request's id; echoed in the response header and body",
@@ -80,7 +82,8 @@ def generation_route(request_model: type[BaseModel], response_model: type[BaseMo
           "events of its chunks" + (", ended by data: [DONE]" if done else ""),
           "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
     return {"openapi_extra": {"requestBody": body, "parameters": [header]},
-            "responses": {200: ok, **error_responses(400, 401, 404, 405, 413, 415, 429, 500, 503, 504)}}
+            "responses": {200: ok, **error_responses(400, 401, 404, 405, 413, 415, 429, 500, 503, 504,
+                                                     body=error_body)}}
 
 
 def _limit(schema: dict[str, Any], key: str, value: int) -> None:
@@ -136,12 +139,14 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
         schemas.update(defs["$defs"])
         if state.settings.api_keys:
-            schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            schema["components"]["securitySchemes"] = {  # either one: OpenAI's clients send the first
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
             keyed = {route.path_format for route in app.routes if getattr(route, "dependencies", None)}
             for path, item in schema["paths"].items():
                 if path in keyed:
                     for operation in item.values():
-                        operation["security"] = [{"bearer": []}]
+                        operation["security"] = [{"bearer": []}, {"apiKey": []}]
         if state.engine is not None:
             _served_limits(schemas, state)
             app.openapi_schema = schema

@@ -105,10 +105,18 @@ def nonempty(ids: list[int], param: str) -> list[int]:
 
 
 def fit_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                   param: str, default: int | None = None) -> int:
+                   param: str, default: int | None = None, clamp: bool = False) -> int:
     """``max_tokens``; when None, ``default`` (the model's recommended) or all the room left,
-    whichever is less; 400 naming both numbers if it won't fit."""
+    whichever is less; 400 naming both numbers if it won't fit. With ``clamp`` (Anthropic's
+    models stop at their context window) more than the room left is the room left, and only a
+    prompt that leaves no room is a 400."""
     room = max_model_len - prompt_tokens
+    if clamp and room < 1:
+        raise APIError(400, f"prompt is too long: {prompt_tokens} tokens > {max_model_len - 1} maximum (the "
+                            f"model's context is {max_model_len} tokens, one at least for the answer)",
+                       param=param, code="context_length_exceeded")
+    if clamp and max_tokens is not None:
+        max_tokens = min(max_tokens, room)
     wanted = max_tokens if max_tokens is not None else max(min(room, default or room), 1)
     if prompt_tokens + wanted > max_model_len:
         raise APIError(

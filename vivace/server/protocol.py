@@ -96,6 +96,15 @@ def _unsupported(what: str, empty: dict[str, int]) -> tuple[AfterValidator, Any]
     return AfterValidator(reject), Field(json_schema_extra=empty)
 
 
+def only_types(kinds: tuple[str, ...], what: str, why: str) -> BeforeValidator:
+    """A tagged object whose ``type`` is outside ``kinds`` is a clear 400, not a literal's error."""
+    def check(data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] not in kinds:
+            raise ValueError(f"{what} of type {data['type']!r} are not supported: {why}")
+        return data
+    return BeforeValidator(check)
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = False
     # vLLM's extra: every chunk carries the usage so far (with include_usage only)
@@ -143,8 +152,11 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
 class FunctionDefinition(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

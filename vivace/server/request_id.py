@@ -23,9 +23,9 @@ current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("reques
 
 
 def request_id_of(request: Request, prefix: str) -> str:
-    """This request's id: the client's ``X-Request-Id`` if it sent one, else ``prefix-<hex>``;
+    """This request's id: the client's ``X-Request-Id`` if it sent one, else ``<prefix><hex>``;
     from now on also the response header's."""
-    request_id = request.state.request_id or f"{prefix}-{uuid.uuid4().hex}"
+    request_id = request.state.request_id or f"{prefix}{uuid.uuid4().hex}"
     request.state.request_id = request_id
     current_request_id.set(request_id)
     return request_id
@@ -43,7 +43,7 @@ class RequestIdMiddleware(HTTPMiddleware):
             state["request_id"] = None
             error = APIError(400, f"{HEADER} must be 1 to {MAX_LENGTH} characters of "
                                   "letters, digits and ._:/+=-", param=HEADER, code="invalid_value")
-            await self._send_with_id(error.response(), scope, receive, send)
+            await self._send_with_id(error.response(scope["path"]), scope, receive, send)
             return
         token = current_request_id.set(state["request_id"] or "-")
         try:

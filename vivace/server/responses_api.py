@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vivace.server.chat import StartedChat, start_chat
-from vivace.server.errors import APIError
+from vivace.server.errors import APIError, renamed
 from vivace.server.generation import EngineRequest, run_whole, usage_with_thinking
 from vivace.server.prompts import parse_body
 from vivace.server.responses_objects import (
@@ -40,7 +40,7 @@ async def create_response(request: Request) -> Response:
     state = server_state(request)
     try:
         body = await parse_body(request, ResponsesRequest, state.metrics.work["parse"])
-        chat = await start_chat(request, body.chat_request(), "resp")
+        chat = await start_chat(request, body.chat_request(), "resp-")
     except APIError as exc:
         raise _in_responses_terms(exc) from None
     answer = _settings(body, chat.job, state.model_name(body.model))
@@ -56,14 +56,8 @@ async def create_response(request: Request) -> Response:
 
 
 def _in_responses_terms(exc: APIError) -> APIError:
-    if exc.param is None:
-        return exc
-    param = exc.param
-    for pattern, name in _RENAMES:
-        param = pattern.sub(name, param)
-    exc.message = exc.message.replace(exc.param, param).replace("lower max_tokens", "lower max_output_tokens")
-    exc.param = param
-    return exc
+    exc.message = exc.message.replace("lower max_tokens", "lower max_output_tokens")
+    return renamed(exc, _RENAMES)
 
 
 def _settings(body: ResponsesRequest, job: EngineRequest, model: str) -> ResponseObject:

@@ -19,7 +19,8 @@ from vivace.server.errors import APIError
 from vivace.server.responses_objects import ItemStatus
 from vivace.server.protocol import (
     ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Integer, JsonSchemaFormat,
-    NamedToolChoice, Number, ReasoningEffort, ResponseFormat, Tool, ToolCall, ToolChoiceFunction, Verbosity, _Strict)
+    NamedToolChoice, Number, ReasoningEffort, ResponseFormat, Tool, ToolCall, ToolChoiceFunction, Verbosity, _Strict,
+    only_types)
 
 NOT_STORED = ("vivace stores no responses (it keeps no state between requests): send the whole "
               "conversation in input")
@@ -34,15 +35,6 @@ def _refused(message: str) -> BeforeValidator:
     return BeforeValidator(refuse)
 
 
-def _only_types(kinds: tuple[str, ...], what: str, why: str) -> BeforeValidator:
-    """A tagged object whose ``type`` is outside ``kinds`` is a clear 400, not a literal's error."""
-    def check(data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] not in kinds:
-            raise ValueError(f"{what} of type {data['type']!r} are not supported: {why}")
-        return data
-    return BeforeValidator(check)
-
-
 class ContentPart(_Strict):
     """Text of a message: ``input_text``, or ``output_text`` of an earlier answer sent back."""
 
@@ -53,7 +45,7 @@ class ContentPart(_Strict):
     logprobs: list[dict[str, Any]] | None = None
 
 
-Content = str | list[Annotated[ContentPart, _only_types(
+Content = str | list[Annotated[ContentPart, only_types(
     ("input_text", "output_text"), "content parts", "the model takes text only (input_text, output_text)")]]
 
 
@@ -182,7 +174,7 @@ class ResponsesRequest(_Strict):
     temperature: Number(ge=0.0, le=100.0) | None = None  # None: the server's default, as chat's
     top_p: Number(gt=0.0, le=1.0) | None = None
     stream: bool | None = False
-    tools: list[Annotated[FunctionTool, _only_types(("function",), "tools", "vivace serves function tools only")]
+    tools: list[Annotated[FunctionTool, only_types(("function",), "tools", "vivace serves function tools only")]
                 ] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = True

@@ -10,19 +10,19 @@ response.incomplete when cut off by max_output_tokens)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from vivace.engine.outputs import CompletionOutput
 from vivace.server.errors import APIError
 from vivace.server.generation import EngineRequest, timings_of, usage_with_thinking
+from vivace.server.output_events import OutputEvents
 from vivace.server.reasoning import Thinking
 from vivace.server.responses import Usage
 from vivace.server.responses_objects import (
     FunctionToolCall, IncompleteDetails, ItemStatus, OutputMessage, OutputText, ReasoningItem, ReasoningText,
     ResponseObject, ResponseUsage)
+from vivace.server.sse import sse_named
 from vivace.server.tool_formats import HERMES, ToolFormat
 from vivace.server.tool_parser import ToolCallDelta
 
@@ -33,23 +33,21 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponseEvents:
+class ResponseEvents(OutputEvents):
     """Writes the events of one answer as its thinking, text and tool calls arrive;
     ``answer.output`` holds the items so far, so the last event's response is the whole answer."""
 
     def __init__(self, answer: ResponseObject, calls: bool, thinking: Thinking | None = None,
                  tool_format: ToolFormat = HERMES) -> None:
+        super().__init__(calls, thinking, tool_format)
         self.answer = answer
         self.sequence_number = 0
-        self.splitter = thinking.splitter() if thinking is not None else None
-        self.parser = tool_format.parser() if calls else None
-        self.held = ""  # trailing whitespace of the text so far (tool calls may follow)
         self.open: Item | None = None
 
     def event(self, kind: str, **payload: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence_number, **payload}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return sse_named(kind, data)
 
     def lifecycle(self, kind: str) -> str:
         return self.event(kind, response=self.answer.model_dump(mode="json"))
@@ -103,16 +101,11 @@ class ResponseEvents:
         frames.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text))
         return frames
 
+    def text_open(self) -> bool:
+        return isinstance(self.open, OutputMessage)
+
     def text(self, text: str) -> list[str]:
         frames = []
-        if self.parser is not None:  # as the whole answer's message, stripped: held back till more follows
-            text = self.held + text
-            if not isinstance(self.open, OutputMessage):
-                text = text.lstrip()
-            kept = text.rstrip()
-            text, self.held = kept, text[len(kept):]
-            if not text:
-                return frames
         if not isinstance(self.open, OutputMessage):
             frames += self._add(OutputMessage(id=item_id("msg")))
         assert isinstance(self.open, OutputMessage)
@@ -124,30 +117,12 @@ class ResponseEvents:
     def call(self, delta: ToolCallDelta) -> list[str]:
         frames = []
         if delta.id is not None:
-            self.held = ""
             frames += self._add(FunctionToolCall(id=item_id("fc"), call_id=delta.id, name=delta.name or ""))
         assert isinstance(self.open, FunctionToolCall)
         if delta.arguments:
             self.open.arguments += delta.arguments
             frames.append(self.event("response.function_call_arguments.delta", **self._where(),
                                      delta=delta.arguments))
-        return frames
-
-    def feed(self, delta: CompletionOutput) -> list[str]:
-        """The events of one token event's output."""
-        finished, text, frames = delta.finish_reason is not None, delta.text, []
-        if self.splitter is not None:
-            reasoning, text = self.splitter.feed(text, final=finished)
-            frames += self.reasoning(reasoning) if reasoning else []
-        if self.parser is None:
-            plain = self.splitter is None and delta.token_ids  # one event per token, as chat streams
-            return frames + (self.text(text) if text or plain else [])
-        text, calls = self.parser.feed(text)
-        if finished:
-            text += self.parser.finish()[0]
-        frames += self.text(text) if text else []
-        for call in calls:
-            frames += self.call(call)
         return frames
 
     def finish(self, incomplete: bool) -> list[str]:

@@ -1,11 +1,14 @@
-"""Server-sent events: ``data: {json}\\n\\n`` frames ending in ``data: [DONE]``."""
+"""Server-sent events: ``data: {json}\\n\\n`` frames ending in ``data: [DONE]`` (OpenAI's chat and
+completions), or named ``event: <type>`` frames (the Responses API's, Anthropic's Messages API's)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -22,6 +25,15 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse_event(payload: BaseModel) -> str:
     """One event frame carrying ``payload`` as JSON."""
     return f"data: {payload.model_dump_json()}\n\n"
+
+
+def sse_named(kind: str, data: dict[str, Any]) -> str:
+    """One frame of the event named ``kind``, carrying ``data`` as JSON."""
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _openai_error(exc: APIError) -> str:
+    return f"data: {exc.response().body.decode()}\n\n"
 
 
 class _EventStream(StreamingResponse):
@@ -51,23 +63,26 @@ class _EventStream(StreamingResponse):
                 self.on_close()
 
 
-async def _framed(events: AsyncGenerator[str, None], end: str) -> AsyncGenerator[str, None]:
+async def _framed(events: AsyncGenerator[str, None], end: str, error_frame: Callable[[APIError], str]
+                  ) -> AsyncGenerator[str, None]:
     try:
         async with contextlib.aclosing(events):
             async for event in events:
                 yield event
     except APIError as exc:  # headers are gone: the error travels as an event
-        yield f"data: {exc.response().body.decode()}\n\n"
+        yield error_frame(exc)
     except Exception as exc:
         logger.exception("stream failed", exc_info=exc)
-        yield f"data: {APIError(500, 'Internal server error').response().body.decode()}\n\n"
+        yield error_frame(APIError(500, "Internal server error"))
     if end:
         yield end
 
 
 def sse_response(events: AsyncGenerator[str, None], on_close: Callable[[], None] = lambda: None,
-                 writes: TimingLog | None = None, end: str = SSE_DONE) -> StreamingResponse:
-    """A streaming response of ``events``, ended by ``end`` (``[DONE]``; "" for none) even after an error;
-    ``on_close`` runs once the response has ended, however it ended; each send (headers, every
-    frame) is timed into ``writes`` when given."""
-    return _EventStream(_framed(events, end), on_close, writes)
+                 writes: TimingLog | None = None, end: str = SSE_DONE,
+                 error_frame: Callable[[APIError], str] = _openai_error) -> StreamingResponse:
+    """A streaming response of ``events``, ended by ``end`` (``[DONE]``; "" for none) even after an error,
+    which ``error_frame`` writes (default: OpenAI's error body as a ``data:`` frame); ``on_close``
+    runs once the response has ended, however it ended; each send (headers, every frame) is timed
+    into ``writes`` when given."""
+    return _EventStream(_framed(events, end, error_frame), on_close, writes)
