@@ -91,7 +91,11 @@ def test_system_and_prefill_are_the_chat_conversation(server: RunningServer) -> 
         messages=[{"role": "system", "content": "You are a bot.\n\nAnswer briefly."}, *ASK])
     for system in ("You are a bot.\n\nAnswer briefly.",
                    [{"type": "text", "text": "You are a bot.", "cache_control": {"type": "ephemeral"}},
-                    {"type": "text", "text": "Answer briefly."}]):
+                    {"type": "text", "text": "Answer briefly."}],
+                   # Claude Code's billing header, whose hash changes per request, is not the model's to read
+                   [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cc_entrypoint=cli; cch=4f1a2;"},
+                    {"type": "text", "text": "You are a bot.\n\nAnswer briefly."}],
+                   "x-anthropic-billing-header: cc_version=2.1.3; cch=90b1e;\nYou are a bot.\n\nAnswer briefly."):
         message = _create(server, max_tokens=6, system=system, extra_body={"ignore_eos": True})
         assert message.content[0].text == chat.choices[0].message.content
         assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens

@@ -14,6 +14,7 @@ line."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -214,6 +215,20 @@ def _joined(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else BLOCK_SEPARATOR.join(block.text for block in content)
 
 
+# Claude Code opens its system prompt with a line of client analytics whose hash (cch=) changes on
+# every request: left in, no two requests would share a cached prefix past its first tokens.
+_BILLING_HEADER = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE)
+
+
+def _system_prompt(content: str | list[TextBlock]) -> str:
+    """The system prompt the model reads: the blocks joined, without Claude Code's billing header
+    line (vLLM drops it too), which means nothing to the model; a block that held only that line
+    goes with it."""
+    blocks = [content] if isinstance(content, str) else [block.text for block in content]
+    kept = [(text, _BILLING_HEADER.sub("", text)) for text in blocks]
+    return BLOCK_SEPARATOR.join(stripped for text, stripped in kept if stripped or stripped == text)
+
+
 class MessagesPrompt(_Strict):
     """What is rendered into the prompt: the body of ``/v1/messages/count_tokens``."""
 
@@ -254,7 +269,7 @@ class MessagesPrompt(_Strict):
             add_generation_prompt=not prefill, continue_final_message=prefill)
 
     def _messages(self) -> list[ChatMessage]:
-        messages = [] if self.system is None else [ChatMessage(role="system", content=_joined(self.system))]
+        messages = [] if self.system is None else [ChatMessage(role="system", content=_system_prompt(self.system))]
         for message in self.messages:
             if isinstance(message.content, str):
                 messages.append(ChatMessage(role=message.role, content=message.content))
