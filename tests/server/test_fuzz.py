@@ -25,7 +25,7 @@ REGRESSION_SEEDS: list[int] = [
     248038569,  # prompt [-190968]: the schema wrote pydantic's "ge" for token ids, not "minimum"
 ]
 EXPLORATION_SEED = 1729
-EXPLORATION_SECONDS = 20
+EXPLORATION_SECONDS = 12
 REGRESSION_SECONDS = 5
 
 
