@@ -50,6 +50,25 @@ def test_openapi_document_validates_and_documents_every_route(server: RunningSer
     assert not {"ge", "gt", "le", "lt", "min_length", "max_length"} & set(keys(schemas))
 
 
+
+def test_request_and_response_models_of_one_name_are_both_documented(server: RunningServer):
+    """Chat's ``ToolCall`` is a request model (strict) and a response model: the first must not
+    replace the second in the document, so an answer's tool calls are described as they come."""
+    with server.http() as http:
+        schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    assert "additionalProperties" not in schemas["ToolCall"]  # the answer's
+    assert schemas["ToolCallParam"]["additionalProperties"] is False  # the request's, strict
+    assert schemas["ChatMessage"]["properties"]["tool_calls"]["anyOf"][0]["items"]["$ref"].endswith("/ToolCallParam")
+    refs = {node["$ref"].rsplit("/", 1)[1] for node in _nodes(schemas) if isinstance(node, dict) and "$ref" in node}
+    assert refs <= set(schemas)
+
+
+def _nodes(node):
+    yield node
+    for child in node.values() if isinstance(node, dict) else node if isinstance(node, list) else ():
+        yield from _nodes(child)
+
+
 @pytest.mark.parametrize("prompt", [[-190968], [1, 10**9]])
 def test_token_ids_outside_the_vocabulary_are_400(server: RunningServer, prompt: list[int]):
     with server.http() as http:

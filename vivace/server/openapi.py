@@ -7,6 +7,7 @@ filled in once it is loaded."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI
@@ -127,6 +128,21 @@ def _served_limits(schemas: dict[str, Any], state: ServerState) -> None:
     _limit(schemas["DetokenizeRequest"]["properties"]["tokens"], "maximum", vocab_size - 1)
 
 
+def _apart_from(schemas: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """The request models' ``defs``, those whose name a response model already holds in ``schemas``
+    with another body (chat's ``ToolCall`` in and out, say) renamed ``<name>Param`` (as OpenAI's
+    SDKs name their request types), with every reference to them: else one would replace the
+    other in the document."""
+    renamed = {name: f"{name}Param" for name, body in defs.items() if schemas.get(name, body) != body}
+    if not renamed:
+        return defs
+    assert not set(renamed.values()) & (set(defs) | set(schemas)), renamed
+    text = json.dumps(defs)
+    for name, new in renamed.items():
+        text = text.replace(f'"#/components/schemas/{name}"', f'"#/components/schemas/{new}"')
+    return {renamed.get(name, name): body for name, body in json.loads(text).items()}
+
+
 def install_openapi(app: FastAPI, state: ServerState) -> None:
     """Serve the generated document at ``/openapi.json`` (complete once the model is loaded)."""
     def openapi() -> dict[str, Any]:
@@ -137,7 +153,7 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
         _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
                                      ref_template="#/components/schemas/{model}")
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-        schemas.update(defs["$defs"])
+        schemas.update(_apart_from(schemas, defs["$defs"]))
         if state.settings.api_keys:
             schema["components"]["securitySchemes"] = {  # either one: OpenAI's clients send the first
                 "bearer": {"type": "http", "scheme": "bearer"},
