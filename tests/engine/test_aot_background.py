@@ -7,11 +7,11 @@ cache, where test_aot_decode and test_compiled load it instead of compiling it a
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
 from vivace import LLM, SamplingParams
+from vivace import cache
 from vivace.engine import aot_decode
 from vivace.engine.compiled import CompiledDecoder
 
@@ -24,13 +24,13 @@ pytestmark = pytest.mark.slow  # the child process compiles the tiny model's pac
 def cache_dir(tmp_path_factory):
     """An empty cache but for the native libraries this process already built (the child loads
     them from there instead of building them again)."""
-    cache = tmp_path_factory.mktemp("cache")
-    kernels = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vivace" / "kernels"
-    (cache / "vivace").mkdir()
-    (cache / "vivace" / "kernels").symlink_to(kernels, target_is_directory=True)
+    cold = tmp_path_factory.mktemp("cache")
+    kernels = cache.cache_dir("kernels")
+    (cold / "vivace").mkdir()
+    (cold / "vivace" / "kernels").symlink_to(kernels, target_is_directory=True)
     packages = aot_decode.default_cache_dir()
-    yield cache
-    for package in (cache / "vivace" / "aoti").glob("*.pt2"):  # seeds the session's cache
+    yield cold
+    for package in (cold / "vivace" / "aoti").glob("*.pt2"):  # seeds the session's cache
         if not (packages / package.name).exists():
             packages.mkdir(parents=True, exist_ok=True)
             shutil.copy(package, packages / f"{package.stem}.{os.getpid()}.partial")

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import vivace
+from vivace.cache import cache_dir
 from vivace.layers import decode_attention, native
 from vivace.layers.attention import DecodeMetadata
 from vivace.layers.native import cpu_flags
@@ -57,7 +58,7 @@ def _native_runner() -> bool:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vivace" / "aoti"
+    return cache_dir("aoti")
 
 
 def decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from vivace.cache import cache_dir
+
 FORCE_FALLBACK_ENV = "VIVACE_KERNELS"  # "torch": use no native library
 # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without it an op runs on one thread.
 AVX512_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma", "-fopenmp")
@@ -141,8 +143,7 @@ def _claim(source: Path, cflags: tuple[str, ...], cpu_flags: tuple[str, ...]
     digest = hashlib.sha256(key).hexdigest()[:16]
     # Resolved: ninja's build file names the build directory, so the same cache reached through
     # a symlink would otherwise build everything again (and again for the other path after).
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    build_dir = (cache / "vivace" / "kernels").resolve() / f"{source.stem}-{digest}"
+    build_dir = cache_dir("kernels").resolve() / f"{source.stem}-{digest}"
     with _builds_lock:
         if build_dir in _builds:
             return _builds[build_dir], None

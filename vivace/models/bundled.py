@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from vivace.cache import cache_dir
+
 
 @dataclass(frozen=True)
 class BundledModel:
@@ -44,7 +46,7 @@ def bundled_model_path(model: BundledModel) -> Path:
     files = [_package_file(package, model) for package in model.packages]
     if model.sha256 is None:
         return files[0]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vivace" / "models"
+    cache = cache_dir("models")
     target = cache / model.file_name
     stamp = target.with_suffix(".sha256")
     size = sum(f.stat().st_size for f in files)
