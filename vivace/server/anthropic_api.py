@@ -23,7 +23,6 @@ from vivace.server.generation import run_whole
 from vivace.server.prompts import parse_body
 from vivace.server.sse import sse_response
 from vivace.server.state import server_state
-from vivace.server.tool_parser import parse_tool_calls
 
 _BLOCKS = "text|tool_use|tool_result|thinking|redacted_thinking"
 # Chat's names (and pydantic's union tags) for the Messages API's fields.
@@ -78,18 +77,14 @@ def _content(message: Message, chat: StartedChat, show_thinking: bool) -> bool:
     """The finished request's content blocks: its thinking (with a reasoning parser), its text,
     then its tool calls (an empty text block when there is nothing). Returns whether the output
     had a think block."""
-    text, thought = chat.job.choices[0].text, False
-    if chat.thinking is not None:
-        split = chat.thinking.split(text)
-        text, thought = split.content, split.thought
-        if split.reasoning is not None:
-            message.content.append(ThinkingContent(thinking=split.reasoning if show_thinking else "",
-                                                   signature=signature(split.reasoning)))
-    content, parsed = parse_tool_calls(text or "", chat.tool_format.parser()) if chat.calls else (text, [])
-    if content:
-        message.content.append(TextContent(text=content))
+    split, parsed = chat.whole_answer()
+    if split.reasoning is not None:
+        message.content.append(ThinkingContent(thinking=split.reasoning if show_thinking else "",
+                                               signature=signature(split.reasoning)))
+    if split.content:
+        message.content.append(TextContent(text=split.content))
     message.content += [ToolUseContent(id=tool_use_id(), name=call.name or "", input=input_object(call.arguments))
                         for call in parsed]
     if not message.content:
         message.content.append(TextContent())
-    return thought
+    return split.thought

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -16,7 +17,7 @@ from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
 from vivace.server.generation import EngineRequest, run_whole, timings_of, usage_with_thinking
 from vivace.server.prompts import chat_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params
-from vivace.server.reasoning import Thinking, ThoughtSplitter, effort_template_kwargs
+from vivace.server.reasoning import Split, Thinking, ThoughtSplitter, effort_template_kwargs
 from vivace.server.request_id import request_id_of
 from vivace.server.protocol import ChatCompletionRequest
 from vivace.server.responses import (
@@ -26,7 +27,7 @@ from vivace.server.responses import (
 from vivace.server.sse import sse_event, sse_response
 from vivace.server.structured import check_compiles, json_schema, structured_output
 from vivace.server.tool_formats import ToolFormat, parameters_schema
-from vivace.server.tool_parser import CallParser, ToolCallParser, parse_tool_calls
+from vivace.server.tool_parser import CallParser, ParsedCall, ToolCallParser, parse_tool_calls
 from vivace.server.tools import tool_choice
 from vivace.server.state import server_state
 
@@ -60,6 +61,16 @@ class StartedChat:
     calls: bool
     thinking: Thinking | None
     tool_format: ToolFormat
+
+    def whole_answer(self) -> tuple[Split, list[ParsedCall]]:
+        """The finished first choice read whole, as its stream hands it out: its reasoning (with a
+        reasoning parser), its content (with tool calls possible: None when empty) and its calls."""
+        text = self.job.choices[0].text
+        split = self.thinking.split(text) if self.thinking is not None else Split(None, text, False)
+        if not self.calls:
+            return split, []
+        content, parsed = parse_tool_calls(split.content or "", self.tool_format.parser())
+        return dataclasses.replace(split, content=content), parsed
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from vivace.server.responses_protocol import NamedFunction, ResponsesRequest
 from vivace.server.responses_stream import complete, item_id, response_events
 from vivace.server.sse import sse_response
 from vivace.server.state import server_state
-from vivace.server.tool_parser import parse_tool_calls
 
 # Chat's names (and pydantic's union tags) for the Responses API's fields.
 _RENAMES = [
@@ -80,13 +79,11 @@ def _output(answer: ResponseObject, chat: StartedChat) -> bool:
     """The finished request's output items: its thinking (with a reasoning parser), its answer as a
     message, then its function calls (the last item is incomplete when the output was cut off).
     Returns whether the output had a think block."""
-    job, text, thought = chat.job, chat.job.choices[0].text, False
-    if chat.thinking is not None:
-        split = chat.thinking.split(text)
-        text, thought = split.content, split.thought
-        if split.reasoning is not None:
-            answer.output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=split.reasoning)]))
-    content, parsed = parse_tool_calls(text or "", chat.tool_format.parser()) if chat.calls else (text, [])
+    job = chat.job
+    split, parsed = chat.whole_answer()
+    if split.reasoning is not None:
+        answer.output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=split.reasoning)]))
+    content = split.content
     if content is not None or not (parsed or answer.output):
         answer.output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=content or "")]))
     answer.output += [FunctionToolCall(id=item_id("fc"), call_id=call.id, name=call.name or "",
@@ -95,4 +92,4 @@ def _output(answer: ResponseObject, chat: StartedChat) -> bool:
         item.status = "completed"
     if job.choices[0].finish_reason == "length":
         answer.output[-1].status = "incomplete"
-    return thought
+    return split.thought
