@@ -117,6 +117,33 @@ def test_paged_prefill_attention_mixed_batch(window: int | None) -> None:
         torch.testing.assert_close(out[rows], reference(q[rows], k, v, positions, scale, window), rtol=1e-5, atol=1e-5)
 
 
+def test_paged_prefill_attention_finds_each_chunk_in_a_flat_grid() -> None:
+    """The grid is the batch's query blocks, flat: chunks that start off a block boundary, straddle
+    one or fill it exactly, decode rows between them, and sequences with no queries (a CUDA graph's
+    unused slots) each find their own queries, and nothing else is written."""
+    heads, kv_heads, head_dim, block_m = 2, 1, 16, 16
+    query_lens = [1, 17, 0, 16, 3, 33, 1, 0, 0]
+    seq_lens = [9, 17, 0, 20, 3, 40, 6, 0, 0]
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    tokens = starts[-1] + 5  # rows past the last chunk: the graph's padding, which no sequence owns
+    cache = random_cache(40, kv_heads, head_dim, seed=7)
+    tables = tables_for([max(length, 1) for length in seq_lens], 40, seed=8)
+    q = torch.randn(tokens, heads, head_dim, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    kernels.paged_prefill_attention(q, cache, as_tensor(tables), torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+                                    torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), max(query_lens), 0.25,
+                                    out=out, block_m=block_m, block_n=16)
+    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        if q_len:
+            k, v = gather(cache, tables[i], seq_len)
+            rows = slice(starts[i], starts[i + 1])
+            positions = torch.arange(seq_len - q_len, seq_len, device=DEVICE)
+            torch.testing.assert_close(out[rows], reference(q[rows], k, v, positions, 0.25, None), rtol=1e-5, atol=1e-5)
+    assert (out[starts[-1]:] == 7.0).all()
+
+
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Per-head RMSNorm of ``x`` ``[tokens, heads, head_dim]`` (the identity without ``weight``)."""
     if weight is None:

@@ -451,15 +451,28 @@ def _prefill_attention_kernel(
     stride_qt, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_sk, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    num_seqs,
 ):
-    """One program: BLOCK_M consecutive queries of one sequence, one query head."""
+    """One program: BLOCK_M consecutive queries of one sequence, one query head. The grid's first
+    axis is the batch's query blocks, flat: sequence ``s`` owns the programs from
+    ``query_start[s] // BLOCK_M + s`` on, room for its ``ceil(q_len / BLOCK_M)`` blocks (and one
+    empty program at most), so the grid grows with the tokens and the sequences, not with their
+    product (a CUDA graph's grid for 64 sequences of up to 512 tokens was 64 x 8 blocks a head,
+    of which a lone 512-token prompt used 8)."""
     pdl_wait(PDL)
-    seq = tl.program_id(0)
-    mblk = tl.program_id(1)
-    h = tl.program_id(2)
+    block = tl.program_id(0)
+    h = tl.program_id(1)
+    # The owner: the last sequence whose first program is at most this one (a binary search).
+    seq = tl.zeros([], tl.int32)
+    last = seq + num_seqs - 1
+    while seq < last:
+        mid = (seq + last + 1) // 2
+        owns = tl.load(QUERY_START + mid).to(tl.int32) // BLOCK_M + mid <= block
+        seq, last = tl.where(owns, mid, seq), tl.where(owns, last, mid - 1)
     kvh = h // GROUP
     scale_log2, v_scale = _head_scales(KV_SCALE, kvh, stride_sk, scale_log2, KV_FP8)
     q_start = tl.load(QUERY_START + seq).to(tl.int32)
+    mblk = block - (q_start // BLOCK_M + seq)
     q_len = tl.load(QUERY_START + seq + 1).to(tl.int32) - q_start
     seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
     context = seq_len - q_len  # tokens cached before this chunk: the first query's position
@@ -475,7 +488,7 @@ def _prefill_attention_kernel(
     lo = tl.maximum(context + mblk * BLOCK_M - window + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum(context + tl.minimum((mblk + 1) * BLOCK_M, q_len), seq_len)
-    # The grid is as tall as the longest chunk: a shorter one's blocks past its queries scan nothing.
+    # A sequence's one spare program, and a decode row's, past its queries, scan nothing.
     hi = tl.where(mblk * BLOCK_M < q_len, hi, lo)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -511,13 +524,14 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     out = torch.empty_like(q) if out is None else out
     fp8 = _kv_fp8(kv_cache, kv_scale)
     block_m, block_d = min(block_m, _pow2(max_query_len, 16)), _pow2(head_dim, 16)
-    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads)
+    num_seqs = seq_lens.shape[0]
+    grid = (num_tokens // block_m + num_seqs, num_heads)
     _prefill_attention_kernel[grid](
         q, kv_cache, kv_scale if fp8 else q, block_tables, query_start, seq_lens, out, float(scale) * LOG2E,
         int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), num_kv_heads, block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8, num_seqs=num_seqs,
         **attention_launch(block_m, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
     return out
 
