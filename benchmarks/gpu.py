@@ -4,7 +4,7 @@ the same model with its projections in GGUF formats (kept as blocks, ``vivace.gp
 and in FP8 (``vivace.gpu.fp8_linear``).
 
     python benchmarks/gpu.py [--presets smollm2-135m,llama-3.2-1b,llama-3.1-8b] [--context 512]
-                             [--batches 8,32,64] [--prompts 128,512,2048] [--no-hf]
+                             [--batches 8,32,64] [--prompts 128,512,2048] [--no-hf | --hf-presets P,...]
                              [--gguf-types Q8_0,Q4_0,Q4_K] [--gguf-batches ""]
                              [--fp8] [--fp8-batches 64] [--no-engine] [--tokenizer DIR] [--out FILE.json]
                              [--kv-dtypes bfloat16,fp8 [--kv-contexts 512,4096] [--kv-batches 64] [--kv-only]]
@@ -434,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="8,32,64")
     parser.add_argument("--prompts", default="128,512,2048")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' compiled decode")
+    parser.add_argument("--hf-presets", default="", help="transformers' compiled decode for these presets only "
+                        "(comma-separated; default: every preset unless --no-hf; each compiles for a minute or more)")
     parser.add_argument("--gguf-types", default="Q8_0,Q4_0,Q4_K",
                         help="GGUF formats to run the presets in too (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; '' none)")
     parser.add_argument("--gguf-batches", default="", help="decode batches of the GGUF runs besides 1")
@@ -502,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             continue
         try:
-            row["hf_static_compile_itl_ms"] = None if args.no_hf else hf_itl(preset, args.context) * 1e3
+            hf = not args.no_hf and (not args.hf_presets or preset in args.hf_presets.split(","))
+            row["hf_static_compile_itl_ms"] = hf_itl(preset, args.context) * 1e3 if hf else None
         except Exception as exc:
             row["hf_static_compile_itl_ms"], row["hf_error"] = None, repr(exc)
             print(f"transformers failed on {preset}: {exc!r}", flush=True)
