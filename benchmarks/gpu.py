@@ -29,7 +29,8 @@ each of ``--kv-contexts`` with the KV cache in each dtype (``fp8``: float8 e4m3,
 tokens/s and the ratio to the first dtype; ``--kv-only`` runs only these. For every preset and
 format, the batch-1 graph is also captured and timed under each launch variant (norms and rotary
 folded into the GEMVs and the decode attention or launched on their own, programmatic dependent
-launch off or on: ``launch_variants``). Prints a table per
+launch off or on, and the Triton GEMV on every float projection where ``choose_gemv`` kept cuBLAS:
+``launch_variants``). Prints a table per
 preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
 """
 
@@ -227,15 +228,20 @@ def launch_variants(runner, per_seq: int, context: int) -> dict[str, float | str
     from vivace.gpu.runner import DecodeGraphs
 
     saved = gpu_forward.FOLD_NORMS, gpu_forward.FOLD_ROPE, kernels.set_pdl(False)
-    variants = [(True, True, False), (True, True, True), (False, False, False), (False, False, True),
-                (True, False, False), (False, True, False)]
+    variants = [(True, True, False, False), (True, True, True, False), (False, False, False, False),
+                (False, False, True, False), (True, False, False, False), (False, True, False, False),
+                (True, True, False, True), (True, True, True, True)]
     times: dict[str, float | str] = {}
     try:
-        for norms, rope, pdl_on in variants:
+        for norms, rope, pdl_on, triton_everywhere in variants:
             gpu_forward.FOLD_NORMS, gpu_forward.FOLD_ROPE = norms, rope
             kernels.set_pdl(pdl_on)
             name = (f"norms {'folded' if norms else 'launched'}, rotary {'folded' if rope else 'launched'}, "
-                    f"PDL {'on' if pdl_on else 'off'}")
+                    f"PDL {'on' if pdl_on else 'off'}" + (", Triton GEMV for every float projection"
+                                                          if triton_everywhere else ""))
+            restore = triton_gemv_everywhere(runner.model) if triton_everywhere else None
+            if triton_everywhere and not restore:
+                continue  # cuBLAS kept nowhere (or no float projection): the same graph as above
             try:
                 graphs = DecodeGraphs(runner, 1)
                 graphs.replay([1], [context], [list(range(per_seq))])
@@ -243,11 +249,32 @@ def launch_variants(runner, per_seq: int, context: int) -> dict[str, float | str
                 del graphs
             except Exception as exc:  # PDL where the driver or capture refuses it
                 times[name] = repr(exc)
+            finally:
+                for module, attribute, value in restore or ():
+                    setattr(module, attribute, value)
     finally:
         gpu_forward.FOLD_NORMS, gpu_forward.FOLD_ROPE, pdl = saved
         kernels.set_pdl(pdl)
     torch.cuda.synchronize()
     return times
+
+
+def triton_gemv_everywhere(model) -> list[tuple[object, str, int]]:
+    """Sets the Triton GEMV (4 rows a program; K in 2 from 8,192 columns) on every float projection
+    for which ``choose_gemv`` kept cuBLAS; returns what to set back. cuBLAS's kernels take no part
+    in programmatic dependent launch and fold no norm: timed alone they won by 1-5% on the 8B's
+    matrices, but in the chain of a step under PDL the Triton GEMV's loads may start earlier."""
+    import torch.nn as nn
+
+    restore = []
+    for layer in model.layers:
+        for module, prefix in ((layer.self_attn.qkv_proj, "gemv"), (layer.self_attn.o_proj, "gemv"),
+                               (layer.mlp.gate_up_proj, "gemv"), (layer.mlp.down_proj, "gated_gemv")):
+            if type(module) is nn.Linear and not getattr(module, f"{prefix}_block", 0):
+                for attribute, value in ((f"{prefix}_block", 4), (f"{prefix}_splits", 2 if module.in_features >= 8192 else 1)):
+                    restore.append((module, attribute, getattr(module, attribute, 0 if attribute.endswith("block") else 1)))
+                    setattr(module, attribute, value)
+    return restore
 
 
 def engine_itl(preset: str, context: int, tokenizer: str | None, new_tokens: int = 128, reps: int = 3) -> dict:
