@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 
 import pytest
 import torch
@@ -34,8 +35,48 @@ def _index_one_element_blocks() -> None:
     interpreter._patch_lang_tensor = patch_with_index
 
 
+def _patch_the_language_once_per_launch() -> None:
+    """The interpreter patches triton.language for each launch (and undoes it when the launch
+    ends), then again at every call of a ``@triton.jit`` helper inside it, where it finds the same
+    modules patched already: about a third of the runner tests' time. Here a helper's call patches
+    only the modules its launch has not; the launch itself patches and restores as before.
+    Changes nothing where a helper's call does not patch the language."""
+    from triton import language
+    from triton.runtime import interpreter
+
+    helper_call = getattr(getattr(interpreter, "InterpretedFunction", None), "__call__", None)
+    if (helper_call is None or not hasattr(interpreter, "_LangPatchScope")
+            or "_patch_lang(self.fn)" not in inspect.getsource(helper_call)):
+        return
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    running = threading.local()  # .patched: ids of the modules the launch on this thread patched
+
+    def lang_modules(fn: object) -> set[int]:
+        return {id(value) for value in fn.__globals__.values() if value is language or value is language.core}
+
+    def patch_lang_once(fn: object) -> object:
+        modules, patched = lang_modules(fn), getattr(running, "patched", None)
+        if patched is None:
+            return patch_lang(fn)
+        if modules and modules <= patched:
+            return interpreter._LangPatchScope()  # nothing patched here, nothing to restore
+        patched.update(modules)
+        return patch_lang(fn)
+
+    def launch_patching_once(self: object, *args: object, **kwargs: object) -> None:
+        running.patched = set()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            running.patched = None
+
+    interpreter._patch_lang = patch_lang_once
+    interpreter.GridExecutor.__call__ = launch_patching_once
+
+
 if DEVICE == "cpu":
     _index_one_element_blocks()
+    _patch_the_language_once_per_launch()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
