@@ -24,20 +24,23 @@ def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``[2, num_blocks, block_size, kv_heads, d]``, then attend ``q`` ``[num_seqs, heads, d]`` over the
     first ``seq_lens[i]`` tokens of blocks ``block_tables[i]`` (with ``window`` > 0, only the last
     ``window`` of them); returns ``[num_seqs, heads, d]``.
-    Only the columns of ``block_tables`` that the longest sequence needs are read."""
+    Each sequence is attended on its own, over exactly its tokens: a row's result is then the same
+    bits whatever else is in the batch (a verify step's rows equal the one-row steps they stand
+    for, which greedy speculative decoding relies on); batched over the longest sequence's blocks
+    with a mask, PyTorch's attention gave other bits for the same row in another batch."""
     two, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(two, num_blocks * block_size, kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
-    width = -(-int(seq_lens.max()) // block_size)
-    rows = kv_cache.view(two, num_blocks, -1).index_select(1, block_tables[:, :width].flatten())
-    keys, values = rows.view(two, len(q), width * block_size, kv_heads, head_dim).transpose(2, 3).to(q.dtype)
-    mask = torch.arange(width * block_size)[None, :] < seq_lens[:, None]
-    if window > 0:
-        mask &= torch.arange(width * block_size)[None, :] >= seq_lens[:, None] - window
-    attended = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
-                                              scale=scale, enable_gqa=kv_heads != q.shape[1])
-    return attended.squeeze(2)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start = max(seq_len - window, 0) if window > 0 else 0
+        blocks = block_tables[i, :-(-seq_len // block_size)]
+        rows = kv_cache.index_select(1, blocks).view(two, -1, kv_heads, head_dim)[:, start:seq_len]
+        keys, values = rows.transpose(1, 2).to(q.dtype)
+        out[i] = F.scaled_dot_product_attention(q[i].unsqueeze(1), keys, values, scale=scale,
+                                                enable_gqa=kv_heads != q.shape[1]).squeeze(1)
+    return out
 
 
 def _register() -> str:
