@@ -149,7 +149,9 @@ def test_the_engine_fills_where_prompt_chunks_run_eagerly(tiny_model_dir) -> Non
     assert not cpu.fill_eager and cpu.compiled_rows == engine.runner.compiled_rows
     engine.runner = types.SimpleNamespace(eager_prompt_steps=True, compiled_rows=64)  # as the CUDA runner
     gpu = engine._new_pacer()
-    assert gpu.fill_eager and gpu.compiled_rows == 0
+    assert gpu.fill_eager and gpu.compiled_rows == 0 and gpu.token_buckets == ()
+    engine.runner.prompt_step_buckets = [16, 32, 64, 128, 256, 512]  # with prompt-step graphs
+    assert engine._new_pacer().token_buckets == (16, 32, 64, 128, 256, 512)
     assert LLMEngine._new_pacer(types.SimpleNamespace(runner=engine.runner, config=EngineConfig(
         max_prefill_chunk=64))) is None  # a fixed chunk turns the pacer off there too
 
@@ -159,3 +161,46 @@ def test_the_cuda_runner_says_its_prompt_chunks_run_eagerly() -> None:
     from vivace.gpu.runner import CudaRunner
 
     assert CudaRunner.eager_prompt_steps is True
+
+
+# As the pacer learned them behind the served 8B shape on an H200 (its decode and prompt-step graphs,
+# benchmarks/served_sim.py): 3 ms a step and 0.1 ms a decode row; the prefill path 4 ms more, and
+# 0.025 ms a prompt token. Beside 11 decodes the default target (twice the 4.1 ms decode step) left
+# room for ~5 prompt tokens: steps paying the path's whole fixed cost for them, 512-token prompts
+# admitted ~100 ms apart, 64 streams at 1,170 tokens/s with a TTFT p50 of 5.8 s.
+SERVED_GPU_COSTS = (0.003, 0.0001, 0.0, 0.0, 0.0, 0.004, 0.000025, 0.0)
+BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+def test_under_the_default_target_a_prefill_step_carries_at_least_the_fill() -> None:
+    model = fixed_model(SERVED_GPU_COSTS)
+    room = model.prompt_tokens_within(model.predict(11), 0, PREFILL)
+    assert MIN_PROMPT_TOKENS <= room <= 8  # the room alone: a few tokens, each step paying ~8 ms for them
+    plan = plan_prompt(model, PacerTargets(), 11, 501, 0.0, fill_eager=True)
+    fill = model.eager_fill_tokens(11, 0)
+    assert plan == PromptPlan(fill, PREFILL) and fill > 250  # the path's fixed cost is at most half the step
+    # An explicit target is the user's: kept where the step can meet it, as before.
+    explicit = PacerTargets(itl=2 * model.predict(11))
+    assert plan_prompt(model, explicit, 11, 501, 0.0, fill_eager=True) == PromptPlan(room, PREFILL)
+    # Without the fill (the CPU's pacer), the room's few tokens.
+    assert plan_prompt(model, PacerTargets(), 11, 501, 0.0, compiled_rows=0) == PromptPlan(room, PREFILL)
+
+
+def test_a_prefill_step_is_rounded_up_to_fill_its_graph_bucket() -> None:
+    model = fixed_model(SERVED_GPU_COSTS)
+    for decode in (1, 11, 40, 64, 100):
+        plain = plan_prompt(model, PacerTargets(itl=0.012), decode, 512 - decode, 0.0, fill_eager=True)
+        plan = plan_prompt(model, PacerTargets(itl=0.012), decode, 512 - decode, 0.0, fill_eager=True,
+                           token_buckets=BUCKETS)
+        assert plan.path is PREFILL and plan.tokens >= plain.tokens
+        # the smallest bucket holding the step's tokens, all of it: its replay costs the same
+        assert decode + plan.tokens == min(b for b in BUCKETS if b >= decode + plain.tokens)
+    # Never past the step's budget; a step past the largest bucket (eager) is not rounded.
+    assert plan_prompt(model, PacerTargets(itl=0.012), 40, 472, 0.0, fill_eager=True,
+                       token_buckets=BUCKETS).tokens == 88  # 128 in all
+    assert plan_prompt(model, PacerTargets(itl=0.012), 40, 60, 0.0, fill_eager=True,
+                       token_buckets=BUCKETS).tokens == 60
+    assert plan_prompt(model, PacerTargets(), 64, 2048, 0.0, fill_eager=True, token_buckets=BUCKETS) \
+        == plan_prompt(model, PacerTargets(), 64, 2048, 0.0, fill_eager=True)  # the fill: past 512 tokens
+    # With nothing decoding the whole budget goes to prompts, as before.
+    assert plan_prompt(model, PacerTargets(), 0, 300, 0.0, fill_eager=True, token_buckets=BUCKETS).tokens == 300

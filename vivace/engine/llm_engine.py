@@ -122,9 +122,11 @@ class LLMEngine:
 
     def _new_pacer(self) -> Pacer | None:
         """The pacer for this runner's steps: where every prompt chunk runs the eager step
-        (``eager_prompt_steps``: the CUDA runner), with no rows path and that step filled."""
+        (``eager_prompt_steps``: the CUDA runner), with no rows path, that step filled, and its
+        tokens rounded up to the runner's prompt-step graph buckets (``prompt_step_buckets``)."""
         if getattr(self.runner, "eager_prompt_steps", False):
-            return pacer_for(self.config, 0, fill_eager=True)
+            return pacer_for(self.config, 0, fill_eager=True,
+                             token_buckets=getattr(self.runner, "prompt_step_buckets", ()))
         return pacer_for(self.config, self.runner.compiled_rows)
 
     @property

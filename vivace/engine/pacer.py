@@ -35,7 +35,14 @@ the model is cold, the step is filled: it takes the prompt tokens that cost up t
 costs the streams, and a prompt is done in a few steps. The prompt steps alone teach it (the
 decode steps the overlapped engine queues ahead teach the decode-only terms: without them the model
 never warmed on the GPU). Until :data:`WARM_STEPS` prompt steps were seen, the fill
-doubles each step from the cold chunk (:func:`eager_fill`). Without ``fill_eager`` (the CPU), the
+doubles each step from the cold chunk (:func:`eager_fill`). Under the default target (a rule of
+thumb, twice the decode step) a step on that path carries no fewer tokens than the fill even where
+the room holds more than the floor: beside 11 streams served on an H200 the room held ~5 tokens, so
+each such step paid the path's whole fixed cost for 5, and 64 streams' prompts were admitted one per
+~100 ms (1,170 tokens/s, TTFT p50 5.8 s; ``benchmarks/served_sim.py`` reproduces it on a CPU). An
+explicit ``--itl-target-ms`` is kept. And where the runner replays prompt steps from graphs of a few
+token counts (``token_buckets``), each costing its bucket's replay whatever it carries below it, a
+prefill-path step's tokens are rounded up to fill its bucket. Without ``fill_eager`` (the CPU), the
 plans are as above.
 """
 
@@ -45,6 +52,7 @@ import logging
 import math
 from dataclasses import dataclass
 from enum import Enum
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -224,15 +232,32 @@ class PromptPlan:
 
 def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int, step_budget: int,
                 oldest_prompt_wait: float, compiled_rows: int = 0, prompt_start: int = 0,
-                last_prompt_tokens: int | None = None, fill_eager: bool = False) -> PromptPlan:
+                last_prompt_tokens: int | None = None, fill_eager: bool = False,
+                token_buckets: Sequence[int] = ()) -> PromptPlan:
     """The prompt tokens for a step that carries ``decode_tokens`` decode tokens and has
     ``step_budget`` tokens left, and their path, when the longest-waiting unserved prompt has
     waited ``oldest_prompt_wait`` seconds, the compiled step takes up to ``compiled_rows`` rows
     (0: no compiled step, so no rows path), the next prompt chunk starts at ``prompt_start`` and
     the step before carried ``last_prompt_tokens`` prompt tokens (None: no growth cap);
-    ``fill_eager``: an eager step that breaks the target anyway is filled (the module's doc).
+    ``fill_eager``: an eager step that breaks the target anyway is filled, and a step on the prefill
+    path carries no fewer prompt tokens than that fill (the module's doc); ``token_buckets``: the
+    token counts of the prefill path's graphs, each step paying for the smallest that holds it, so
+    that a prefill-path step's tokens are rounded up to fill its bucket.
     Tokens are always within ``[min(min_prompt_tokens(prompt_start), step_budget), step_budget]``:
     however tight the target, a waiting prompt moves."""
+    plan = _plan_prompt(model, targets, decode_tokens, step_budget, oldest_prompt_wait, compiled_rows, prompt_start,
+                        last_prompt_tokens, fill_eager)
+    if plan.path is PromptPath.PREFILL and decode_tokens and token_buckets:
+        bucket = next((b for b in token_buckets if b >= decode_tokens + plan.tokens), None)
+        if bucket is not None:
+            return PromptPlan(min(bucket - decode_tokens, step_budget), plan.path)
+    return plan
+
+
+def _plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int, step_budget: int,
+                 oldest_prompt_wait: float, compiled_rows: int, prompt_start: int, last_prompt_tokens: int | None,
+                 fill_eager: bool) -> PromptPlan:
+    """:func:`plan_prompt` before the rounding to a bucket."""
     rows_path = PromptPath.ROWS if compiled_rows else PromptPath.PREFILL
     if decode_tokens == 0:
         return PromptPlan(step_budget, PromptPath.PREFILL)
@@ -261,6 +286,8 @@ def plan_prompt(model: StepCostModel, targets: PacerTargets, decode_tokens: int,
         return PromptPlan(min(max(tokens, fill), step_budget), PromptPath.PREFILL)
     if rows >= prefill:
         return PromptPlan(min(rows, step_budget), PromptPath.ROWS)
+    if targets.itl is None:  # the default target, a rule of thumb, does not make an eager step's fixed cost a waste
+        prefill = max(prefill, fill)
     return PromptPlan(min(prefill, step_budget), PromptPath.PREFILL)
 
 
@@ -284,17 +311,19 @@ class Pacer:
     none); ``fill_eager``: as in :func:`plan_prompt`."""
 
     def __init__(self, targets: PacerTargets, compiled_rows: int = 0, model: StepCostModel | None = None,
-                 fill_eager: bool = False) -> None:
+                 fill_eager: bool = False, token_buckets: Sequence[int] = ()) -> None:
         self.targets = targets
         self.compiled_rows = compiled_rows
         self.fill_eager = fill_eager
+        self.token_buckets = tuple(token_buckets)
         self.model = model or StepCostModel()
         self.last_prompt_tokens = 0  # of the step observed last
 
     def plan(self, decode_tokens: int, step_budget: int, oldest_prompt_wait: float, prompt_start: int) -> PromptPlan:
         """:func:`plan_prompt` with this pacer's model and targets; logs its inputs at debug."""
         plan = plan_prompt(self.model, self.targets, decode_tokens, step_budget, oldest_prompt_wait,
-                           self.compiled_rows, prompt_start, self.last_prompt_tokens, self.fill_eager)
+                           self.compiled_rows, prompt_start, self.last_prompt_tokens, self.fill_eager,
+                           self.token_buckets)
         if logger.isEnabledFor(logging.DEBUG):
             terms = " ".join(f"{c * 1e3:.4f}" for c in self.model.coefficients)
             logger.debug("pacer: decode_tokens=%d step_budget=%d oldest_prompt_wait=%.3fs prompt_start=%d "
@@ -312,7 +341,8 @@ class Pacer:
         self.last_prompt_tokens = prompt_tokens
 
 
-def pacer_for(config: EngineConfig, compiled_rows: int, fill_eager: bool = False) -> Pacer | None:
+def pacer_for(config: EngineConfig, compiled_rows: int, fill_eager: bool = False,
+              token_buckets: Sequence[int] = ()) -> Pacer | None:
     """The pacer ``config`` asks for (None when it fixes the prefill chunk), for an engine whose
     compiled step takes up to ``compiled_rows`` rows, prompt rows among them (0: none), and which
     fills an eager step that breaks the target anyway when ``fill_eager`` (:func:`plan_prompt`)."""
@@ -320,4 +350,4 @@ def pacer_for(config: EngineConfig, compiled_rows: int, fill_eager: bool = False
         return None
     itl, ttft = config.itl_target_ms, config.ttft_target_ms
     return Pacer(PacerTargets(None if itl is None else itl / 1e3, None if ttft is None else ttft / 1e3),
-                 compiled_rows, fill_eager=fill_eager)
+                 compiled_rows, fill_eager=fill_eager, token_buckets=token_buckets)

@@ -122,6 +122,12 @@ class CudaRunner:
         rows never ride one (``eager_prompt_steps``)."""
         return self.graphs.max_batch if self.graphs is not None else 0
 
+    @property
+    def prompt_step_buckets(self) -> list[int]:
+        """The token counts of the prompt-step graphs: a step with prompt tokens costs its bucket's
+        replay, whatever it carries below it (the pacer fills them). Empty when such steps run eagerly."""
+        return self.prefill_graphs.buckets if self.prefill_graphs is not None else []
+
     def device_fault(self, exc: Exception) -> bool:
         """Whether ``exc``, raised by a step, left the device unusable: a CUDA error (an illegal
         address, a failed launch) is sticky, so every later launch fails too; an out-of-memory
