@@ -35,11 +35,15 @@ browser:
 	@test -x $(CHROMIUM) || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium-headless-shell; } \
 		|| echo "could not install chromium-headless-shell: the browser tests will be skipped"
 
-# The whole suite, slow tests included (CI runs them). Bytecode is written even where the
-# environment says PYTHONDONTWRITEBYTECODE: the suite starts dozens of Python processes (servers,
-# Ray workers), each of which would compile vivace's sources again (about 1 s a process).
+# The whole suite, slow tests included (CI runs them), on TEST_WORKERS pytest-xdist workers: a
+# module's tests run on one worker, the Ray cluster's all on one (tests/conftest.py); on 2 cores
+# two workers took the suite from 1,298 s to 961 s, much of it waiting on servers and child
+# processes. Bytecode is written even where the environment says PYTHONDONTWRITEBYTECODE: the suite
+# starts dozens of Python processes (servers, Ray workers), each of which would compile vivace's
+# sources again (about 1 s a process).
+TEST_WORKERS ?= 2
 test: $(INSTALLED) browser
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=25
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 bench-peers: $(INSTALLED)
 	$(PY) benchmarks/peers.py

