@@ -308,6 +308,70 @@ def engine_itl(preset: str, context: int, tokenizer: str | None, new_tokens: int
     return result
 
 
+def batched_bench(preset: str, streams: list[int], prompt: int = 512, new_tokens: int = 128,
+                  tokenizer: str | None = None, device: str = "cuda") -> list[dict]:
+    """llama-batched-bench's figures through ``LLMEngine.step`` (what its S_TG counts: issue 17's
+    llama.cpp figures, 937 / 3,165 / 4,823 tokens/s at 8 / 32 / 64 streams on the 8B shape): per
+    stream count B, B requests of ``prompt`` tokens sent at once, ``new_tokens`` each. T_PP: until
+    every request has its first token; T_TG: from then to the end, all B decoding. S_PP = B x
+    prompt / T_PP, S_TG = the tokens emitted in T_TG / T_TG (each request's after its first
+    ``new_tokens - 1``, but counted as they come), S = everything / the whole time. The engine's own
+    scheduling (chunked prompts beside decodes, the serve defaults), so prompts overlap decodes."""
+    from vivace.config import EngineConfig
+    from vivace.engine.llm_engine import LLMEngine
+    from vivace.engine.sampling_params import SamplingParams
+    from vivace.models import load_model
+
+    max_len = prompt + new_tokens + 16
+    dtype = DTYPE if device == "cuda" else torch.float32
+    loaded = load_model(preset, dtype, load_format="dummy", device=device, tokenizer=tokenizer)
+    rows = []
+    for batch in streams:
+        config = EngineConfig(model=preset, dtype="bfloat16" if device == "cuda" else "float32",
+                              load_format="dummy", tokenizer=tokenizer, device=device, max_model_len=max_len,
+                              num_kv_blocks=batch * -(-max_len // 16) + 16, max_num_seqs=batch,
+                              cuda_graph_max_batch=batch if device == "cuda" else 0)
+        engine = LLMEngine(config, loaded)
+        for warm in range(2):  # the warm-up compiles and teaches the pacer
+            engine.add_request(f"w{warm}", [1] * prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        for i in range(batch):
+            engine.add_request(f"r{i}", [1 + (i * 7919 + j) % 30000 for j in range(prompt)], params)  # no shared prefix
+        first: dict[str, float] = {}
+        stamps: list[float] = []
+        while engine.has_unfinished():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                first.setdefault(output.request_id, now)
+                stamps.append(now)
+        end = time.perf_counter()
+        t_pp = max(first.values()) - start
+        t_tg = end - max(first.values())
+        decoded = sum(1 for t in stamps if t > start + t_pp)
+        rows.append({"streams": batch, "prompt": prompt, "new_tokens": new_tokens, "t_pp_s": t_pp, "t_tg_s": t_tg, "s_pp": batch * prompt / t_pp,
+                     "s_tg": decoded / t_tg if t_tg > 0 else float("nan"),
+                     "s": (batch * prompt + len(stamps)) / (end - start), "tokens": len(stamps)})
+        del engine
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_batched_bench(preset: str, rows: list[dict]) -> None:
+    first = rows[0] if rows else {"prompt": "?", "new_tokens": "?"}
+    print(f"\n{preset}, as llama-batched-bench (PP {first['prompt']}, TG {first['new_tokens']}; llama.cpp's 8B "
+          "figures are S_TG)\n")
+    print("| B | T_PP | S_PP | T_TG | S_TG | S |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['streams']} | {r['t_pp_s']:.3f} s | {r['s_pp']:,.0f} t/s | {r['t_tg_s']:.3f} s | "
+              f"{r['s_tg']:,.0f} t/s | {r['s']:,.0f} t/s |")
+    sys.stdout.flush()
+
+
 def hf_itl(preset: str, context: int) -> float | None:
     """Hugging Face transformers' ITL (seconds) at batch 1: static cache + torch.compile (what
     ``cache_implementation="static"`` compiles), random weights at the preset's shape."""
@@ -470,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokenizer of the engine-loop rows (default: $VIVACE_TEST_TOKENIZER, else the "
                              "default model's)")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-loop ITL rows")
+    parser.add_argument("--batched-streams", default="8,32,64",
+                        help="llama-batched-bench's rows through the engine for these stream counts ('' none)")
     parser.add_argument("--fp8", action="store_true", help="run the presets with FP8 projections too")
     parser.add_argument("--fp8-batches", default="64", help="decode batches of the FP8 runs besides 1")
     parser.add_argument("--kv-dtypes", default="", help="KV cache dtypes to compare many streams in "
@@ -562,6 +628,15 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 row["engine_error"] = repr(exc)
                 print(f"engine loop failed on {preset}: {exc!r}", flush=True)
+                torch.cuda.empty_cache()
+        streams = [int(b) for b in args.batched_streams.split(",") if b]
+        if streams and not args.no_engine:
+            try:
+                row["batched_bench"] = batched_bench(preset, streams, tokenizer=args.tokenizer)
+                print_batched_bench(preset, row["batched_bench"])
+            except Exception as exc:
+                row["batched_bench_error"] = repr(exc)
+                print(f"batched bench failed on {preset}: {exc!r}", flush=True)
                 torch.cuda.empty_cache()
         print("\n| prompt tokens | prefill, eager (forward + LM head of the last token) | prefill, graph replay "
               "(inputs staged) |\n|---|---|---|")
