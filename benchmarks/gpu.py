@@ -325,21 +325,24 @@ def batched_bench(preset: str, streams: list[int], prompt: int = 512, new_tokens
     max_len = prompt + new_tokens + 16
     dtype = DTYPE if device == "cuda" else torch.float32
     loaded = load_model(preset, dtype, load_format="dummy", device=device, tokenizer=tokenizer)
+    most = max(streams)
+    config = EngineConfig(model=preset, dtype="bfloat16" if device == "cuda" else "float32",
+                          load_format="dummy", tokenizer=tokenizer, device=device, max_model_len=max_len,
+                          num_kv_blocks=most * -(-max_len // 16) + 16, max_num_seqs=most,
+                          cuda_graph_max_batch=most if device == "cuda" else 0,
+                          enable_prefix_caching=False)  # every prompt computed, as llama-batched-bench's
+    engine = LLMEngine(config, loaded)  # one engine (its graphs captured once) for every stream count
+    for warm in range(2):  # the warm-up compiles and teaches the pacer
+        engine.add_request(f"w{warm}", [1] * prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
     rows = []
     for batch in streams:
-        config = EngineConfig(model=preset, dtype="bfloat16" if device == "cuda" else "float32",
-                              load_format="dummy", tokenizer=tokenizer, device=device, max_model_len=max_len,
-                              num_kv_blocks=batch * -(-max_len // 16) + 16, max_num_seqs=batch,
-                              cuda_graph_max_batch=batch if device == "cuda" else 0)
-        engine = LLMEngine(config, loaded)
-        for warm in range(2):  # the warm-up compiles and teaches the pacer
-            engine.add_request(f"w{warm}", [1] * prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        while engine.has_unfinished():
-            engine.step()
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         start = time.perf_counter()
         for i in range(batch):
-            engine.add_request(f"r{i}", [1 + (i * 7919 + j) % 30000 for j in range(prompt)], params)  # no shared prefix
+            engine.add_request(f"b{batch}-{i}", [1 + (batch * 131 + i * 7919 + j) % 30000 for j in range(prompt)],
+                               params)
         first: dict[str, float] = {}
         stamps: list[float] = []
         while engine.has_unfinished():
@@ -355,9 +358,9 @@ def batched_bench(preset: str, streams: list[int], prompt: int = 512, new_tokens
         rows.append({"streams": batch, "prompt": prompt, "new_tokens": new_tokens, "t_pp_s": t_pp, "t_tg_s": t_tg, "s_pp": batch * prompt / t_pp,
                      "s_tg": decoded / t_tg if t_tg > 0 else float("nan"),
                      "s": (batch * prompt + len(stamps)) / (end - start), "tokens": len(stamps)})
-        del engine
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    del engine, loaded
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
