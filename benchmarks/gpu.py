@@ -314,9 +314,9 @@ def batched_bench(preset: str, streams: list[int], prompt: int = 512, new_tokens
     llama.cpp figures, 937 / 3,165 / 4,823 tokens/s at 8 / 32 / 64 streams on the 8B shape): per
     stream count B, B requests of ``prompt`` tokens sent at once, ``new_tokens`` each. T_PP: until
     every request has its first token; T_TG: from then to the end, all B decoding. S_PP = B x
-    prompt / T_PP, S_TG = the tokens emitted in T_TG / T_TG (each request's after its first
-    ``new_tokens - 1``, but counted as they come), S = everything / the whole time. The engine's own
-    scheduling (chunked prompts beside decodes, the serve defaults), so prompts overlap decodes."""
+    prompt / T_PP, S_TG = the tokens emitted during T_TG / T_TG, S = every prompt and output token /
+    the whole time. The engine schedules as it serves (prompt chunks beside decodes), so streams
+    that got their first token early decode during T_PP: those tokens count in S, not in S_TG."""
     from vivace.config import EngineConfig
     from vivace.engine.llm_engine import LLMEngine
     from vivace.engine.sampling_params import SamplingParams
@@ -351,12 +351,11 @@ def batched_bench(preset: str, streams: list[int], prompt: int = 512, new_tokens
             for output in outputs:
                 first.setdefault(output.request_id, now)
                 stamps.append(now)
-        end = time.perf_counter()
-        t_pp = max(first.values()) - start
-        t_tg = end - max(first.values())
-        decoded = sum(1 for t in stamps if t > start + t_pp)
-        rows.append({"streams": batch, "prompt": prompt, "new_tokens": new_tokens, "t_pp_s": t_pp, "t_tg_s": t_tg, "s_pp": batch * prompt / t_pp,
-                     "s_tg": decoded / t_tg if t_tg > 0 else float("nan"),
+        end, all_first = time.perf_counter(), max(first.values())
+        t_pp, t_tg = all_first - start, end - all_first
+        decoded = sum(1 for t in stamps if t > all_first)
+        rows.append({"streams": batch, "prompt": prompt, "new_tokens": new_tokens, "t_pp_s": t_pp, "t_tg_s": t_tg,
+                     "s_pp": batch * prompt / t_pp, "s_tg": decoded / t_tg if t_tg > 0 else float("nan"),
                      "s": (batch * prompt + len(stamps)) / (end - start), "tokens": len(stamps)})
     del engine, loaded
     if device == "cuda":

@@ -56,7 +56,7 @@ def prompt_step_ms(tokens: int, decode_rows: int, eager: bool) -> float:
 
 
 def simulate(streams: int, requests: int, prompt: int, output: int, host_ms: float, eager: bool,
-             config: EngineConfig, arrival_gap_ms: float = 0.0) -> dict[str, float]:
+             config: EngineConfig) -> dict[str, float]:
     kv = KVCacheManager(60_000, config.block_size, enable_prefix_caching=False)
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, None,
                           pacer_for(config, 0, fill_eager=True, token_buckets=() if eager else PROMPT_BUCKETS))
@@ -64,25 +64,18 @@ def simulate(streams: int, requests: int, prompt: int, output: int, host_ms: flo
     sent: dict[str, float] = {}
     times: dict[str, list[float]] = {}
 
-    pending: list[tuple[float, Request]] = []  # sent, not yet at the server
-
-    def send(at: float) -> None:
+    def send() -> None:
         i = next(numbers)
         if i < requests:
             request = Request(f"r{i}", list(range(1, prompt + 1)), SamplingParams(max_tokens=output, ignore_eos=True),
-                              arrival_order=i, arrival_time=at)
-            sent[request.request_id], times[request.request_id] = at, []
-            pending.append((at, request))
-
-    for k in range(streams):
-        send(k * arrival_gap_ms / 1e3)
-    steps = prompt_steps = 0
-    while scheduler.has_unfinished() or pending:
-        if not scheduler.has_unfinished():
-            clock = max(clock, min(at for at, _ in pending))
-        for at, request in [item for item in pending if item[0] <= clock]:
-            pending.remove((at, request))
+                              arrival_order=i, arrival_time=clock)
+            sent[request.request_id], times[request.request_id] = clock, []
             scheduler.add(request)
+
+    for _ in range(streams):
+        send()
+    steps = prompt_steps = 0
+    while scheduler.has_unfinished():
         batch = scheduler.schedule()
         if not batch:
             break
@@ -101,7 +94,7 @@ def simulate(streams: int, requests: int, prompt: int, output: int, host_ms: flo
                 times[request.request_id].append(clock)
                 if request.num_output_tokens >= output:
                     scheduler.finish(request)
-                    send(clock)
+                    send()
     ttft = sorted((t[0] - sent[r]) * 1e3 for r, t in times.items() if t)
     gaps = sorted((b - a) * 1e3 for t in times.values() for a, b in zip(t, t[1:]))
     return {"tokens_per_s": sum(map(len, times.values())) / clock, "ttft_p50_ms": statistics.median(ttft),
@@ -118,15 +111,13 @@ def main() -> None:
     parser.add_argument("--host-ms", type=float, default=0.3, help="host work a step, beside the device's")
     parser.add_argument("--eager", action="store_true", help="prompt steps eager (no prompt-step graphs)")
     parser.add_argument("--itl-target-ms", type=float, default=None, help="as vivace serve's")
-    parser.add_argument("--arrival-gap-ms", type=float, default=0.0,
-                        help="the first requests of the streams arrive this far apart (as over HTTP), not at once")
     args = parser.parse_args()
     config = EngineConfig(model="-", itl_target_ms=args.itl_target_ms)
     print("| streams | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | steps with prompt |")
     print("|---|---|---|---|---|---|---|")
     for streams in map(int, args.streams.split(",")):
         r = simulate(streams, streams * args.requests_per_stream, args.prompt, args.output, args.host_ms,
-                     args.eager, config, args.arrival_gap_ms)
+                     args.eager, config)
         print(f"| {streams} | {r['tokens_per_s']:,.0f} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | "
               f"{r['itl_p50_ms']:.2f} ms | {r['itl_p99_ms']:.2f} ms | {r['prompt_steps']} of {r['steps']} |")
 

@@ -175,11 +175,12 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="served-sim-"))
     out.mkdir(parents=True, exist_ok=True)
     max_len = args.input_len + args.output_len + 64
+    streams = [int(n) for n in args.streams.split(",")]
     command = [sys.executable, __file__, *(["--eager"] if args.eager else []),
                *([f"--switch-interval-ms={args.switch_interval_ms}"] if args.switch_interval_ms is not None else []),
                "--serve", "smollm2-135m",
                "--device", "cpu", "--load-format", "dummy", "--quantization", "none", "--dtype", "bfloat16",
-               "--max-model-len", str(max_len), "--num-kv-blocks", str(64 * 2 * -(-max_len // 16) + 64),
+               "--max-model-len", str(max_len), "--num-kv-blocks", str(max(streams) * 2 * -(-max_len // 16) + 64),
                "--port", str(args.port), "--log-level", "warning", *extra]
     server = subprocess.Popen(command, stdout=open(out / "server.txt", "w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{args.port}"
@@ -202,23 +203,23 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         since = 0.0
         notes = []
-        for streams in map(int, args.streams.split(",")):
-            n = 8 if streams == 1 else 2 * streams
-            report = out / f"bench-{streams}.json"
+        for count in streams:
+            n = 8 if count == 1 else 2 * count
+            report = out / f"bench-{count}.json"
             subprocess.run([sys.executable, "-m", "vivace.cli", "bench", "--base-url", base, "--input-len",
                             str(args.input_len), "--output-len", str(args.output_len), "--num-requests", str(n),
-                            "--warmup", str(2 if streams == 1 else streams), "--concurrency", str(streams),
+                            "--warmup", str(2 if count == 1 else count), "--concurrency", str(count),
                             "--output-control", "ignore_eos", "--no-progress", "--output-json", str(report)],
                            check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             body = httpx.get(f"{base}/debug/timings", params={"since": since}, timeout=30).json()
             since = body.get("now", since)
-            (out / f"timings-{streams}.json").write_text(json.dumps(body))
+            (out / f"timings-{count}.json").write_text(json.dumps(body))
             s = json.loads(report.read_text())["summary"]
-            sim = pacer_sim.simulate(streams, n * 2, args.input_len, args.output_len, 0.3, args.eager, config)
-            print(f"| {streams} | {s['output_throughput']:,.0f} | {s['ttft']['median']:.0f} ms | "
+            sim = pacer_sim.simulate(count, n * 2, args.input_len, args.output_len, 0.3, args.eager, config)
+            print(f"| {count} | {s['output_throughput']:,.0f} | {s['ttft']['median']:.0f} ms | "
                   f"{s['ttft']['p99']:.0f} ms | {s['itl']['median']:.2f} ms | {s['itl']['p99']:.2f} ms | "
                   f"{sim['tokens_per_s']:,.0f}, {sim['ttft_p50_ms']:.0f} ms, {sim['itl_p50_ms']:.2f} ms |", flush=True)
-            notes += [f"\n{streams} streams, the server's steps:\n", *timings_report.step_report(body.get("steps", []))]
+            notes += [f"\n{count} streams, the server's steps:\n", *timings_report.step_report(body.get("steps", []))]
         print("\n".join(notes))
         print(f"\nJSON: {out}")
     finally:
