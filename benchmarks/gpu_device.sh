@@ -111,10 +111,10 @@ tests() {
     cuda_pytest "$1/pytest-cuda.txt" tests/gpu --ignore tests/gpu/test_exactness.py
 }
 
-exact() {  # the exactness suite, and again with programmatic dependent launch on (EXACT_PDL=0 skips that):
-    # PDL won in every graph timed by benchmarks/gpu.py, and is off by default until this passes on a GPU
+exact() {  # the exactness suite (programmatic dependent launch on, the default), and again with it off
+    # (EXACT_PDL=0 skips that)
     cuda_pytest "$1/pytest-exactness.txt" tests/gpu/test_exactness.py
-    [ "${EXACT_PDL:-1}" = 0 ] || VIVACE_PDL=1 cuda_pytest "$1/pytest-exactness-pdl.txt" tests/gpu/test_exactness.py
+    [ "${EXACT_PDL:-1}" = 0 ] || VIVACE_PDL=0 cuda_pytest "$1/pytest-exactness-nopdl.txt" tests/gpu/test_exactness.py
 }
 
 bench() {

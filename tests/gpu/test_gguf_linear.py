@@ -30,7 +30,7 @@ from vivace.gpu.runner import CudaRunner  # noqa: E402
 from vivace.models import load_model  # noqa: E402
 from vivace.models.dummy import random_gguf_blocks  # noqa: E402
 
-from .conftest import DEVICE  # noqa: E402
+from .conftest import DEVICE, GGUF_TOKENIZERS_OF_5_18  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 REPO = Path(__file__).resolve().parents[2]
@@ -105,6 +105,7 @@ def test_cuda_runner_greedy_tokens_equal_the_dequantized_cpu_runner(gguf_model) 
     engine.check_integrity()
 
 
+@GGUF_TOKENIZERS_OF_5_18
 def test_granite_q8_0_packed_greedy_tokens_equal_the_dequantized_cpu_runner(tmp_path) -> None:
     path = write_gguf(tiny_model("granite"), tmp_path / "granite.gguf", T.Q8_0)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

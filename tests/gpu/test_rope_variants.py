@@ -18,7 +18,7 @@ from vivace.gpu.fp8_linear import Fp8Linear  # noqa: E402
 from vivace.gpu.gguf_linear import GgufLinear  # noqa: E402
 from vivace.models import load_model  # noqa: E402
 
-from .conftest import DEVICE  # noqa: E402
+from .conftest import DEVICE, GGUF_TOKENIZERS_OF_5_18  # noqa: E402
 from .test_fp8_linear import prompt_logits, write_fp8_checkpoint  # noqa: E402
 
 
@@ -50,6 +50,7 @@ def test_fp8_checkpoint_rows_as_the_float_model_holds_them(phi3, tmp_path) -> No
         assert torch.equal(ours.self_attn.qkv_proj.dequantize().cpu(), theirs.self_attn.qkv_proj.weight)
 
 
+@GGUF_TOKENIZERS_OF_5_18
 def test_gguf_blocks_rows_as_the_float_model_holds_them(phi3, tmp_path) -> None:
     hf, _ = phi3
     path = write_gguf(hf, tmp_path / "phi3-q8.gguf", gguf.GGMLQuantizationType.Q8_0)
