@@ -3,7 +3,7 @@ alone gives a closed loop of streams, apart from the server and the host work ar
 
 Each step's batch comes from the real ``Scheduler`` (its KV manager and the pacer the CUDA
 runner's engine builds: no rows path, eager steps filled); its duration is a cost model of the
-8B shape on an H200 (docs/benchmarks.md, "The CUDA backend on a GPU: second run"), plus
+8B shape on an H200 (docs/benchmarks.md, "The CUDA backend on a GPU: third run"), plus
 ``--host-ms`` of host work a step; the pacer learns from those durations as the engine's does.
 ``--streams`` clients each send a ``--prompt``-token request for ``--output`` tokens at once,
 and another as each finishes, until ``--requests`` were sent.
@@ -30,12 +30,16 @@ from vivace.engine.request import Request
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import Scheduler
 
-# Measured, Llama-3.1-8B shape, bf16, H200: the engine's decode step with the device sampler by
-# batch (ms), and the prompt-step graph of T tokens, ~3.38 + 0.0246 T ms (128: 6.53, 512: 15.97),
-# never below the decode step; an eager prompt step ~13.4 ms at least (its host launches).
-DECODE_MS = ((1, 5.05), (8, 5.38), (32, 6.32), (64, 7.26))
+# Measured, Llama-3.1-8B shape, bf16, H200 (docs/benchmarks.md, "third run"): the engine's decode
+# step with the device sampler by batch (ms); the prompt-step graph of T tokens, ~4.28 + 0.0174 T
+# ms (128: 6.50, 512: 13.17), never below the decode step; an eager prompt step ~13.4 ms at least
+# (its host launches); and what each decode row riding in a prompt step adds to it (the served
+# 64-stream run's step records: ~14.6 ms with ~10 rows, ~22 ms with ~57, at 512 tokens),
+# ``--prompt-row-ms`` to price another attention for those rows.
+DECODE_MS = ((1, 5.20), (8, 5.69), (32, 6.44), (64, 7.47))
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
-PROMPT_MS, PROMPT_MS_PER_TOKEN, EAGER_MS, SAMPLER_MS = 3.38, 0.0246, 13.4, 0.4
+PROMPT_MS, PROMPT_MS_PER_TOKEN, EAGER_MS, SAMPLER_MS = 4.28, 0.0174, 13.4, 0.4
+PROMPT_ROW_MS = 0.16
 
 
 def decode_ms(rows: int) -> float:
@@ -46,17 +50,19 @@ def decode_ms(rows: int) -> float:
     return DECODE_MS[-1][1]
 
 
-def prompt_step_ms(tokens: int, decode_rows: int, eager: bool) -> float:
-    """A step carrying prompt tokens, ``tokens`` in all: the graph of the smallest bucket holding
-    them, or the eager step (past the buckets, or with ``eager``)."""
+def prompt_step_ms(tokens: int, decode_rows: int, eager: bool, row_ms: float = PROMPT_ROW_MS) -> float:
+    """A step carrying prompt tokens, ``tokens`` in all (``decode_rows`` of them decodes, each
+    adding ``row_ms``): the graph of the smallest bucket holding them, or the eager step (past the
+    buckets, or with ``eager``)."""
     bucket = None if eager else next((b for b in PROMPT_BUCKETS if b >= tokens), None)
+    rows = row_ms * decode_rows
     if bucket is None:
-        return max(EAGER_MS, PROMPT_MS + PROMPT_MS_PER_TOKEN * tokens) + SAMPLER_MS
-    return max(decode_ms(decode_rows), PROMPT_MS + PROMPT_MS_PER_TOKEN * bucket) + SAMPLER_MS
+        return max(EAGER_MS, PROMPT_MS + PROMPT_MS_PER_TOKEN * tokens + rows) + SAMPLER_MS
+    return max(decode_ms(decode_rows), PROMPT_MS + PROMPT_MS_PER_TOKEN * bucket + rows) + SAMPLER_MS
 
 
 def simulate(streams: int, requests: int, prompt: int, output: int, host_ms: float, eager: bool,
-             config: EngineConfig) -> dict[str, float]:
+             config: EngineConfig, row_ms: float = PROMPT_ROW_MS) -> dict[str, float]:
     kv = KVCacheManager(60_000, config.block_size, enable_prefix_caching=False)
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, None,
                           pacer_for(config, 0, fill_eager=True, token_buckets=() if eager else PROMPT_BUCKETS))
@@ -80,7 +86,7 @@ def simulate(streams: int, requests: int, prompt: int, output: int, host_ms: flo
         if not batch:
             break
         if batch.num_prompt_tokens:
-            ms = prompt_step_ms(batch.total_tokens, batch.num_decode_tokens, eager)
+            ms = prompt_step_ms(batch.total_tokens, batch.num_decode_tokens, eager, row_ms)
             prompt_steps += 1
         else:
             ms = decode_ms(batch.num_decode_tokens) + SAMPLER_MS
@@ -111,13 +117,15 @@ def main() -> None:
     parser.add_argument("--host-ms", type=float, default=0.3, help="host work a step, beside the device's")
     parser.add_argument("--eager", action="store_true", help="prompt steps eager (no prompt-step graphs)")
     parser.add_argument("--itl-target-ms", type=float, default=None, help="as vivace serve's")
+    parser.add_argument("--prompt-row-ms", type=float, default=PROMPT_ROW_MS,
+                        help="what a decode row adds to a prompt step (the decode step's is ~0.03)")
     args = parser.parse_args()
     config = EngineConfig(model="-", itl_target_ms=args.itl_target_ms)
     print("| streams | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | steps with prompt |")
     print("|---|---|---|---|---|---|---|")
     for streams in map(int, args.streams.split(",")):
         r = simulate(streams, streams * args.requests_per_stream, args.prompt, args.output, args.host_ms,
-                     args.eager, config)
+                     args.eager, config, args.prompt_row_ms)
         print(f"| {streams} | {r['tokens_per_s']:,.0f} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | "
               f"{r['itl_p50_ms']:.2f} ms | {r['itl_p99_ms']:.2f} ms | {r['prompt_steps']} of {r['steps']} |")
 
