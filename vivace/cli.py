@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -346,11 +347,13 @@ async def stream_reply(engine: Any, prompt_ids: list[int], args: argparse.Namesp
     sampling = {**CLI_SAMPLING_FALLBACKS, **engine.sampling_defaults, **given}
     params = SamplingParams(**{**sampling, "max_tokens": min(args.max_tokens, room)})
     text, last = "", None
-    async for last in engine.generate(prompt_ids, params, uuid.uuid4().hex):
-        for delta in last.outputs:
-            text += delta.text
-            out.write(delta.text)
-            out.flush()
+    stream = engine.generate(prompt_ids, params, uuid.uuid4().hex)
+    async with contextlib.aclosing(stream):
+        async for last in stream:
+            for delta in last.outputs:
+                text += delta.text
+                out.write(delta.text)
+                out.flush()
     return text, _speed_line(engine, last)
 
 

@@ -58,12 +58,32 @@ async def test_abort_and_early_close_free_the_blocks(engine):
     closed = engine.generate("close me", params, "to-close")
     await anext(closed)
     await closed.aclose()
-    for _ in range(200):  # the abort command is applied by the engine thread within a step
+    stats = await settled(engine, lambda stats: stats.num_running == 0 and stats.num_waiting == 0)
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+    engine.check_integrity()
+
+
+async def settled(engine, done):
+    """The engine's stats once ``done(stats)`` holds, or after ~2 s (commands are applied by the
+    engine thread within a step)."""
+    for _ in range(200):
         stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0:
+        if done(stats):
             break
         await asyncio.sleep(0.01)
+    return stats
+
+
+async def test_generate_queues_the_request_before_its_stream_is_read(engine):
+    """A streamed response queues its request before sending its headers: the engine takes it up
+    at the call, and closing the stream unread still aborts it and frees its blocks."""
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    stream = engine.generate("queued at the call", params, "queued")
+    assert (await settled(engine, lambda stats: stats.num_running == 1)).num_running == 1
+    await stream.aclose()
+    stats = await settled(engine, lambda stats: stats.num_running == 0 and stats.num_waiting == 0)
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+    assert "queued" not in engine._streams
     engine.check_integrity()
 
 

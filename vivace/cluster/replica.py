@@ -3,6 +3,7 @@ ingress; and what crosses between them."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import AsyncIterator
@@ -64,9 +65,10 @@ class EngineReplica:
         if not self.engine.is_running:  # before the start: the ingress sends it elsewhere
             raise EngineDeadError(f"the engine has stopped: {self.engine.error!r}")
         yield self.replica_id
-        async for output in self.engine.generate(call.prompt_ids, call.params, call.request_id,
-                                                 call.priority, call.deadlines):
-            yield output
+        stream = self.engine.generate(call.prompt_ids, call.params, call.request_id, call.priority, call.deadlines)
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                yield output
 
     def stats(self) -> dict[str, Any]:
         """This replica's identity, its engine's EngineStats fields and its step timings."""

@@ -10,7 +10,6 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from vivace.config import EngineConfig
 from vivace.engine.deadlines import DeadlineQueue, Deadlines, QueueTimeoutError, RequestTimeoutError
@@ -35,6 +34,50 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     seed = None if params.seed is None else params.seed + index
     return dataclasses.replace(params, n=1, seed=seed, stop=list(params.stop),
                                stop_token_ids=list(params.stop_token_ids))
+
+
+class OutputStream:
+    """One request's delta outputs from ``AsyncEngine.generate``, iterated once. Its end, ``aclose``
+    or ``cancel`` forgets the request's choices, aborting those not finished (so a stream closed
+    before its first output, which an async generator could not notice, still frees the engine)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, ids: list[str], sink: asyncio.Queue) -> None:
+        self._engine, self.request_id, self._ids, self._sink = engine, request_id, ids, sink
+        self._remaining = set(ids)
+        self._closed = False
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await self._sink.get()
+        except BaseException:  # cancelled while waiting: the request goes with the waiter
+            self.cancel()
+            raise
+        if isinstance(item, BaseException):
+            self.cancel()
+            raise item
+        if item.finished:
+            self._remaining.discard(item.request_id)
+        if not self._remaining:
+            self.cancel()
+        return dataclasses.replace(item, request_id=self.request_id, finished=not self._remaining)
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Forget the request's choices, aborting the unfinished ones in the engine. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for sub_id in self._ids:
+            self._engine._streams.pop(sub_id, None)
+            if sub_id in self._remaining:
+                self._engine._commands.put(("abort", sub_id))
 
 
 class AsyncEngine:
@@ -162,14 +205,16 @@ class AsyncEngine:
         if stream is not None:
             stream[0].call_soon_threadsafe(stream[1].put_nowait, exc)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0,
-                       deadlines: Deadlines = Deadlines()) -> AsyncIterator[RequestOutput]:
-        """Stream delta outputs of all ``params.n`` choices; the last has ``finished`` True.
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 priority: int = 0, deadlines: Deadlines = Deadlines()) -> OutputStream:
+        """Queue the request for the engine thread now, and return the stream of delta outputs of
+        all ``params.n`` choices (the last has ``finished`` True): the engine starts on it while the
+        caller is still busy, say sending a streamed response's headers.
 
-        Raises ValueError for a request that can never fit, EngineDeadError if the engine
-        died, QueueTimeoutError or RequestTimeoutError past one of ``deadlines`` (counted
-        from this call; the request is then aborted). Closing the iterator early aborts it.
+        Raises ValueError for a request that can never fit and EngineDeadError if the engine
+        died (here); the stream raises QueueTimeoutError or RequestTimeoutError past one of
+        ``deadlines`` (counted from this call; the request is then aborted). Closing the stream
+        before its end, or ``cancel``, aborts the choices not finished.
         """
         arrival = time.perf_counter()
         if not self.is_running:
@@ -184,20 +229,7 @@ class AsyncEngine:
             self._streams[sub_id] = (loop, sink, index)
             self._commands.put(("add", sub_id, prompt_ids, choice_params(params, index), priority,
                                 arrival, deadlines))
-        remaining = set(ids)
-        try:
-            while remaining:
-                item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    remaining.discard(item.request_id)
-                yield dataclasses.replace(item, request_id=request_id, finished=not remaining)
-        finally:
-            for sub_id in ids:
-                self._streams.pop(sub_id, None)
-                if sub_id in remaining:
-                    self._commands.put(("abort", sub_id))
+        return OutputStream(self, request_id, ids, sink)
 
     def compile_grammar(self, structured: StructuredOutput) -> None:
         """Raise ValueError (naming the problem) unless ``structured`` compiles. Thread-safe."""

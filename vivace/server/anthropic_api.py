@@ -19,7 +19,7 @@ from vivace.server.anthropic_protocol import MessagesPrompt, MessagesRequest
 from vivace.server.anthropic_stream import MessageEvents, complete, error_frame, input_object, message_events
 from vivace.server.chat import StartedChat, render_chat, start_chat
 from vivace.server.errors import APIError, renamed
-from vivace.server.generation import run_whole
+from vivace.server.generation import run_whole, submitted
 from vivace.server.prompts import parse_body
 from vivace.server.sse import sse_response
 from vivace.server.state import server_state
@@ -53,7 +53,8 @@ async def create_message(request: Request) -> Response:
     clamped = job.params.max_tokens < body.max_tokens
     if body.stream:
         events = MessageEvents(message, chat.calls, chat.thinking, chat.tool_format, body.show_thinking())
-        return sse_response(message_events(job, events, clamped), chat.ticket.release,
+        on_close = submitted([job], chat.ticket.release)
+        return sse_response(message_events(job, events, clamped), on_close,
                             state.metrics.work["sse_write"], end="", error_frame=error_frame)
     if not await run_whole(request, job, chat.ticket.release):
         return Response(status_code=499)

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from vivace.engine.outputs import CompletionOutput, TokenLogprob
 from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
-from vivace.server.generation import EngineRequest, run_whole, timings_of, usage_with_thinking
+from vivace.server.generation import EngineRequest, run_whole, submitted, timings_of, usage_with_thinking
 from vivace.server.prompts import chat_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params
 from vivace.server.reasoning import Split, Thinking, ThoughtSplitter, effort_template_kwargs
 from vivace.server.request_id import request_id_of
@@ -43,8 +43,9 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest, state.metrics.work["parse"])
     chat = await start_chat(request, body, "chatcmpl-")
     if body.stream:
+        on_close = submitted([chat.job], chat.ticket.release)
         return sse_response(_chunks(chat, state.model_name(body.model), body.include_usage(), body.continuous_usage()),
-                            chat.ticket.release, state.metrics.work["sse_write"])
+                            on_close, state.metrics.work["sse_write"])
     if not await run_whole(request, chat.job, chat.ticket.release):
         return Response(status_code=499)
     return JSONResponse(_response(chat, state.model_name(body.model), body.prompt_logprobs).model_dump(mode="json"))

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from vivace.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vivace.server.errors import APIError
 from vivace.server.generation import (
-    ClientDisconnected, EngineRequest, merge, timings_of, unless_disconnected, usage_of)
+    ClientDisconnected, EngineRequest, merge, submitted, timings_of, unless_disconnected, usage_of)
 from vivace.server.prompts import (
     completion_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params)
 from vivace.server.request_id import request_id_of
@@ -50,9 +50,10 @@ async def create_completion(request: Request) -> Response:
                       if body.echo else "")
     ticket = state.admission.admit(caller.api_key, caller.tier, jobs)
     if body.stream:
+        on_close = submitted(jobs, ticket.release)
         return sse_response(_chunks(jobs, echoes, request_id, state.model_name(body.model), body.include_usage(),
                                     body.continuous_usage(), body.echo and body.logprobs is not None),
-                            ticket.release, state.metrics.work["sse_write"])
+                            on_close, state.metrics.work["sse_write"])
     try:
         await unless_disconnected(request, _run_all(jobs))
     except ClientDisconnected:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -21,7 +21,7 @@ from vivace.server.errors import APIError
 from vivace.server.responses import CompletionTokensDetails, ResponseTimings, Usage
 
 if TYPE_CHECKING:
-    from vivace.engine.async_engine import AsyncEngine
+    from vivace.engine.async_engine import AsyncEngine, OutputStream
     from vivace.server.metrics import ServerMetrics
     from vivace.server.reasoning import Thinking
 
@@ -57,6 +57,50 @@ class ChoiceState:
             self.finish_reason, self.stop_reason = delta.finish_reason.value, delta.stop_reason
 
 
+@contextlib.contextmanager
+def _engine_errors(job: EngineRequest) -> Iterator[None]:
+    """The engine's errors for ``job`` as the APIError a client gets (this request only: the
+    server goes on)."""
+    try:
+        yield
+    except ValueError as exc:  # the engine refuses requests that can never fit its KV pool
+        raise APIError(400, str(exc), code="invalid_request") from None
+    except (RequestFailedError, EngineStepError) as exc:
+        logger.warning("request %s failed in the engine: %s", job.engine_id, exc)
+        raise APIError(500, f"The engine could not complete this request: {exc}",
+                       code="request_failed") from None
+    except EngineDeadError as exc:  # /health says 503 too
+        raise APIError(503, f"The engine has stopped: {exc}", code="engine_dead") from None
+    except QueueTimeoutError:
+        job.metrics.record_timeout("queue")
+        raise APIError(503, f"The request waited more than {job.deadlines.max_queue_delay} s "
+                            "to be scheduled; retry later", code="queue_timeout", retry_after=1) from None
+    except RequestTimeoutError:
+        job.metrics.record_timeout("request")
+        raise APIError(504, f"The request ran longer than its {job.deadlines.timeout} s timeout",
+                       code="request_timeout") from None
+
+
+def submitted(jobs: list[EngineRequest], release: Callable[[], None]) -> Callable[[], None]:
+    """Queue ``jobs`` on the engine now, before a streamed response starts, and return what that
+    response calls once it has ended: ``release`` (the admission ticket's), after abandoning any job
+    it never read. A job the engine refuses abandons those queued before it, releases, and raises."""
+    def on_close() -> None:
+        try:
+            for job in jobs:
+                job.abandon()
+        finally:
+            release()
+
+    try:
+        for job in jobs:
+            job.submit()
+    except BaseException:
+        on_close()
+        raise
+    return on_close
+
+
 class EngineRequest:
     """One request on the engine. Iterate :meth:`deltas` once; ``choices`` and ``last``
     accumulate as it goes. Abandoning the iteration aborts the request in the engine;
@@ -77,6 +121,8 @@ class EngineRequest:
         self.deadlines = deadlines
         self.choices = [ChoiceState(i) for i in range(params.n)]
         self.last: RequestOutput | None = None
+        self._stream: OutputStream | None = None
+        self._started = False  # deltas began (or abandon ran): the stream is theirs to close
         try:
             engine.validate(prompt_ids, params)
         except ValueError as exc:  # e.g. more KV cache than the whole pool: a 400 before any stream starts
@@ -90,35 +136,45 @@ class EngineRequest:
     def finished(self) -> bool:
         return self.last is not None and self.last.finished
 
+    def submit(self) -> None:
+        """Queue the request on the engine now (``deltas`` does it otherwise, when it starts): a
+        streamed response does it before its headers go out, so the prompt's step does not wait
+        for them. Raises APIError as ``deltas`` would (a dead engine: 503); idempotent."""
+        if self._stream is None:
+            with _engine_errors(self):
+                self._stream = self.engine.generate(self.prompt_ids, self.params, self.engine_id, self.priority,
+                                                    self.deadlines)
+
+    def abandon(self) -> None:
+        """Abort a submitted request whose ``deltas`` never started (their end aborts the others),
+        and record it; nothing otherwise."""
+        if self._stream is not None and not self._started:
+            self._started = True
+            cancel = getattr(self._stream, "cancel", None)  # a remote engine's stream: not started yet
+            if cancel is not None:
+                cancel()
+            for choice in self.choices:
+                choice.finish_reason = choice.finish_reason or "abort"
+            self.metrics.record_request(self)
+
     async def deltas(self) -> AsyncGenerator[RequestOutput, None]:
         """The engine's delta outputs, each already folded into ``choices``."""
-        stream = self.engine.generate(self.prompt_ids, self.params, self.engine_id, self.priority,
-                                      self.deadlines)
+        if self._started:
+            raise RuntimeError(f"request {self.engine_id} is iterated twice")
+        self._started = True
         try:
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    for delta in out.outputs:
-                        self.choices[delta.index].add(delta)
-                        if out.prompt_logprobs is not None:
-                            self.choices[delta.index].prompt_logprobs = out.prompt_logprobs
-                    self.last = out
-                    yield out
-        except ValueError as exc:  # the engine refuses requests that can never fit its KV pool
-            raise APIError(400, str(exc), code="invalid_request") from None
-        except (RequestFailedError, EngineStepError) as exc:  # this request only; the server goes on
-            logger.warning("request %s failed in the engine: %s", self.engine_id, exc)
-            raise APIError(500, f"The engine could not complete this request: {exc}",
-                           code="request_failed") from None
-        except EngineDeadError as exc:  # /health says 503 too
-            raise APIError(503, f"The engine has stopped: {exc}", code="engine_dead") from None
-        except QueueTimeoutError:
-            self.metrics.record_timeout("queue")
-            raise APIError(503, f"The request waited more than {self.deadlines.max_queue_delay} s "
-                                "to be scheduled; retry later", code="queue_timeout", retry_after=1) from None
-        except RequestTimeoutError:
-            self.metrics.record_timeout("request")
-            raise APIError(504, f"The request ran longer than its {self.deadlines.timeout} s timeout",
-                           code="request_timeout") from None
+            with _engine_errors(self):
+                if self._stream is None:
+                    self._stream = self.engine.generate(self.prompt_ids, self.params, self.engine_id,
+                                                        self.priority, self.deadlines)
+                async with contextlib.aclosing(self._stream) as stream:
+                    async for out in stream:
+                        for delta in out.outputs:
+                            self.choices[delta.index].add(delta)
+                            if out.prompt_logprobs is not None:
+                                self.choices[delta.index].prompt_logprobs = out.prompt_logprobs
+                        self.last = out
+                        yield out
         finally:
             if not self.finished:
                 self.engine.abort(self.engine_id)

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from vivace.server.chat import StartedChat, start_chat
 from vivace.server.errors import APIError, renamed
-from vivace.server.generation import EngineRequest, run_whole, usage_with_thinking
+from vivace.server.generation import EngineRequest, run_whole, submitted, usage_with_thinking
 from vivace.server.prompts import parse_body
 from vivace.server.responses_objects import (
     FunctionToolCall, OutputMessage, OutputText, ReasoningItem, ReasoningText, ResponseObject)
@@ -44,8 +44,9 @@ async def create_response(request: Request) -> Response:
         raise _in_responses_terms(exc) from None
     answer = _settings(body, chat.job, state.model_name(body.model))
     if body.stream:
+        on_close = submitted([chat.job], chat.ticket.release)
         return sse_response(response_events(chat.job, answer, chat.calls, chat.thinking, chat.tool_format),
-                            chat.ticket.release,
+                            on_close,
                             state.metrics.work["sse_write"], end="")
     if not await run_whole(request, chat.job, chat.ticket.release):
         return Response(status_code=499)
