@@ -11,8 +11,9 @@ Triton's interpreter with every launch recorded and not run, the interpreter's w
 (float32 dots, whole-row sampling programs) so that each launch is the one a GPU gets: per
 preset (random weights, ``--layers`` decoder layers, its widths real), weight format and KV
 dtype, the decode graphs of every batch bucket up to ``--max-batch`` with their device-sampler
-graphs and speculative verification graphs, the batch-1 GEMV candidates of ``choose_gemv``, and
-a 512-token prefill; per ``--models`` entry (a preset-free model: the default GGUF, Gemma 3) the
+graphs and speculative verification graphs, the prompt-step graphs up to 512 tokens (their decode
+rows through the decode kernel), the batch-1 GEMV candidates of ``choose_gemv``, and a 512-token
+prefill; per ``--models`` entry (a preset-free model: the default GGUF, Gemma 3) the
 same with its weights as stored. Compiling: each distinct launch (kernel, argument dtypes and
 constexprs, num_warps/num_stages) through ``triton.compile`` for ``GPUTarget("cuda", arch, 32)``
 with the installed Triton and its ptxas, then its registers, stack and spill bytes
@@ -102,7 +103,8 @@ def exercise(loaded, label: str, kv_dtype, launches: dict[str, dict], max_batch:
     before = len(launches)
     block_size, max_len = 16, 2048
     runner = CudaRunner(loaded, max_batch * (max_len // block_size), block_size, kv_dtype, max_len, device="cpu",
-                        cuda_graph_max_batch=max_batch, verify_batch=min(8, max_batch), verify_tokens=4)
+                        cuda_graph_max_batch=max_batch, verify_batch=min(8, max_batch), verify_tokens=4,
+                        prefill_graph_tokens=prompt_len)
     timer = gpu_forward._time_us
     gpu_forward._time_us = lambda fn, repeats: (fn(), 1.0)[1]  # each candidate launched once, no timing
     try:

@@ -1,6 +1,7 @@
 """Each Triton kernel against a float32 torch reference at tiny shapes (the interpreter is slow on
 CPU): paged decode attention (GQA packed, split-K, window, mixed dtypes), paged prefill attention
-(chunks after a cached context, causal, window, a mixed batch), rotary + KV write (with per-head
+(chunks after a cached context, causal, window, a mixed batch, its decode rows through the decode
+kernel), rotary + KV write (with per-head
 q/k norms), add + RMSNorm, SiLU * mul, GELU-tanh * mul; and the attention launch's shape rules."""
 
 from __future__ import annotations
@@ -96,10 +97,23 @@ def test_paged_decode_attention_16_bit_within_tolerance(q_dtype: torch.dtype, kv
         torch.testing.assert_close(out[i:i + 1].float(), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_paged_prefill_attention_mixed_batch(window: int | None) -> None:
+def prompt_step_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor,
+                          seq_lens: torch.Tensor, max_query_len: int, scale: float, window: int | None = None,
+                          splits: int = 0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A prompt step's attention as the forward launches it: the prefill kernel alone (``splits``
+    0), or it for the chunks and the decode kernel with ``splits`` for the decode rows."""
+    out = kernels.paged_prefill_attention(q, cache, tables, starts, seq_lens, max_query_len, scale, window,
+                                          block_m=16, block_n=16, kv_scale=kv_scale, decodes_apart=splits > 0)
+    if splits:
+        kernels.paged_decode_attention(q, cache, tables, seq_lens, scale, window, splits, out, block_n=16,
+                                       kv_scale=kv_scale, query_start=starts)
+    return out
+
+
+@pytest.mark.parametrize("window, splits", [(None, 0), (6, 0), (None, 1), (6, 3)])
+def test_paged_prefill_attention_mixed_batch(window: int | None, splits: int) -> None:
     """Three sequences: a whole prompt, a chunk after a cached context (a prefix-cache hit or a
-    later chunk), and a decode row."""
+    later chunk), and a decode row (``splits`` > 0: through the decode kernel)."""
     heads, kv_heads, head_dim = 4, 2, 16
     # The prompt spans two blocks of 16 queries; the others' second blocks are empty.
     query_lens, seq_lens = [18, 5, 1], [18, 14, 11]
@@ -108,8 +122,8 @@ def test_paged_prefill_attention_mixed_batch(window: int | None) -> None:
     q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     starts = torch.tensor([0, 18, 23, 24], dtype=torch.int32, device=DEVICE)
     scale = 0.3
-    out = kernels.paged_prefill_attention(q, cache, as_tensor(tables), starts, torch.tensor(seq_lens, device=DEVICE),
-                                          max(query_lens), scale, window, block_m=16, block_n=16)
+    out = prompt_step_attention(q, cache, as_tensor(tables), starts, torch.tensor(seq_lens, device=DEVICE),
+                                max(query_lens), scale, window, splits)
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         k, v = gather(cache, tables[i], seq_len)
         rows = slice(int(starts[i]), int(starts[i + 1]))
@@ -141,6 +155,48 @@ def test_paged_prefill_attention_finds_each_chunk_in_a_flat_grid() -> None:
             rows = slice(starts[i], starts[i + 1])
             positions = torch.arange(seq_len - q_len, seq_len, device=DEVICE)
             torch.testing.assert_close(out[rows], reference(q[rows], k, v, positions, 0.25, None), rtol=1e-5, atol=1e-5)
+    assert (out[starts[-1]:] == 7.0).all()
+
+
+@pytest.mark.parametrize("splits, window", [(1, None), (4, None), (3, 5)])
+def test_decode_rows_of_a_prompt_step_take_the_decode_kernel(splits: int, window: int | None) -> None:
+    """A prompt step's sequences of one query (decode rows, one at position 0) between a whole
+    prompt, a chunk after a cached context and sequences with no queries, a graph's padding rows
+    past them all: the prefill kernel with ``decodes_apart`` leaves the decode rows unwritten, the
+    decode kernel with ``query_start`` writes them (GQA-packed, split-K) and nothing else, and the
+    two give the reference, as the prefill kernel alone does."""
+    heads, kv_heads, head_dim = 4, 2, 16
+    query_lens = [1, 18, 1, 0, 5, 1, 1, 0]
+    seq_lens = [9, 18, 30, 0, 14, 1, 7, 0]
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    tokens = starts[-1] + 3
+    cache = random_cache(40, kv_heads, head_dim, seed=10)
+    tables = as_tensor(tables_for([max(length, 1) for length in seq_lens], 40, seed=11))
+    q = torch.randn(tokens, heads, head_dim, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    starts_t = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, 7.0)
+    kernels.paged_prefill_attention(q, cache, tables, starts_t, lens_t, max(query_lens), 0.25, window, out=out,
+                                    block_m=16, block_n=16, decodes_apart=True)
+    decode_rows = torch.zeros(tokens, dtype=torch.bool, device=DEVICE)
+    decode_rows[[start for start, q_len in zip(starts, query_lens) if q_len == 1]] = True
+    assert (out[decode_rows] == 7.0).all()
+    prefilled = out.clone()
+    kernels.paged_decode_attention(q, cache, tables, lens_t, 0.25, window, splits, out, block_n=16,
+                                   query_start=starts_t)
+    assert torch.equal(out[~decode_rows], prefilled[~decode_rows])
+    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        if q_len:
+            k, v = gather(cache, tables[i].tolist(), seq_len)
+            rows = slice(starts[i], starts[i + 1])
+            positions = torch.arange(seq_len - q_len, seq_len, device=DEVICE)
+            torch.testing.assert_close(out[rows], reference(q[rows], k, v, positions, 0.25, window), rtol=1e-5,
+                                       atol=1e-5)
+    alone = kernels.paged_prefill_attention(q, cache, tables, starts_t, lens_t, max(query_lens), 0.25, window,
+                                            block_m=16, block_n=16)
+    torch.testing.assert_close(out[:starts[-1]], alone[:starts[-1]], rtol=1e-5, atol=1e-5)
     assert (out[starts[-1]:] == 7.0).all()
 
 

@@ -1,7 +1,8 @@
 """The float8 (e4m3) KV cache, ``--kv-cache-dtype fp8``: the rotary + K/V write quantizes exactly as
 torch does (divide by the head's scale, clamp to +-448, round to nearest even); decode and prefill
-attention over a float8 cache equal a float32 reference over the dequantized cache (tight) and stay
-near one over the unquantized values (loose); scales from a checkpoint or from calibration; a tiny
+attention (a prompt step's decode rows through the decode kernel too) over a float8 cache equal a
+float32 reference over the dequantized cache (tight) and stay near one over the unquantized values
+(loose); scales from a checkpoint or from calibration; a tiny
 Llama through the CUDA runner with a float8 cache decodes as with a float32 one."""
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from vivace.gpu import kernels, kv_fp8  # noqa: E402
 from vivace.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 from .conftest import DEVICE  # noqa: E402
-from .test_kernels import BLOCK, as_tensor, gather, random_cache, reference, tables_for  # noqa: E402
+from .test_kernels import (BLOCK, as_tensor, gather, prompt_step_attention, random_cache, reference,  # noqa: E402
+                           tables_for)
 from .test_runner import with_cuda_runner  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -94,9 +96,11 @@ def test_paged_decode_attention_over_fp8(q_dtype: torch.dtype, splits: int, wind
         torch.testing.assert_close(out[i:i + 1].float(), exact, rtol=0.1, atol=0.1 * exact.abs().max().item())
 
 
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_paged_prefill_attention_over_fp8(q_dtype: torch.dtype) -> None:
-    """A whole prompt, a chunk after a cached context and a decode row, over a float8 cache."""
+@pytest.mark.parametrize("q_dtype, splits", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 2),
+                                             (torch.bfloat16, 1)])
+def test_paged_prefill_attention_over_fp8(q_dtype: torch.dtype, splits: int) -> None:
+    """A whole prompt, a chunk after a cached context and a decode row, over a float8 cache
+    (``splits`` > 0: the decode row through the decode kernel, as a prompt step's)."""
     heads, kv_heads, head_dim = 4, 2, 16
     query_lens, seq_lens = [18, 5, 1], [18, 14, 11]
     scales = torch.tensor([[2.0, 0.125], [1.0, 0.7]], device=DEVICE)
@@ -105,8 +109,8 @@ def test_paged_prefill_attention_over_fp8(q_dtype: torch.dtype) -> None:
     q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(26)).to(DEVICE, q_dtype)
     starts = torch.tensor([0, 18, 23, 24], dtype=torch.int32, device=DEVICE)
     scale = 0.01
-    out = kernels.paged_prefill_attention(q, cache, as_tensor(tables), starts, torch.tensor(seq_lens, device=DEVICE),
-                                          max(query_lens), scale, block_m=16, block_n=16, kv_scale=scales)
+    out = prompt_step_attention(q, cache, as_tensor(tables), starts, torch.tensor(seq_lens, device=DEVICE),
+                                max(query_lens), scale, splits=splits, kv_scale=scales)
     tight = 1e-5 if q_dtype == torch.float32 else 2e-2
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         rows = slice(int(starts[i]), int(starts[i + 1]))

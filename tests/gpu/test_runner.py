@@ -120,8 +120,9 @@ def test_prompt_logits_equal_transformers(family) -> None:
 
 def test_prompt_step_graphs_keep_greedy_tokens(tiny_model_dir, monkeypatch) -> None:
     """Steps that carry prompt tokens replay the prefill graphs (eager stand-ins on CPU): whole
-    prompts, 5-token chunks beside decode rows, prefix-cache hits, padded to the bucket; a step of
-    more sequences than the graphs hold runs eagerly. The tokens are the CPU runner's."""
+    prompts, 5-token chunks beside decode rows (those through the decode kernel), prefix-cache
+    hits, padded to the bucket; a step of more sequences than the graphs hold runs eagerly. The
+    tokens are the CPU runner's."""
     config = dict(num_kv_blocks=48, block_size=4, max_num_batched_tokens=5, max_model_len=64, device="cpu")
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][3:]]
     plain = [o.outputs[0].token_ids for o in LLM(str(tiny_model_dir), **config).generate(prompts, greedy())]
@@ -136,8 +137,13 @@ def test_prompt_step_graphs_keep_greedy_tokens(tiny_model_dir, monkeypatch) -> N
     replay = PrefillGraphs.replay
     monkeypatch.setattr(PrefillGraphs, "replay",
                         lambda self, host, rows: (replayed.append(len(host.seq_lens)), replay(self, host, rows))[1])
+    decode_rows: list[bool] = []  # per decode attention launch: whether a prompt step's
+    attention = kernels.paged_decode_attention
+    monkeypatch.setattr(kernels, "paged_decode_attention",
+                        lambda *args, **kw: (decode_rows.append("query_start" in kw), attention(*args, **kw))[1])
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == plain
     assert 2 in replayed  # chunks beside a decode row (steps of 3 sequences ran eagerly)
+    assert graphs.decode_row_splits >= 1 and any(decode_rows)
     again = llm.generate(prompts[0], greedy())[0]  # a prompt alone, after a prefix-cache hit
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == plain[0] and replayed[-1] == 1
     engine.check_integrity()

@@ -5,13 +5,14 @@ with the table its config names (a NoPE layer's is the identity: cos 1, sin 0); 
 queries are scaled by position before the rotation, which is linear, so the scale commutes with it.
 
 Per Llama layer: add + RMSNorm (one launch), the fused q/k/v GEMM, rotary + K/V write (one launch,
-Qwen3's per-head q/k norms in it), paged attention (one launch, two with split-K), the output
-GEMM, add + RMSNorm, the gate/up GEMM, SiLU * mul, the down GEMM: 9-10 launches. A Gemma 3 layer
-adds a norm after attention and one after the MLP, and gates with GELU (tanh). Every tensor's
-shape depends on the batch's rows only, never on sequence lengths, so a CUDA graph of a decode
-step replays for any lengths. Projections go through ``linear``: cuBLAS (``F.linear``), at batch
-1 the Triton GEMV where it was measured faster at start (``choose_gemv``), or the module's own
-forward for a GGUF projection kept packed (``gguf_linear``) or an FP8 one (``fp8_linear``).
+Qwen3's per-head q/k norms in it), paged attention (one launch, two with split-K; a prompt step's
+single-query rows in the decode kernel, its chunks in the prefill kernel), the output GEMM, add +
+RMSNorm, the gate/up GEMM, SiLU * mul, the down GEMM: 9-10 launches. A Gemma 3 layer adds a norm
+after attention and one after the MLP, and gates with GELU (tanh). Every tensor's shape depends
+on the batch's rows only, never on sequence lengths, so a CUDA graph of a decode step replays for
+any lengths. Projections go through ``linear``: cuBLAS (``F.linear``), at batch 1 the Triton GEMV
+where it was measured faster at start (``choose_gemv``), or the module's own forward for a GGUF
+projection kept packed (``gguf_linear``) or an FP8 one (``fp8_linear``).
 
 At batch 1, where the Triton GEMV serves the projections, a Llama layer launches no norm kernel:
 an RMSNorm is handed on unevaluated (``Normed``) and the q/k/v and gate/up GEMVs take it as they
@@ -51,7 +52,9 @@ FOLD_ROPE = os.environ.get("VIVACE_FOLD_ROPE", "1") != "0"
 class GpuBatch:
     """One flat batch, as tensors on the device. Decode batches (one query per sequence, row i
     being sequence i) leave ``query_start`` None and use the decode kernel with ``num_splits``;
-    other batches list where each sequence's queries start (``[num_seqs + 1]``)."""
+    other batches list where each sequence's queries start (``[num_seqs + 1]``) and go through the
+    prefill kernel, but for their sequences of one query where ``decode_row_splits`` > 0: those
+    take the decode kernel with that many splits (0: the prefill kernel attends every row)."""
 
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
@@ -61,6 +64,7 @@ class GpuBatch:
     query_start: torch.Tensor | None = None  # [num_seqs + 1] int32
     max_query_len: int = 1
     num_splits: int = 1
+    decode_row_splits: int = 0
 
 
 def prompt_batch(ids: torch.Tensor, block_size: int) -> GpuBatch:
@@ -188,7 +192,12 @@ def _attention(attn: Attention, h: torch.Tensor | Normed, tables: dict[str, tupl
                                            batch.num_splits, kv_scale=kv_scale)
     else:
         o = kernels.paged_prefill_attention(q, cache, batch.block_tables, batch.query_start, batch.seq_lens,
-                                            batch.max_query_len, attn.scale, attn.window, kv_scale=kv_scale)
+                                            batch.max_query_len, attn.scale, attn.window, kv_scale=kv_scale,
+                                            decodes_apart=batch.decode_row_splits > 0)
+        if batch.decode_row_splits:
+            kernels.paged_decode_attention(q, cache, batch.block_tables, batch.seq_lens, attn.scale, attn.window,
+                                           batch.decode_row_splits, o, kv_scale=kv_scale,
+                                           query_start=batch.query_start)
     return linear(attn.o_proj, o.view(o.shape[0], -1), residual)
 
 

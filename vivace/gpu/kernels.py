@@ -226,14 +226,16 @@ def _rotated_heads(ROW, heads, h_mask, i, i_mask, cos, sin, NORM_W, eps, HEAD_DI
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, CACHE, KV_SCALE, BLOCK_TABLES, SEQ_LENS, OUT, M_OUT, L_OUT, COS, SIN, POSITIONS, SLOTS, Q_NORM, K_NORM,
+    Q, CACHE, KV_SCALE, BLOCK_TABLES, SEQ_LENS, QUERY_START, OUT, M_OUT, L_OUT, COS, SIN, POSITIONS, SLOTS, Q_NORM,
+    K_NORM,
     scale_log2, window, eps,
     stride_qb, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_sk, stride_bt,
     stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_cos,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, ROPE: tl.constexpr,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr, MIXED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: one sequence, one KV head with its GROUP query heads, one split of the keys.
     Queries and keys are multiplied as halves (``[.., :HALF]`` and ``[.., HALF:]``, two dots),
@@ -241,13 +243,19 @@ def _decode_attention_kernel(
     ``rotary_kv_write``'s work too: it rotates the query heads itself (every split), and the split
     that holds the new token (position ``seq_len - 1``) rotates its key, stores key and value at
     the token's slot, and attends it from registers, as stored: no program reads that slot, so
-    no write and read of one address meet within the launch."""
+    no write and read of one address meet within the launch. MIXED: the decode rows of a prompt
+    step, sequence b's query and output are row ``query_start[b]`` of Q and OUT, and a sequence
+    with other than one query is left to the prefill kernel (its programs scan and store nothing)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     scale_log2, v_scale = _head_scales(KV_SCALE, kvh, stride_sk, scale_log2, KV_FP8)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
+    q_row = b
+    if MIXED:
+        q_row, single = _single_query_row(QUERY_START, b)
+        seq_len = tl.where(single, seq_len, 0)
     start = tl.maximum(seq_len - window, 0)
     per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
@@ -258,6 +266,8 @@ def _decode_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     g_mask = g < GROUP
+    if MIXED:  # every load of Q and store of this program masked: another sequence's row may be past Q
+        g_mask = g < tl.where(single, GROUP, 0)  # not ``& single``: the interpreter's mask would be int
     i_mask = i < HALF
     d_mask = d < HEAD_DIM
     if ROPE:
@@ -269,7 +279,7 @@ def _decode_attention_kernel(
         q1, q2 = q1.to(Q.dtype.element_ty), q2.to(Q.dtype.element_ty)  # as the rotary kernel stores q
         cached = hi - (lo <= seq_len - 1).to(tl.int32) * (seq_len - 1 < hi).to(tl.int32)  # the new token aside
     else:
-        q_rows = Q + b * stride_qb + heads[:, None] * stride_qh + i[None, :]
+        q_rows = Q + q_row * stride_qb + heads[:, None] * stride_qh + i[None, :]
         q_mask = g_mask[:, None] & i_mask[None, :]
         q1 = tl.load(q_rows, mask=q_mask, other=0.0)
         q2 = tl.load(q_rows + HALF, mask=q_mask, other=0.0)
@@ -301,7 +311,7 @@ def _decode_attention_kernel(
         out = out * v_scale
     o_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
+        tl.store(OUT + q_row * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
                  mask=o_mask)
     else:
         tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
@@ -339,26 +349,42 @@ def _new_token(row, kvh, i, i_mask, d, d_mask, cos, sin, K_NORM, eps, CACHE, KV_
 
 
 @triton.jit
+def _single_query_row(QUERY_START, b):
+    """``(row, single)``: where sequence b's queries start in a flat batch, and whether it has one."""
+    row = tl.load(QUERY_START + b).to(tl.int64)
+    return row, tl.load(QUERY_START + b + 1).to(tl.int64) - row == 1
+
+
+@triton.jit
 def _combine_splits_kernel(
-    PARTIAL, M_IN, L_IN, OUT, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PARTIAL, M_IN, L_IN, QUERY_START, OUT, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ob,
+    stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MIXED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (sequence, head): the splits' partial outputs weighted by their softmax mass."""
+    """One program per (sequence, head): the splits' partial outputs weighted by their softmax mass.
+    MIXED: into row ``query_start[b]``, for a sequence of one query only (``_decode_attention_kernel``'s)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < NUM_SPLITS
-    m = tl.load(M_IN + b * stride_mb + h * stride_mh + s, mask=s_mask, other=float("-inf"))
-    l = tl.load(L_IN + b * stride_mb + h * stride_mh + s, mask=s_mask, other=0.0)
+    d_mask = d < HEAD_DIM
+    row, m_other, l_other = b, float("-inf"), 0.0
+    if MIXED:  # masks as in _decode_attention_kernel
+        row, single = _single_query_row(QUERY_START, b)
+        s_mask = s < tl.where(single, NUM_SPLITS, 0)
+        d_mask = d < tl.where(single, HEAD_DIM, 0)
+        # another sequence's program weighs empty splits alike: no NaN on the way to its masked store
+        m_other, l_other = tl.where(single, float("-inf"), 0.0), tl.where(single, 0.0, 1.0)
+    m = tl.load(M_IN + b * stride_mb + h * stride_mh + s, mask=s_mask, other=m_other)
+    l = tl.load(L_IN + b * stride_mb + h * stride_mh + s, mask=s_mask, other=l_other)
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max)) * l
     o = tl.load(PARTIAL + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(OUT + row * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
 def decode_splits(max_len: int, num_seqs: int, num_kv_heads: int, block_n: int = 64, num_sms: int = 132) -> int:
@@ -371,14 +397,22 @@ def decode_splits(max_len: int, num_seqs: int, num_kv_heads: int, block_n: int =
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None = None,
                            num_splits: int = 1, out: torch.Tensor | None = None, block_n: int = 64,
-                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_scale: torch.Tensor | None = None, query_start: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """Attention of one new query per sequence ``q`` ``[num_seqs, num_heads, head_dim]`` over the
     first ``seq_lens[i]`` cached tokens of sequence i (its own K/V already written), the last
     ``window`` only when given. Query heads sharing a KV head go in one program; with
     ``num_splits`` > 1 the keys are split among programs and combined (flash-decoding). The
     grid depends on shapes and ``num_splits`` only, never on the lengths: a CUDA graph holds it.
-    A float8 ``kv_cache`` needs its ``kv_scale``."""
-    return _decode_attention(q, kv_cache, block_tables, seq_lens, scale, window, num_splits, out, block_n, kv_scale)
+    A float8 ``kv_cache`` needs its ``kv_scale``.
+
+    With ``query_start`` (``[num_seqs + 1]``, a flat batch's, as ``paged_prefill_attention`` takes
+    it), the decode rows of a prompt step: ``q`` and ``out`` (required) are ``[num_tokens,
+    num_heads, head_dim]``, a sequence of one query has it at row ``query_start[i]``, and the rows
+    of other sequences are neither read nor written (the prefill kernel's, ``decodes_apart``)."""
+    assert query_start is None or (out is not None and query_start.shape == (seq_lens.shape[0] + 1,))
+    return _decode_attention(q, kv_cache, block_tables, seq_lens, scale, window, num_splits, out, block_n, kv_scale,
+                             query_start=query_start)
 
 
 def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -405,8 +439,9 @@ def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       scale: float, window: int | None, num_splits: int, out: torch.Tensor | None, block_n: int,
-                      kv_scale: torch.Tensor | None, rope: dict | None = None) -> torch.Tensor:
-    num_seqs, _, head_dim = q.shape
+                      kv_scale: torch.Tensor | None, rope: dict | None = None,
+                      query_start: torch.Tensor | None = None) -> torch.Tensor:
+    num_seqs, head_dim = q.shape[0] if query_start is None else seq_lens.shape[0], q.shape[2]
     num_heads = q.shape[1] if rope is None else rope["num_heads"]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -419,7 +454,7 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, HALF=half,
                   BLOCK_HALF=_pow2(half, 16), BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
                   DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8, ROPE=rope is not None, NUM_HEADS=num_heads,
-                  NUM_KV_HEADS=num_kv_heads, QK_NORM=qk_norm,
+                  NUM_KV_HEADS=num_kv_heads, QK_NORM=qk_norm, MIXED=query_start is not None,
                   **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
     rope = rope or dict(cos=q, sin=q, positions=seq_lens, slots=seq_lens, eps=0.0)
     norms = (rope["q_norm"], rope["k_norm"]) if qk_norm else (q, q)
@@ -428,21 +463,22 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads,
             block_tables.stride(0))
     scales = kv_scale if fp8 else q
+    starts = seq_lens if query_start is None else query_start
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
-        _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, out, out, out, *tensors, *args,
-                                       out.stride(0), out.stride(1), 0, 0, 0, rope["cos"].stride(0), **consts)
+        _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, starts, out, out, out, *tensors,
+                                       *args, out.stride(0), out.stride(1), 0, 0, 0, rope["cos"].stride(0), **consts)
         return out
     partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, partial, m, l, *tensors, *args,
-                                   partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0),
+    _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, starts, partial, m, l, *tensors,
+                                   *args, partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0),
                                    m.stride(1), rope["cos"].stride(0), **consts)
     _combine_splits_kernel[(num_seqs, num_heads)](
-        partial, m, l, out, partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0), m.stride(1),
-        out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 2), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, **pdl(q.device))
+        partial, m, l, starts, out, partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0),
+        m.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 2),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, MIXED=query_start is not None, **pdl(q.device))
     return out
 
 
@@ -452,15 +488,17 @@ def _prefill_attention_kernel(
     scale_log2, window,
     stride_qt, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_sk, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
-    num_seqs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
+    DECODES_APART: tl.constexpr, PDL: tl.constexpr, num_seqs,
 ):
     """One program: BLOCK_M consecutive queries of one sequence, one query head. The grid's first
     axis is the batch's query blocks, flat: sequence ``s`` owns the programs from
     ``query_start[s] // BLOCK_M + s`` on, room for its ``ceil(q_len / BLOCK_M)`` blocks (and one
     empty program at most), so the grid grows with the tokens and the sequences, not with their
     product (a CUDA graph's grid for 64 sequences of up to 512 tokens was 64 x 8 blocks a head,
-    of which a lone 512-token prompt used 8)."""
+    of which a lone 512-token prompt used 8). DECODES_APART: the sequences of one query are
+    the decode kernel's (``paged_decode_attention`` with ``query_start``): their programs scan and
+    store nothing."""
     pdl_wait(PDL)
     block = tl.program_id(0)
     h = tl.program_id(1)
@@ -478,8 +516,11 @@ def _prefill_attention_kernel(
     q_len = tl.load(QUERY_START + seq + 1).to(tl.int32) - q_start
     seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
     context = seq_len - q_len  # tokens cached before this chunk: the first query's position
+    owned = q_len  # the queries this launch attends
+    if DECODES_APART:
+        owned = tl.where(q_len == 1, 0, q_len)
     rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < q_len
+    row_mask = rows < owned
     pos = context + rows
     tokens = (q_start + rows).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -490,8 +531,8 @@ def _prefill_attention_kernel(
     lo = tl.maximum(context + mblk * BLOCK_M - window + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum(context + tl.minimum((mblk + 1) * BLOCK_M, q_len), seq_len)
-    # A sequence's one spare program, and a decode row's, past its queries, scan nothing.
-    hi = tl.where(mblk * BLOCK_M < q_len, hi, lo)
+    # A sequence's one spare program past its queries scans nothing, nor (DECODES_APART) a decode row's.
+    hi = tl.where(mblk * BLOCK_M < owned, hi, lo)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -514,13 +555,16 @@ def _prefill_attention_kernel(
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                             window: int | None = None, out: torch.Tensor | None = None, block_m: int = 64,
-                            block_n: int = 64, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            block_n: int = 64, kv_scale: torch.Tensor | None = None,
+                            decodes_apart: bool = False) -> torch.Tensor:
     """Causal attention of a flat batch of chunks: sequence i's ``query_start[i+1] - query_start[i]``
     queries ``q`` ``[num_tokens, num_heads, head_dim]`` are the last of its ``seq_lens[i]``
     tokens, whose K/V (this chunk's included) are in the cache; each query attends the tokens up
     to its own position (the last ``window`` of them when given). A chunk of one query is a decode,
     so this serves mixed batches, chunked prefill and prefix-cache hits alike. A float8 ``kv_cache``
-    needs its ``kv_scale``."""
+    needs its ``kv_scale``. ``decodes_apart``: the rows of single-query sequences are left unwritten,
+    for ``paged_decode_attention`` with ``query_start`` (GQA-packed, split-K): here a decode row is
+    a tile of BLOCK_M rows a query head, one of them real (~5x its decode-step cost on an H200)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(q) if out is None else out
@@ -533,7 +577,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), num_kv_heads, block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8, num_seqs=num_seqs,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8, DECODES_APART=decodes_apart,
+        num_seqs=num_seqs,
         **attention_launch(block_m, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
     return out
 

@@ -9,7 +9,7 @@ and their logprobs; ``execute`` brings the logits rows back for the engine's hos
 the device sampler cannot serve: ``DeviceSampler.supports``). Every batch runs the same kernels:
 a decode batch (one new token per sequence) the decode attention, any other (prompt chunks,
 prefix-cache hits, speculative verification rows, mixed batches) the prefill attention with
-per-sequence query ranges.
+per-sequence query ranges, its decode rows (if any may be there) the decode attention beside it.
 
 On a CPU device the same code runs under Triton's interpreter (tests); graphs are CUDA only.
 """
@@ -186,12 +186,20 @@ class CudaRunner:
         host = self.host_arrays(batch, kv)
         decode = all(n == 1 for n in batch.num_new_tokens)
         query_start = None if decode else self._tensor(host.query_start)
+        # a prompt step's decode rows: the decode kernel's, launched only when there are some
+        singles = host.seq_lens[np.diff(host.query_start) == 1]
         gpu = GpuBatch(self._tensor(host.ids), self._tensor(host.positions), self._tensor(host.slots),
                        self._tensor(host.block_tables), self._tensor(host.seq_lens), query_start,
-                       max(batch.num_new_tokens),
-                       kernels.decode_splits(int(host.seq_lens.max()), len(host.seq_lens),
-                                             self.config.num_key_value_heads) if self.device.type == "cuda" else 1)
+                       max(batch.num_new_tokens), self.decode_splits(host.seq_lens),
+                       0 if decode or not len(singles) else self.decode_splits(singles))
         return gpu, decode
+
+    def decode_splits(self, seq_lens: np.ndarray) -> int:
+        """Split-K of an eager step's decode attention over sequences of ``seq_lens`` tokens
+        (``kernels.decode_splits``; 1 on a CPU device)."""
+        if self.device.type != "cuda":
+            return 1
+        return kernels.decode_splits(int(seq_lens.max()), len(seq_lens), self.config.num_key_value_heads)
 
     def path(self, batch: ScheduledBatch) -> PromptPath:
         """ROWS when a decode graph replays the batch (decodes alone, within the largest bucket);
@@ -255,9 +263,7 @@ class CudaRunner:
         else:
             arrays = paged_arrays(positions, 1, tables, len(requests), max(map(len, tables)), self.scratch_block,
                                   self.block_size)
-            gpu = GpuBatch(ids.long(), *map(self._tensor, arrays), None, 1,
-                           kernels.decode_splits(max(positions) + 1, len(requests), self.config.num_key_value_heads)
-                           if self.device.type == "cuda" else 1)
+            gpu = GpuBatch(ids.long(), *map(self._tensor, arrays), None, 1, self.decode_splits(arrays[3]))
             logits = self.model.compute_logits(forward(self.model, gpu, self.kv_caches, self.kv_scales))
             packed = self.sampler.sample(logits, self.sampler.stage(list(requests), ahead=1))
         return self._launched(packed[:len(requests)], requests)
@@ -481,6 +487,13 @@ EMPTY_BATCH = HostBatch(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
                         np.zeros((0, 1), dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int32))
 
 
+# The decode rows a prompt-step graph's split-K is sized for (the graph holds up to max_seqs; which
+# rows are decodes is known on the device only). Steps measured at 64 streams carried 10 to 57:
+# sized for few, a long context is spread over the GPU where it would serialize one program; with
+# many, the splits are shorter and the combine adds a small launch.
+MIXED_DECODE_ROWS = 16
+
+
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Token counts of the prompt-step graphs: 16, 32, 64, ... below ``max_tokens``, and the power of
     two that holds it."""
@@ -499,14 +512,19 @@ class PrefillGraphs:
     The ``T - n`` padding tokens are one more sequence of token 0 at position 0, no context, its
     K/V written into and read from the scratch block (finite values, as the decode graphs' padding
     rows); the sequences after it have no queries, so the attention grid, sized at capture for
-    ``max_seqs + 1`` sequences of ``T`` queries, scans nothing for them. Capture failing (a kernel
-    that will not capture on some device) leaves such steps eager: logged, not fatal."""
+    ``max_seqs + 1`` sequences of ``T`` queries, scans nothing for them. Sequences of one query
+    (decode rows) take the decode attention, GQA-packed, with ``decode_row_splits`` fixed per
+    graph; every graph launches it, and its programs of the other sequences do nothing. Capture
+    failing (a kernel that will not capture on some device) leaves such steps eager: logged, not
+    fatal."""
 
     def __init__(self, runner: CudaRunner, max_tokens: int, max_seqs: int) -> None:
         self.runner = runner
         self.buckets = prefill_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
         self.max_seqs = max_seqs
+        self.decode_row_splits = kernels.decode_splits(runner.max_model_len, min(MIXED_DECODE_ROWS, max_seqs),
+                                                       runner.config.num_key_value_heads)
         device, width = runner.device, runner.max_blocks_per_seq
         tokens = self.max_tokens
         self.ids = torch.zeros(tokens, dtype=torch.long, device=device)
@@ -540,7 +558,7 @@ class PrefillGraphs:
     def _step(self, tokens: int) -> torch.Tensor:
         runner = self.runner
         batch = GpuBatch(self.ids[:tokens], self.positions[:tokens], self.slots[:tokens], self.tables, self.seq_lens,
-                         self.query_start, tokens)
+                         self.query_start, tokens, decode_row_splits=self.decode_row_splits)
         hidden = forward(runner.model, batch, runner.kv_caches, runner.kv_scales)
         return runner.model.compute_logits(hidden[self.rows])
 
