@@ -123,6 +123,11 @@ bench() {
     tail -60 "$out/gpu.txt"
 }
 
+mixed() {  # a prompt step's attention with decode rows beside its chunk, prefill kernel alone against it with the decode kernel
+    timeout "${MIXED_TIMEOUT:-120}" "$PYTHON" benchmarks/mixed_attention.py > "$1/mixed.txt" 2>&1
+    tail -20 "$1/mixed.txt"
+}
+
 quality() {  # needs the default model's GGUF in the store (see the top)
     local out=$1 gguf=/tmp/vivace-model/model.gguf
     [ -f "$gguf" ] || { echo "no $gguf yet: carry .model-a and .model-b (see the top of this script)" | tee "$out/quality.txt"; return 1; }
@@ -251,8 +256,8 @@ session() {  # one device call: the stage groups in $STAGES in order ('tests+exa
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    tests|exact|smoke|quality|served) setup "${2:?OUT}"; "$1" "$2" ;;
+    tests|exact|smoke|quality|served|mixed) setup "${2:?OUT}"; "$1" "$2" ;;
     session) session "${2:?OUT}" ;;
     bench) setup "${2:?OUT}"; out=$2; shift 2; bench "$out" "$@" ;;
-    *) echo "usage: $0 prepare | run [OUT] | session OUT | tests OUT | exact OUT | smoke OUT | served OUT | quality OUT | bench OUT [ARGS...]" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare | run [OUT] | session OUT | tests OUT | exact OUT | smoke OUT | served OUT | mixed OUT | quality OUT | bench OUT [ARGS...]" >&2; exit 2 ;;
 esac
