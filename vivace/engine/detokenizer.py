@@ -7,11 +7,51 @@ Text that could still grow into a stop string is held back until it cannot.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Decoding a few tokens before the new ones gives tokenizers the context they need
 # for leading spaces (sentencepiece) and byte-level merges.
 _CONTEXT_TOKENS = 5
+
+# Text on which transformers' clean-up of decoded spaces (" ," to ",", " n't" to "n't", ...)
+# would change something: where its decode gives what the Rust tokenizer alone gives for it, it
+# does no clean-up, and the Rust decode is its decode.
+_CLEAN_UP_PROBE = "Hello , world . Is n't it ? I 'm sure ! It 's done , we 've seen , they 're here ."
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decoder_of(tokenizer) -> Callable[[list[int], bool], str]:
+    """``decode(ids, skip_special_tokens)`` as ``tokenizer.decode`` gives it: the fast tokenizer's
+    Rust decode straight where that is the same (no clean-up of spaces; most of a transformers
+    decode of a few ids is its Python around that call), else ``tokenizer.decode``. The check runs
+    once per tokenizer."""
+    try:
+        backend = _DECODERS[tokenizer]
+    except KeyError:
+        backend = _rust_decoder(tokenizer)
+        _DECODERS[tokenizer] = backend
+    except TypeError:  # a tokenizer that is no weak-dictionary key: checked each time
+        backend = _rust_decoder(tokenizer)
+    if backend is not None:
+        return lambda ids, skip_special_tokens: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _rust_decoder(tokenizer) -> object | None:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` if its decode is ``tokenizer.decode``."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode"):
+        return None
+    try:
+        probe = tokenizer.encode(_CLEAN_UP_PROBE, add_special_tokens=False)
+        probe += [i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None]
+        same = all(backend.decode(probe, skip_special_tokens=skip) == tokenizer.decode(probe, skip_special_tokens=skip)
+                   for skip in (True, False))
+    except Exception:  # a tokenizer of another make: its own decode
+        return None
+    return backend if same else None
 
 
 @dataclass
@@ -27,12 +67,13 @@ class IncrementalDetokenizer:
     read_offset: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self._decoder = decoder_of(self.tokenizer)
         self.token_ids = list(self.token_ids)
         self.read_offset = len(self.token_ids)
         self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decoder(ids, self.skip_special_tokens)
 
     def add_token(self, token_id: int, match_stop: bool = True) -> str | None:
         """Append a token; return the stop string it completed, if any (and if asked)."""
