@@ -153,9 +153,14 @@ class EngineRequest:
             cancel = getattr(self._stream, "cancel", None)  # a remote engine's stream: not started yet
             if cancel is not None:
                 cancel()
+            self._record()
+
+    def _record(self) -> None:
+        """Record the request in the metrics, its unfinished choices ended as aborted."""
+        if not self.finished:
             for choice in self.choices:
                 choice.finish_reason = choice.finish_reason or "abort"
-            self.metrics.record_request(self)
+        self.metrics.record_request(self)
 
     async def deltas(self) -> AsyncGenerator[RequestOutput, None]:
         """The engine's delta outputs, each already folded into ``choices``."""
@@ -163,10 +168,8 @@ class EngineRequest:
             raise RuntimeError(f"request {self.engine_id} is iterated twice")
         self._started = True
         try:
+            self.submit()
             with _engine_errors(self):
-                if self._stream is None:
-                    self._stream = self.engine.generate(self.prompt_ids, self.params, self.engine_id,
-                                                        self.priority, self.deadlines)
                 async with contextlib.aclosing(self._stream) as stream:
                     async for out in stream:
                         for delta in out.outputs:
@@ -178,9 +181,7 @@ class EngineRequest:
         finally:
             if not self.finished:
                 self.engine.abort(self.engine_id)
-                for choice in self.choices:
-                    choice.finish_reason = choice.finish_reason or "abort"
-            self.metrics.record_request(self)
+            self._record()
 
     async def run(self) -> EngineRequest:
         """Runs to the end and returns itself."""
