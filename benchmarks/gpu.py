@@ -30,7 +30,9 @@ tokens/s and the ratio to the first dtype; ``--kv-only`` runs only these. For ev
 format, the batch-1 graph is also captured and timed under each launch variant (norms and rotary
 folded into the GEMVs and the decode attention or launched on their own, programmatic dependent
 launch off or on, and the Triton GEMV on every float projection where ``choose_gemv`` kept cuBLAS:
-``launch_variants``). Prints a table per
+``launch_variants``); and the kernels of its batch-1 and largest-batch graphs as the CUDA profiler
+sees them (``kernel_profile``: each kernel's median time in launch order, grouped by name in the
+printout). Prints a table per
 preset; with ``--out``, also writes every figure as JSON. See docs/gpu.md.
 """
 
@@ -42,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import gguf
 import numpy as np
@@ -80,6 +83,52 @@ def timed(fn, repeats: int, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def kernel_profile(replay, repeats: int = 20) -> dict:
+    """The kernels of ``repeats`` calls of ``replay`` (a graph's replay) as the CUDA profiler saw
+    them: per kernel of one call, in launch order, its name, grid and median duration (us); the
+    call's span (first kernel's start to last kernel's end, median) and the durations' sum (a sum
+    above the span: kernels overlapping, as under PDL; below it: the GPU idle between kernels)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        with open(trace.name) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per_call, left = divmod(len(kernels), repeats)
+    if not kernels or left:
+        return {"error": f"{len(kernels)} kernel events for {repeats} calls"}
+    calls = [kernels[i * per_call:(i + 1) * per_call] for i in range(repeats)]
+    rows = [{"name": k["name"], "grid": k.get("args", {}).get("grid"),
+             "us": statistics.median(call[j]["dur"] for call in calls)} for j, k in enumerate(calls[0])]
+    span = statistics.median(call[-1]["ts"] + call[-1]["dur"] - call[0]["ts"] for call in calls)
+    return {"kernels": rows, "span_us": span, "sum_us": sum(r["us"] for r in rows)}
+
+
+def print_kernel_profile(label: str, profile: dict, top: int = 12) -> None:
+    """The profile's kernels grouped by name, the most time first."""
+    if "error" in profile:
+        print(f"{label}: kernel profile failed: {profile['error']}", flush=True)
+        return
+    groups: dict[str, list[float]] = {}
+    for row in profile["kernels"]:
+        groups.setdefault(row["name"], []).append(row["us"])
+    print(f"\n{label}: {len(profile['kernels'])} kernels a step, span {profile['span_us']:.1f} us, "
+          f"durations' sum {profile['sum_us']:.1f} us\n\n| kernel | launches a step | us a step | share of the sum |"
+          "\n|---|---|---|---|")
+    for name, times in sorted(groups.items(), key=lambda item: -sum(item[1]))[:top]:
+        print(f"| {name[:90]} | {len(times)} | {sum(times):.1f} | {sum(times) / profile['sum_us']:.0%} |")
+    sys.stdout.flush()
 
 
 def bytes_read_per_step(loaded, batch: int, context: int, kv_dtype: torch.dtype = DTYPE) -> tuple[int, int]:
@@ -213,6 +262,21 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     for name, ms in result["batch1_variants"].items():
         print(f"{preset} {weight_format or 'bf16'}: batch-1 graph replay, {name}: "
               f"{ms if isinstance(ms, str) else f'{ms:.3f} ms'}", flush=True)
+    # after every timing (the profiler's tracing may linger): the kernels of two decode graphs
+    for batch in sorted({1, max_batch}):
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+        size = next(s for s in graphs.buckets if s >= batch)
+        try:
+            graphs.replay([1] * batch, [context] * batch, tables)
+            profile = kernel_profile(graphs.graphs[size][0].replay)
+            if "error" in profile:  # no kernel events seen inside graphs: the same step eagerly
+                profile = {**kernel_profile(torch.inference_mode()(partial(graphs._step, size))), "eager": True,
+                           "graph_error": profile["error"]}
+        except Exception as exc:  # the profiler must not cost the figures
+            profile = {"error": repr(exc)}
+        result["decode"][batch]["profile"] = profile
+        print_kernel_profile(f"{preset} {weight_format or 'bf16'}, batch {batch}, "
+                             f"{'eager' if profile.get('eager') else 'graph replay'}", profile)
     del runner, graphs, loaded
     torch.cuda.empty_cache()
     return result
