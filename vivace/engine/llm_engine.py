@@ -27,6 +27,7 @@ from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import ScheduledBatch, Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
 from vivace.engine.step_timing import StepTimings
+from vivace.engine.tokenization import encoder_of
 from vivace.generation_config import served_defaults
 from vivace.layers.packed_linear import prepack_linears
 from vivace.models import LoadedModel, load_model
@@ -74,6 +75,7 @@ class LLMEngine:
             backend.prepare(loaded, resolve_device(config.device))
         logger.info("vivace: model %s loaded in %.1f s", self.loaded.name, time.perf_counter() - start)
         self.tokenizer = self.loaded.tokenizer
+        encoder_of(self.tokenizer)  # its check against the tokenizer's encode, here and not in a first request
         if config.chat_template is not None:
             self.tokenizer.chat_template = config.chat_template
         self.sampling_defaults = served_defaults(config, self.loaded.source)
@@ -117,7 +119,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return encoder_of(self.tokenizer)(prompt, False)
         return list(prompt)
 
     def _new_pacer(self) -> Pacer | None:

@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.step_timing import TimingLog, timed
+from vivace.engine.tokenization import encoder_of
 from vivace.server.errors import APIError, from_validation_error
 from vivace.server.protocol import ChatTemplateRequest, SamplingRequest
 from vivace.server.tool_formats import HERMES, ToolFormat
@@ -83,13 +84,13 @@ def chat_prompt_ids(tokenizer: Any, body: ChatTemplateRequest, tool_choice: str 
             raise
         raise APIError(400, f"The chat template could not use chat_template_kwargs: {exc}",
                        param="chat_template_kwargs") from None
-    return nonempty(tokenizer.encode(text, add_special_tokens=add_special_tokens), "messages")
+    return nonempty(encoder_of(tokenizer)(text, add_special_tokens), "messages")
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int]:
     """Token ids of one completions prompt (a string, or ids checked against the vocabulary)."""
     if isinstance(prompt, str):
-        return nonempty(tokenizer.encode(prompt), "prompt")
+        return nonempty(encoder_of(tokenizer)(prompt, True), "prompt")
     vocab_size = len(tokenizer)
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
