@@ -73,10 +73,14 @@ def test_rotary_kv_write_quantizes_as_torch() -> None:
     assert not flat.float().isnan().any()
 
 
-@pytest.mark.parametrize("q_dtype, splits, window", [(torch.float32, 1, None), (torch.float32, 3, 5),
-                                                     (torch.bfloat16, 2, None)])
-def test_paged_decode_attention_over_fp8(q_dtype: torch.dtype, splits: int, window: int | None) -> None:
-    heads, kv_heads, head_dim, lengths = 6, 2, 32, [1, 7, 19]
+@pytest.mark.parametrize("q_dtype, splits, window, head_dim", [
+    (torch.float32, 1, None, 32), (torch.float32, 3, 5, 32), (torch.bfloat16, 2, None, 32),
+    (torch.float16, 1, 7, 32), (torch.bfloat16, 1, None, 20)])
+def test_paged_decode_attention_over_fp8(q_dtype: torch.dtype, splits: int, window: int | None,
+                                         head_dim: int) -> None:
+    """16-bit queries over whole words of codes (head_dim a multiple of 8) read the cache as int32
+    words and multiply in float16 (``kernels._e4m3_tile``); otherwise the codes one by one."""
+    heads, kv_heads, lengths = 6, 2, [1, 7, 19]
     scales = torch.tensor([[0.25, 4.0], [0.5, 0.3]], device=DEVICE)
     values, cache = fp8_cache(16, kv_heads, head_dim, scales, seed=21)
     tables = tables_for(lengths, 16, seed=22)

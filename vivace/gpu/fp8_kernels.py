@@ -34,7 +34,7 @@ import triton.language as tl
 
 from vivace.gpu import kernels
 from vivace.gpu.gguf_kernels import gemv_splits, num_sms, store_gemv_rows
-from vivace.gpu.kernels import DOT_F32, GemvConfig, pdl_wait, round_e4m3, sum_splits
+from vivace.gpu.kernels import DOT_F32, GemvConfig, e4m3_bytes, pdl_wait, round_e4m3, sum_splits
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -75,10 +75,7 @@ def _widen_e4m3(words, PTX: tl.constexpr):
             }""", "=r,=r,=r,=r,r", [words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
             pack=1)
     else:
-        b0 = words.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b1 = (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b2 = (words >> 16).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b3 = (words >> 24).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b0, b1, b2, b3 = e4m3_bytes(words, tl.float32)
     columns = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., word, pair, byte in pair]
     return tl.reshape(columns, [words.shape[0], words.shape[1], 4 * words.shape[2]])
 

@@ -225,9 +225,52 @@ def _rotated_heads(ROW, heads, h_mask, i, i_mask, cos, sin, NORM_W, eps, HEAD_DI
 
 
 @triton.jit
+def _float16(x):
+    """``x`` in float16, clamped to its range: a bfloat16 value within it is a float16 value."""
+    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
+def e4m3_bytes(words, dtype: tl.constexpr):
+    """The four e4m3 codes of each int32 of ``words`` (little-endian) in ``dtype``, by Triton's casts."""
+    return (words.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype),
+            (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype),
+            (words >> 16).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype),
+            (words >> 24).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype))
+
+
+@triton.jit
+def _e4m3_tile(WORDS, rows, w, mask, PTX: tl.constexpr):
+    """``[len(rows), 4 * len(w)]`` float16: the e4m3 codes of words ``w`` of the rows starting at
+    word ``rows`` of WORDS (int32, four codes a word, little-endian), exactly (every e4m3 value is
+    a float16 value); zeros where ``mask`` is off. PTX: two paired conversions a word
+    (``cvt.rn.f16x2.e4m3x2``) on the registers as loaded; Triton's cast of a float8 tile to
+    bfloat16 read the tile from shared memory a byte at a time and converted each value twice
+    (~7 instructions a byte of cache in the decode loop on sm_90, against ~2 for a bfloat16
+    cache). Else, under the interpreter, Triton's casts."""
+    words = tl.load(WORDS + rows[:, None] + w[None, :], mask=mask, other=0)
+    if PTX:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            """{
+            .reg .b16 lo, hi;
+            .reg .b32 p01, p23;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 p01, lo;
+            cvt.rn.f16x2.e4m3x2 p23, hi;
+            mov.b32 {$0, $1}, p01;
+            mov.b32 {$2, $3}, p23;
+            }""", "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+            pack=1)
+    else:
+        b0, b1, b2, b3 = e4m3_bytes(words, tl.float16)
+    columns = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [row, word, pair, byte in pair]
+    return tl.reshape(columns, [words.shape[0], 4 * words.shape[1]])
+
+
+@triton.jit
 def _decode_attention_kernel(
-    Q, CACHE, KV_SCALE, BLOCK_TABLES, SEQ_LENS, QUERY_START, OUT, M_OUT, L_OUT, COS, SIN, POSITIONS, SLOTS, Q_NORM,
-    K_NORM,
+    Q, CACHE, WORDS, KV_SCALE, BLOCK_TABLES, SEQ_LENS, QUERY_START, OUT, M_OUT, L_OUT, COS, SIN, POSITIONS, SLOTS,
+    Q_NORM, K_NORM,
     scale_log2, window, eps,
     stride_qb, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_sk, stride_bt,
     stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_cos,
@@ -235,7 +278,7 @@ def _decode_attention_kernel(
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, ROPE: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr, MIXED: tl.constexpr,
-    PDL: tl.constexpr,
+    KV_WORDS: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: one sequence, one KV head with its GROUP query heads, one split of the keys.
     Queries and keys are multiplied as halves (``[.., :HALF]`` and ``[.., HALF:]``, two dots),
@@ -245,7 +288,9 @@ def _decode_attention_kernel(
     the token's slot, and attends it from registers, as stored: no program reads that slot, so
     no write and read of one address meet within the launch. MIXED: the decode rows of a prompt
     step, sequence b's query and output are row ``query_start[b]`` of Q and OUT, and a sequence
-    with other than one query is left to the prefill kernel (its programs scan and store nothing)."""
+    with other than one query is left to the prefill kernel (its programs scan and store nothing).
+    KV_WORDS: a float8 cache read as int32 words (WORDS, the cache's memory) and multiplied as
+    float16, the queries too (``_e4m3_tile``)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -284,6 +329,12 @@ def _decode_attention_kernel(
         q1 = tl.load(q_rows, mask=q_mask, other=0.0)
         q2 = tl.load(q_rows + HALF, mask=q_mask, other=0.0)
         cached = hi
+    if KV_WORDS:
+        q1, q2 = _float16(q1), _float16(q2)
+        w_half = tl.arange(0, BLOCK_HALF // 4)
+        w_head = tl.arange(0, BLOCK_D // 4)
+        w_half_mask, w_head_mask = w_half < HALF // 4, w_head < HEAD_DIM // 4
+        v_words = stride_kv // 4
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -292,13 +343,21 @@ def _decode_attention_kernel(
     for n0 in range(lo, cached, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < cached
-        keys = CACHE + _paged_offsets(table, n, n_mask, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)[:, None]
-        k_mask = n_mask[:, None] & i_mask[None, :]
-        k1 = tl.load(keys + i[None, :], mask=k_mask, other=0.0)
-        k2 = tl.load(keys + HALF + i[None, :], mask=k_mask, other=0.0)
-        v = tl.load(keys + stride_kv + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        if KV_FP8:
-            k1, k2, v = k1.to(q1.dtype), k2.to(q1.dtype), v.to(q1.dtype)
+        offsets = _paged_offsets(table, n, n_mask, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        if KV_WORDS:
+            rows = offsets >> 2
+            k_mask = n_mask[:, None] & w_half_mask[None, :]
+            k1 = _e4m3_tile(WORDS, rows, w_half, k_mask, PTX)
+            k2 = _e4m3_tile(WORDS, rows + HALF // 4, w_half, k_mask, PTX)
+            v = _e4m3_tile(WORDS, rows + v_words, w_head, n_mask[:, None] & w_head_mask[None, :], PTX)
+        else:
+            keys = CACHE + offsets[:, None]
+            k_mask = n_mask[:, None] & i_mask[None, :]
+            k1 = tl.load(keys + i[None, :], mask=k_mask, other=0.0)
+            k2 = tl.load(keys + HALF + i[None, :], mask=k_mask, other=0.0)
+            v = tl.load(keys + stride_kv + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            if KV_FP8:
+                k1, k2, v = k1.to(q1.dtype), k2.to(q1.dtype), v.to(q1.dtype)
         s = _scores(q1, k1, DOT_F32) + _scores(q2, k2, DOT_F32)
         m, l, acc = _softmax_update(s, v, n_mask[None, :], m, l, acc, scale_log2, DOT_F32)
     if ROPE:
@@ -448,14 +507,16 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     if out is None:
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     fp8 = _kv_fp8(kv_cache, kv_scale)
+    # A float8 cache read as words: float16/bfloat16 queries, whole words in each half of a head.
+    words = fp8 and q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
     half = head_dim // 2
     block_d, block_g = _pow2(head_dim, 16), _pow2(group, 16)  # the query heads padded to tl.dot's 16 rows
     qk_norm = rope is not None and rope["q_norm"] is not None
     consts = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, HALF=half,
                   BLOCK_HALF=_pow2(half, 16), BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
                   DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8, ROPE=rope is not None, NUM_HEADS=num_heads,
-                  NUM_KV_HEADS=num_kv_heads, QK_NORM=qk_norm, MIXED=query_start is not None,
-                  **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
+                  NUM_KV_HEADS=num_kv_heads, QK_NORM=qk_norm, MIXED=query_start is not None, KV_WORDS=words,
+                  PTX=not INTERPRETED, **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
     rope = rope or dict(cos=q, sin=q, positions=seq_lens, slots=seq_lens, eps=0.0)
     norms = (rope["q_norm"], rope["k_norm"]) if qk_norm else (q, q)
     tensors = (rope["cos"], rope["sin"], rope["positions"], rope["slots"], *norms)
@@ -463,18 +524,20 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads,
             block_tables.stride(0))
     scales = kv_scale if fp8 else q
+    cache_words = kv_cache.view(torch.int32) if words else kv_cache
     starts = seq_lens if query_start is None else query_start
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
-        _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, starts, out, out, out, *tensors,
-                                       *args, out.stride(0), out.stride(1), 0, 0, 0, rope["cos"].stride(0), **consts)
+        _decode_attention_kernel[grid](q, kv_cache, cache_words, scales, block_tables, seq_lens, starts, out, out, out,
+                                       *tensors, *args, out.stride(0), out.stride(1), 0, 0, 0, rope["cos"].stride(0),
+                                       **consts)
         return out
     partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    _decode_attention_kernel[grid](q, kv_cache, scales, block_tables, seq_lens, starts, partial, m, l, *tensors,
-                                   *args, partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0),
-                                   m.stride(1), rope["cos"].stride(0), **consts)
+    _decode_attention_kernel[grid](q, kv_cache, cache_words, scales, block_tables, seq_lens, starts, partial, m, l,
+                                   *tensors, *args, partial.stride(0), partial.stride(1), partial.stride(2),
+                                   m.stride(0), m.stride(1), rope["cos"].stride(0), **consts)
     _combine_splits_kernel[(num_seqs, num_heads)](
         partial, m, l, starts, out, partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0),
         m.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 2),
