@@ -117,6 +117,12 @@ def attention_launch(rows: int, block_d: int, block_n: int, itemsize: int) -> di
     return dict(num_warps=num_warps, num_stages=num_stages)
 
 
+def _reads_words(fp8: bool, q: torch.Tensor, head_dim: int) -> bool:
+    """Whether attention reads a float8 cache as int32 words into float16 tiles (``_e4m3_tile``):
+    for 16-bit queries, where each half of a head is whole words."""
+    return fp8 and q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+
+
 def _dot_f32(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether attention multiplies in float32: under the interpreter, and where the queries and
     the cache differ in dtype (``tl.dot`` takes operands of one dtype). A float8 cache's tiles are
@@ -507,8 +513,7 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     if out is None:
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     fp8 = _kv_fp8(kv_cache, kv_scale)
-    # A float8 cache read as words: float16/bfloat16 queries, whole words in each half of a head.
-    words = fp8 and q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+    words = _reads_words(fp8, q, head_dim)
     half = head_dim // 2
     block_d, block_g = _pow2(head_dim, 16), _pow2(group, 16)  # the query heads padded to tl.dot's 16 rows
     qk_norm = rope is not None and rope["q_norm"] is not None
@@ -547,12 +552,12 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
 
 @triton.jit
 def _prefill_attention_kernel(
-    Q, CACHE, KV_SCALE, BLOCK_TABLES, QUERY_START, SEQ_LENS, OUT,
+    Q, CACHE, WORDS, KV_SCALE, BLOCK_TABLES, QUERY_START, SEQ_LENS, OUT,
     scale_log2, window,
     stride_qt, stride_qh, stride_kv, stride_cb, stride_cs, stride_ch, stride_sk, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
-    DECODES_APART: tl.constexpr, PDL: tl.constexpr, num_seqs,
+    DECODES_APART: tl.constexpr, KV_WORDS: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, num_seqs,
 ):
     """One program: BLOCK_M consecutive queries of one sequence, one query head. The grid's first
     axis is the batch's query blocks, flat: sequence ``s`` owns the programs from
@@ -561,7 +566,7 @@ def _prefill_attention_kernel(
     product (a CUDA graph's grid for 64 sequences of up to 512 tokens was 64 x 8 blocks a head,
     of which a lone 512-token prompt used 8). DECODES_APART: the sequences of one query are
     the decode kernel's (``paged_decode_attention`` with ``query_start``): their programs scan and
-    store nothing."""
+    store nothing. KV_WORDS: a float8 cache read as words, as ``_decode_attention_kernel`` reads it."""
     pdl_wait(PDL)
     block = tl.program_id(0)
     h = tl.program_id(1)
@@ -590,6 +595,11 @@ def _prefill_attention_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(Q + tokens[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_WORDS:
+        q = _float16(q)
+        w = tl.arange(0, BLOCK_D // 4)
+        w_mask = w < HEAD_DIM // 4
+        v_words = stride_kv // 4
 
     lo = tl.maximum(context + mblk * BLOCK_M - window + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
@@ -602,10 +612,17 @@ def _prefill_attention_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
-        k, v = _paged_kv_tile(CACHE, BLOCK_TABLES + seq * stride_bt, n, n_mask, d, d_mask, kvh,
-                              stride_kv, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-        if KV_FP8:
-            k, v = k.to(q.dtype), v.to(q.dtype)
+        if KV_WORDS:
+            key_words = _paged_offsets(BLOCK_TABLES + seq * stride_bt, n, n_mask, kvh, stride_cb, stride_cs,
+                                       stride_ch, BLOCK_SIZE) >> 2
+            kv_mask = n_mask[:, None] & w_mask[None, :]
+            k = _e4m3_tile(WORDS, key_words, w, kv_mask, PTX)
+            v = _e4m3_tile(WORDS, key_words + v_words, w, kv_mask, PTX)
+        else:
+            k, v = _paged_kv_tile(CACHE, BLOCK_TABLES + seq * stride_bt, n, n_mask, d, d_mask, kvh,
+                                  stride_kv, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+            if KV_FP8:
+                k, v = k.to(q.dtype), v.to(q.dtype)
         visible = n_mask[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
         m, l, acc = _online_softmax_step(q, k, v, visible, m, l, acc, scale_log2, DOT_F32)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -632,16 +649,17 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(q) if out is None else out
     fp8 = _kv_fp8(kv_cache, kv_scale)
+    words = _reads_words(fp8, q, head_dim)
     block_m, block_d = min(block_m, _pow2(max_query_len, 16)), _pow2(head_dim, 16)
     num_seqs = seq_lens.shape[0]
     grid = (num_tokens // block_m + num_seqs, num_heads)
     _prefill_attention_kernel[grid](
-        q, kv_cache, kv_scale if fp8 else q, block_tables, query_start, seq_lens, out, float(scale) * LOG2E,
+        q, kv_cache, kv_cache.view(torch.int32) if words else kv_cache, kv_scale if fp8 else q, block_tables, query_start, seq_lens, out, float(scale) * LOG2E,
         int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), num_kv_heads, block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8, DECODES_APART=decodes_apart,
-        num_seqs=num_seqs,
+        KV_WORDS=words, PTX=not INTERPRETED, num_seqs=num_seqs,
         **attention_launch(block_m, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
     return out
 
