@@ -42,6 +42,8 @@ def test_stream_matches_whole_answer_and_ends_with_usage(server: RunningServer) 
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
+    # One id and one timestamp (the request's) in every chunk, as OpenAI documents.
+    assert {(c.id, c.created) for c in chunks} == {(chunks[0].id, chunks[0].created)}
 
 
 def test_repeated_prompt_reports_cached_tokens(server: RunningServer) -> None:

@@ -195,7 +195,7 @@ def _response(chat: StartedChat, model: str, prompt_logprobs: int | None) -> Cha
                                   finish_reason=reason))
         thought_flags.append(split is not None and split.thought)
     scored = job.choices[0].prompt_logprobs
-    return ChatCompletionResponse(id=job.request_id, model=model, choices=choices,
+    return ChatCompletionResponse(id=job.request_id, created=job.created, model=model, choices=choices,
                                   usage=usage_with_thinking(job, chat.thinking, thought_flags),
                                   timings=timings_of(job),
                                   prompt_logprobs=None if prompt_logprobs is None or scored is None
@@ -258,7 +258,7 @@ async def _chunks(chat: StartedChat, model: str, include_usage: bool, continuous
     def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
         if continuous_usage:
             extra.setdefault("usage", usage())
-        return sse_event(ChatCompletionChunk(id=job.request_id, model=model, choices=choices,
+        return sse_event(ChatCompletionChunk(id=job.request_id, created=job.created, model=model, choices=choices,
                                              **extra))
 
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))

@@ -115,7 +115,7 @@ def _response(jobs: list[EngineRequest], echoes: list[str], request_id: str, mod
                          else prompt_logprobs_of(c.prompt_logprobs, body.prompt_logprobs))
         for i, (job, echo) in enumerate(zip(jobs, echoes)) for c in job.choices]
     timings = timings_of(jobs[0]) if len(jobs) == 1 else None
-    return CompletionResponse(id=request_id, model=model, choices=choices,
+    return CompletionResponse(id=request_id, created=jobs[0].created, model=model, choices=choices,
                               usage=usage_of(jobs), timings=timings)
 
 
@@ -142,7 +142,8 @@ async def _chunks(jobs: list[EngineRequest], echoes: list[str], request_id: str,
     def chunk(choices: list[CompletionChoice], **extra: object) -> str:
         if continuous_usage:
             extra.setdefault("usage", usage_of(jobs))
-        return sse_event(CompletionResponse(id=request_id, model=model, choices=choices, **extra))
+        return sse_event(CompletionResponse(id=request_id, created=jobs[0].created, model=model, choices=choices,
+                                            **extra))
 
     n = jobs[0].params.n
     if any(echoes) and not echo_logprobs:

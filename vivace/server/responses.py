@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -191,13 +190,9 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)  # vLLM's
 
 
-def _created() -> int:
-    return int(time.time())
-
-
 class _Response(BaseModel):
     id: str
-    created: int = Field(default_factory=_created)
+    created: int  # when the request came: the same in every chunk of a stream
     model: str
     system_fingerprint: str | None = None
     usage: Usage | None = None
