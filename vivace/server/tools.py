@@ -60,6 +60,10 @@ def template_takes_tools(tokenizer: Any) -> bool:
 
 
 def _arguments(message_index: int, call_index: int, text: str) -> dict[str, Any]:
+    """A history call's arguments; empty text is no arguments (``{}``), as vLLM reads it: clients
+    send ``""`` back for a function without parameters."""
+    if not text.strip():
+        return {}
     try:
         arguments = json.loads(text)
     except json.JSONDecodeError:
