@@ -108,6 +108,20 @@ def test_logprobs_have_top_alternatives(server: RunningServer) -> None:
         assert entry.bytes == list(entry.token.encode())
 
 
+def test_logprob_bytes_of_part_of_a_character_are_that_part(server: RunningServer) -> None:
+    """A token holding an emoji's first bytes decodes to U+FFFD; its ``bytes`` are still the emoji's
+    first bytes (OpenAI's ``bytes`` exist so that a client can join them), not U+FFFD's."""
+    emoji = "\N{PARTY POPPER}".encode()
+    with server.http() as http:
+        first = http.post("/tokenize", json={"prompt": "\N{PARTY POPPER}", "add_special_tokens": False}).json()["tokens"][0]
+    reply = server.client().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=1,
+        logit_bias={str(first): 100}, extra_body={"ignore_eos": True})
+    for entry in reply.choices[0].logprobs.content:
+        assert entry.token == "\ufffd" and 0 < len(entry.bytes) < len(emoji)
+        assert bytes(entry.bytes) == emoji[:len(entry.bytes)] and entry.top_logprobs[0].bytes == entry.bytes
+
+
 def test_models_lists_the_served_name(server: RunningServer) -> None:
     models = server.client().models.list().data
     assert [m.id for m in models] == ["tiny"]

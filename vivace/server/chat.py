@@ -26,6 +26,7 @@ from vivace.server.responses import (
     TopLogprob, Usage, prompt_logprobs_of, thought)
 from vivace.server.sse import sse_event, sse_response
 from vivace.server.structured import check_compiles, json_schema, structured_output
+from vivace.server.tokens import token_bytes
 from vivace.server.tool_formats import ToolFormat, parameters_schema
 from vivace.server.tool_parser import CallParser, ParsedCall, ToolCallParser, parse_tool_calls
 from vivace.server.tools import tool_choice
@@ -158,11 +159,12 @@ async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: 
 def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
     if job.params.logprobs is None:
         return None
+    tokenizer = job.engine.tokenizer
     return ChatLogprobs(content=[
         ChatTokenLogprob(
-            token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
-            top_logprobs=[TopLogprob(token=text, logprob=value, bytes=list(text.encode()))
-                          for _, text, value in lp.top])
+            token=lp.token, logprob=lp.logprob, bytes=token_bytes(tokenizer, lp.token_id, lp.token),
+            top_logprobs=[TopLogprob(token=text, logprob=value, bytes=token_bytes(tokenizer, token_id, text))
+                          for token_id, text, value in lp.top])
         for lp in logprobs or []])
 
 
