@@ -79,6 +79,11 @@ def test_stop_string_ends_the_answer_before_it(server: RunningServer) -> None:
     stopped = client.chat.completions.create(max_tokens=12, stop=[stop], **common).choices[0]
     assert stopped.finish_reason == "stop"
     assert stopped.message.content == text[:text.index(stop)]
+    # vLLM's stop_reason names the stop string, in the whole answer and in the stream's last chunk
+    assert stopped.model_extra["stop_reason"] == stop
+    chunks = [c.choices[0] for c in client.chat.completions.create(max_tokens=12, stop=[stop], stream=True, **common)
+              if c.choices]
+    assert [c.model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -194,7 +194,7 @@ def _response(chat: StartedChat, model: str, prompt_logprobs: int | None) -> Cha
         message, reason = _message(c.text if split is None else split.content, c.finish_reason,
                                    chat.tool_format if chat.calls else None, None if split is None else split.reasoning)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(job, c.logprobs),
-                                  finish_reason=reason))
+                                  finish_reason=reason, stop_reason=c.stop_reason))
         thought_flags.append(split is not None and split.thought)
     scored = job.choices[0].prompt_logprobs
     return ChatCompletionResponse(id=job.request_id, created=job.created, model=model, choices=choices,
@@ -244,7 +244,7 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput, held: _HeldBack) 
                                   function=FunctionCallDelta(name=d.name, arguments=d.arguments))
                     for d in tool_deltas])
     return ChatChunkChoice(index=delta.index, delta=message, logprobs=_logprobs(job, delta.logprobs),
-                           finish_reason=reason)
+                           finish_reason=reason, stop_reason=delta.stop_reason)
 
 
 async def _chunks(chat: StartedChat, model: str, include_usage: bool, continuous_usage: bool

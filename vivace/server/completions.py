@@ -110,7 +110,7 @@ def _response(jobs: list[EngineRequest], echoes: list[str], request_id: str, mod
     choices = [
         CompletionChoice(index=i * job.params.n + c.index, text=echo + c.text,
                          logprobs=_logprobs(job, c.logprobs, len(echo), c.prompt_logprobs if body.echo else None),
-                         finish_reason=c.finish_reason,
+                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                          prompt_logprobs=None if body.prompt_logprobs is None or c.prompt_logprobs is None
                          else prompt_logprobs_of(c.prompt_logprobs, body.prompt_logprobs))
         for i, (job, echo) in enumerate(zip(jobs, echoes)) for c in job.choices]
@@ -123,7 +123,7 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput, first_index: int,
     offset = len(echo) + len(job.choices[delta.index].text) - len(delta.text)  # ``delta`` is already folded in
     return CompletionChoice(
         index=first_index + delta.index, text=delta.text,
-        finish_reason=delta.finish_reason.value if delta.finish_reason else None,
+        finish_reason=delta.finish_reason.value if delta.finish_reason else None, stop_reason=delta.stop_reason,
         logprobs=_logprobs(job, delta.logprobs, offset))
 
 

@@ -168,11 +168,16 @@ class DeltaMessage(Thought):
     tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda value: not value)
 
 
+# vLLM's: the stop string or stop token id that ended a choice (null for the end of text, or its length).
+StopReason = int | str | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: StopReason = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -180,6 +185,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
 
 
 class CompletionChoice(BaseModel):
@@ -187,6 +193,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)  # vLLM's
 
 
