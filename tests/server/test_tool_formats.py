@@ -208,3 +208,11 @@ def test_a_history_call_with_empty_arguments_has_none(default_tokenizer_dir) -> 
             "name": "get_time", "arguments": ""}}]}]})
     messages, _ = chat_messages(body, tokenizer, "none", HERMES)
     assert messages[-1]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def test_a_participants_name_reaches_the_template(default_tokenizer_dir) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    body = ChatTemplateRequest.model_validate({"messages": [{"role": "user", "content": "Hi", "name": "alice"},
+                                                            {"role": "user", "content": "Yo"}]})
+    messages, _ = chat_messages(body, tokenizer, "none", HERMES)
+    assert [m.get("name") for m in messages] == ["alice", None]
