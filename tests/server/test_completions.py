@@ -88,3 +88,14 @@ def test_stop_reason_names_the_stop_token_id(server: RunningServer) -> None:
     assert (stopped.finish_reason, stopped.model_extra["stop_reason"]) == ("stop", 30)
     cut = client.completions.create(**common, stream=True)
     assert [(c.choices[0].finish_reason, c.choices[0].model_extra["stop_reason"]) for c in cut][-1] == ("length", None)
+
+
+def test_echoed_offsets_stay_in_the_text_when_tokens_split_characters(server: RunningServer) -> None:
+    """Each emoji here is three tokens whose texts are U+FFFD: their offsets are where the emoji
+    starts, not the U+FFFD counted three times, so the answer's offsets follow the prompt's."""
+    prompt = "\N{PARTY POPPER}\N{PARTY POPPER} ok"
+    choice = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True, logprobs=0,
+                                                extra_body=NO_EOS).choices[0]
+    offsets = choice.logprobs.text_offset
+    assert offsets[:6] == [0, 0, 0, 1, 1, 1] and offsets == sorted(offsets)
+    assert offsets[-2] == len(prompt) and choice.text.startswith(prompt)

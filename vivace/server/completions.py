@@ -20,6 +20,7 @@ from vivace.server.protocol import CompletionRequest
 from vivace.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, prompt_logprobs_of
 from vivace.server.sse import sse_event, sse_response
 from vivace.server.structured import requested_constraint
+from vivace.server.tokens import token_bytes
 from vivace.server.state import server_state
 
 
@@ -78,15 +79,35 @@ def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None, offset: i
     if num_top is None:
         return None
     result = CompletionLogprobs()
-    start = 0
-    for lp in prompt or []:
-        token = job.engine.tokenizer.decode([job.prompt_ids[0]]) if lp is None else lp.token
-        _add_token(result, token, lp, start, num_top)
-        start += len(token)
+    characters = _Characters()
+    tokenizer = job.engine.tokenizer
+    for token_id, lp in zip(job.prompt_ids, prompt or []):
+        token = tokenizer.decode([token_id]) if lp is None else lp.token
+        _add_token(result, token, lp, characters.complete, num_top)
+        characters.add(token_bytes(tokenizer, token_id, token))
     for lp in logprobs or []:
         _add_token(result, lp.token, lp, offset, num_top)
         offset += len(lp.token)
     return result
+
+
+class _Characters:
+    """Counts the characters a run of UTF-8 bytes completes, fed a token's bytes at a time: an echoed
+    prompt token's offset is the characters before it (a token holding part of a character starts
+    where that character does), so offsets never run past the text, whose length starts the answer's."""
+
+    def __init__(self) -> None:
+        self.complete = 0
+        self._pending = 0  # continuation bytes the character begun last still needs
+
+    def add(self, data: list[int]) -> None:
+        for byte in data:
+            if self._pending and byte >> 6 == 0b10:
+                self._pending -= 1
+                self.complete += not self._pending
+            else:  # a character's first byte (or a stray byte, counted as one character)
+                self._pending = 3 if byte >> 3 == 0b11110 else 2 if byte >> 4 == 0b1110 else int(byte >> 5 == 0b110)
+                self.complete += not self._pending
 
 
 def _add_token(result: CompletionLogprobs, token: str, lp: TokenLogprob | None, offset: int, num_top: int) -> None:
