@@ -42,6 +42,8 @@ def test_stream_matches_whole_answer_and_ends_with_usage(server: RunningServer) 
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
+    # One id and one timestamp (the request's) in every chunk, as OpenAI documents.
+    assert {(c.id, c.created) for c in chunks} == {(chunks[0].id, chunks[0].created)}
 
 
 def test_repeated_prompt_reports_cached_tokens(server: RunningServer) -> None:
@@ -77,6 +79,11 @@ def test_stop_string_ends_the_answer_before_it(server: RunningServer) -> None:
     stopped = client.chat.completions.create(max_tokens=12, stop=[stop], **common).choices[0]
     assert stopped.finish_reason == "stop"
     assert stopped.message.content == text[:text.index(stop)]
+    # vLLM's stop_reason names the stop string, in the whole answer and in the stream's last chunk
+    assert stopped.model_extra["stop_reason"] == stop
+    chunks = [c.choices[0] for c in client.chat.completions.create(max_tokens=12, stop=[stop], stream=True, **common)
+              if c.choices]
+    assert [c.model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -104,6 +111,20 @@ def test_logprobs_have_top_alternatives(server: RunningServer) -> None:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
         assert entry.bytes == list(entry.token.encode())
+
+
+def test_logprob_bytes_of_part_of_a_character_are_that_part(server: RunningServer) -> None:
+    """A token holding an emoji's first bytes decodes to U+FFFD; its ``bytes`` are still the emoji's
+    first bytes (OpenAI's ``bytes`` exist so that a client can join them), not U+FFFD's."""
+    emoji = "\N{PARTY POPPER}".encode()
+    with server.http() as http:
+        first = http.post("/tokenize", json={"prompt": "\N{PARTY POPPER}", "add_special_tokens": False}).json()["tokens"][0]
+    reply = server.client().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=1,
+        logit_bias={str(first): 100}, extra_body={"ignore_eos": True})
+    for entry in reply.choices[0].logprobs.content:
+        assert entry.token == "\ufffd" and 0 < len(entry.bytes) < len(emoji)
+        assert bytes(entry.bytes) == emoji[:len(entry.bytes)] and entry.top_logprobs[0].bytes == entry.bytes
 
 
 def test_models_lists_the_served_name(server: RunningServer) -> None:

@@ -78,3 +78,24 @@ def test_min_tokens_and_extras_are_accepted(server: RunningServer) -> None:
         extra_body={"min_tokens": 6, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
                     "priority": 1})
     assert reply.usage.completion_tokens == 6
+
+
+def test_stop_reason_names_the_stop_token_id(server: RunningServer) -> None:
+    """vLLM's ``stop_reason``: the stop token id that ended a choice, null when the length did."""
+    client = server.client()
+    common = dict(model="tiny", prompt="hi", max_tokens=4, logit_bias={"30": 100})
+    stopped = client.completions.create(**common, extra_body={"stop_token_ids": [30]}).choices[0]
+    assert (stopped.finish_reason, stopped.model_extra["stop_reason"]) == ("stop", 30)
+    cut = client.completions.create(**common, stream=True)
+    assert [(c.choices[0].finish_reason, c.choices[0].model_extra["stop_reason"]) for c in cut][-1] == ("length", None)
+
+
+def test_echoed_offsets_stay_in_the_text_when_tokens_split_characters(server: RunningServer) -> None:
+    """Each emoji here is three tokens whose texts are U+FFFD: their offsets are where the emoji
+    starts, not the U+FFFD counted three times, so the answer's offsets follow the prompt's."""
+    prompt = "\N{PARTY POPPER}\N{PARTY POPPER} ok"
+    choice = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True, logprobs=0,
+                                                extra_body=NO_EOS).choices[0]
+    offsets = choice.logprobs.text_offset
+    assert offsets[:6] == [0, 0, 0, 1, 1, 1] and offsets == sorted(offsets)
+    assert offsets[-2] == len(prompt) and choice.text.startswith(prompt)

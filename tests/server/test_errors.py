@@ -146,6 +146,9 @@ def test_not_ready_until_an_engine_is_attached(tiny_engine) -> None:
         with loading.http() as http:
             assert http.get("/health").status_code == 503
             assert http.post(COMPLETIONS, json=completion(model=None)).status_code == 503
+            # Clients poll the model list until the server is up: 503, not a 500 (an assertion).
+            for path in ("/v1/models", "/v1/models/tiny"):
+                assert http.get(path).json()["error"]["code"] == "not_ready"
             loading.app.state.vivace.attach_engine(tiny_engine)
             assert http.get("/health").status_code == 200
             assert http.post(COMPLETIONS, json=completion(model=None)).status_code == 200

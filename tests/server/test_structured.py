@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import re
 
+from typing import Literal
+
 import jsonschema
+import openai
 import pytest
+from pydantic import BaseModel
 
 from .harness import RunningServer
 
@@ -109,6 +113,27 @@ def test_tool_round_trip_is_accepted_and_none_means_text(server: RunningServer) 
     plain = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER],
                                            tool_choice="none", max_tokens=5)
     assert plain.choices[0].message.tool_calls is None
+
+
+class Weather(BaseModel):
+    unit: Literal["c", "f"]
+    days: Literal[1, 2, 3]
+
+
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")  # the client's, dumping its own parsed model
+def test_a_parsed_answer_sent_back_as_the_client_sends_it_is_accepted(server: RunningServer) -> None:
+    """The openai client's ``parse`` answers carry ``parsed`` (the message) and ``parsed_arguments``
+    (each call); appending the message to the conversation, as OpenAI's docs do, sends them back."""
+    client = server.client()
+    common = dict(model="tiny", max_tokens=40, parallel_tool_calls=False)
+    called = client.chat.completions.parse(messages=ASK, tools=[openai.pydantic_function_tool(Weather)],
+                                           tool_choice="required", **common).choices[0].message
+    assert isinstance(called.tool_calls[0].function.parsed_arguments, Weather)
+    history = [*ASK, called, {"role": "tool", "tool_call_id": called.tool_calls[0].id, "content": "21"}]
+    said = client.chat.completions.parse(messages=history, response_format=Weather, **common).choices[0].message
+    assert isinstance(said.parsed, Weather)
+    again = client.chat.completions.create(messages=[*history, said, {"role": "user", "content": "ok"}], **common)
+    assert again.choices[0].message.role == "assistant"
 
 
 BAD = [

@@ -196,3 +196,23 @@ def test_a_template_without_tools_is_told_the_form_and_sees_its_calls_in_it(defa
     assert tools is None and form.instruction() in messages[0]["content"]
     assert messages[-1]["content"] == written
     assert parse_tool_calls(written, form.parser())[1][0].name == "get_time"
+
+
+def test_a_history_call_with_empty_arguments_has_none(default_tokenizer_dir) -> None:
+    """Clients send ``"arguments": ""`` back for a call without parameters: it is ``{}`` (as in vLLM),
+    not a 400."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    body = ChatTemplateRequest.model_validate({"messages": [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_time", "arguments": ""}}]}]})
+    messages, _ = chat_messages(body, tokenizer, "none", HERMES)
+    assert messages[-1]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def test_a_participants_name_reaches_the_template(default_tokenizer_dir) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    body = ChatTemplateRequest.model_validate({"messages": [{"role": "user", "content": "Hi", "name": "alice"},
+                                                            {"role": "user", "content": "Yo"}]})
+    messages, _ = chat_messages(body, tokenizer, "none", HERMES)
+    assert [m.get("name") for m in messages] == ["alice", None]

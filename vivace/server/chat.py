@@ -26,6 +26,7 @@ from vivace.server.responses import (
     TopLogprob, Usage, prompt_logprobs_of, thought)
 from vivace.server.sse import sse_event, sse_response
 from vivace.server.structured import check_compiles, json_schema, structured_output
+from vivace.server.tokens import token_bytes
 from vivace.server.tool_formats import ToolFormat, parameters_schema
 from vivace.server.tool_parser import CallParser, ParsedCall, ToolCallParser, parse_tool_calls
 from vivace.server.tools import tool_choice
@@ -158,11 +159,12 @@ async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: 
 def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
     if job.params.logprobs is None:
         return None
+    tokenizer = job.engine.tokenizer
     return ChatLogprobs(content=[
         ChatTokenLogprob(
-            token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
-            top_logprobs=[TopLogprob(token=text, logprob=value, bytes=list(text.encode()))
-                          for _, text, value in lp.top])
+            token=lp.token, logprob=lp.logprob, bytes=token_bytes(tokenizer, lp.token_id, lp.token),
+            top_logprobs=[TopLogprob(token=text, logprob=value, bytes=token_bytes(tokenizer, token_id, text))
+                          for token_id, text, value in lp.top])
         for lp in logprobs or []])
 
 
@@ -192,10 +194,10 @@ def _response(chat: StartedChat, model: str, prompt_logprobs: int | None) -> Cha
         message, reason = _message(c.text if split is None else split.content, c.finish_reason,
                                    chat.tool_format if chat.calls else None, None if split is None else split.reasoning)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(job, c.logprobs),
-                                  finish_reason=reason))
+                                  finish_reason=reason, stop_reason=c.stop_reason))
         thought_flags.append(split is not None and split.thought)
     scored = job.choices[0].prompt_logprobs
-    return ChatCompletionResponse(id=job.request_id, model=model, choices=choices,
+    return ChatCompletionResponse(id=job.request_id, created=job.created, model=model, choices=choices,
                                   usage=usage_with_thinking(job, chat.thinking, thought_flags),
                                   timings=timings_of(job),
                                   prompt_logprobs=None if prompt_logprobs is None or scored is None
@@ -242,7 +244,7 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput, held: _HeldBack) 
                                   function=FunctionCallDelta(name=d.name, arguments=d.arguments))
                     for d in tool_deltas])
     return ChatChunkChoice(index=delta.index, delta=message, logprobs=_logprobs(job, delta.logprobs),
-                           finish_reason=reason)
+                           finish_reason=reason, stop_reason=delta.stop_reason)
 
 
 async def _chunks(chat: StartedChat, model: str, include_usage: bool, continuous_usage: bool
@@ -258,7 +260,7 @@ async def _chunks(chat: StartedChat, model: str, include_usage: bool, continuous
     def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
         if continuous_usage:
             extra.setdefault("usage", usage())
-        return sse_event(ChatCompletionChunk(id=job.request_id, model=model, choices=choices,
+        return sse_event(ChatCompletionChunk(id=job.request_id, created=job.created, model=model, choices=choices,
                                              **extra))
 
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))

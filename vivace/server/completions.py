@@ -20,6 +20,7 @@ from vivace.server.protocol import CompletionRequest
 from vivace.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, prompt_logprobs_of
 from vivace.server.sse import sse_event, sse_response
 from vivace.server.structured import requested_constraint
+from vivace.server.tokens import token_bytes
 from vivace.server.state import server_state
 
 
@@ -78,15 +79,35 @@ def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None, offset: i
     if num_top is None:
         return None
     result = CompletionLogprobs()
-    start = 0
-    for lp in prompt or []:
-        token = job.engine.tokenizer.decode([job.prompt_ids[0]]) if lp is None else lp.token
-        _add_token(result, token, lp, start, num_top)
-        start += len(token)
+    characters = _Characters()
+    tokenizer = job.engine.tokenizer
+    for token_id, lp in zip(job.prompt_ids, prompt or []):
+        token = tokenizer.decode([token_id]) if lp is None else lp.token
+        _add_token(result, token, lp, characters.complete, num_top)
+        characters.add(token_bytes(tokenizer, token_id, token))
     for lp in logprobs or []:
         _add_token(result, lp.token, lp, offset, num_top)
         offset += len(lp.token)
     return result
+
+
+class _Characters:
+    """Counts the characters a run of UTF-8 bytes completes, fed a token's bytes at a time: an echoed
+    prompt token's offset is the characters before it (a token holding part of a character starts
+    where that character does), so offsets never run past the text, whose length starts the answer's."""
+
+    def __init__(self) -> None:
+        self.complete = 0
+        self._pending = 0  # continuation bytes the character begun last still needs
+
+    def add(self, data: list[int]) -> None:
+        for byte in data:
+            if self._pending and byte >> 6 == 0b10:
+                self._pending -= 1
+                self.complete += not self._pending
+            else:  # a character's first byte (or a stray byte, counted as one character)
+                self._pending = 3 if byte >> 3 == 0b11110 else 2 if byte >> 4 == 0b1110 else int(byte >> 5 == 0b110)
+                self.complete += not self._pending
 
 
 def _add_token(result: CompletionLogprobs, token: str, lp: TokenLogprob | None, offset: int, num_top: int) -> None:
@@ -110,12 +131,12 @@ def _response(jobs: list[EngineRequest], echoes: list[str], request_id: str, mod
     choices = [
         CompletionChoice(index=i * job.params.n + c.index, text=echo + c.text,
                          logprobs=_logprobs(job, c.logprobs, len(echo), c.prompt_logprobs if body.echo else None),
-                         finish_reason=c.finish_reason,
+                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                          prompt_logprobs=None if body.prompt_logprobs is None or c.prompt_logprobs is None
                          else prompt_logprobs_of(c.prompt_logprobs, body.prompt_logprobs))
         for i, (job, echo) in enumerate(zip(jobs, echoes)) for c in job.choices]
     timings = timings_of(jobs[0]) if len(jobs) == 1 else None
-    return CompletionResponse(id=request_id, model=model, choices=choices,
+    return CompletionResponse(id=request_id, created=jobs[0].created, model=model, choices=choices,
                               usage=usage_of(jobs), timings=timings)
 
 
@@ -123,7 +144,7 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput, first_index: int,
     offset = len(echo) + len(job.choices[delta.index].text) - len(delta.text)  # ``delta`` is already folded in
     return CompletionChoice(
         index=first_index + delta.index, text=delta.text,
-        finish_reason=delta.finish_reason.value if delta.finish_reason else None,
+        finish_reason=delta.finish_reason.value if delta.finish_reason else None, stop_reason=delta.stop_reason,
         logprobs=_logprobs(job, delta.logprobs, offset))
 
 
@@ -142,7 +163,8 @@ async def _chunks(jobs: list[EngineRequest], echoes: list[str], request_id: str,
     def chunk(choices: list[CompletionChoice], **extra: object) -> str:
         if continuous_usage:
             extra.setdefault("usage", usage_of(jobs))
-        return sse_event(CompletionResponse(id=request_id, model=model, choices=choices, **extra))
+        return sse_event(CompletionResponse(id=request_id, created=jobs[0].created, model=model, choices=choices,
+                                            **extra))
 
     n = jobs[0].params.n
     if any(echoes) and not echo_logprobs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -118,6 +119,7 @@ class EngineRequest:
         # Unique in the engine even when clients reuse an X-Request-Id; log lines show both.
         self.engine_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         self.priority = priority
+        self.created = int(time.time())  # every chunk of its answer carries this one timestamp, as OpenAI's do
         self.deadlines = deadlines
         self.choices = [ChoiceState(i) for i in range(params.n)]
         self.last: RequestOutput | None = None

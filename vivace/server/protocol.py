@@ -144,6 +144,9 @@ class StructuredOutputs(_Strict):
 class FunctionCall(_Strict):
     name: str
     arguments: str  # a JSON object, as text
+    # What the openai client's ``chat.completions.parse`` adds to a call it read, sent back with the
+    # message: ``arguments`` read into the tool's model (ignored: the text is what was said).
+    parsed_arguments: Any = None
 
 
 class ToolCall(_Strict):
@@ -203,6 +206,7 @@ class ChatMessage(_Strict):
     reasoning: str | None = None
     annotations: Annotated[list[Any] | None, *_unsupported("annotations", {"maxItems": 0})] = None
     audio: None = None
+    parsed: Any = None  # ``chat.completions.parse``'s content read into the response_format's model (ignored)
     function_call: Annotated[dict[str, Any] | None, *_unsupported(
         "function_call values (the legacy form of tool_calls)", {"maxProperties": 0})] = None
 

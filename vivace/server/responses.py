@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -169,11 +168,16 @@ class DeltaMessage(Thought):
     tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda value: not value)
 
 
+# vLLM's: the stop string or stop token id that ended a choice (null for the end of text, or its length).
+StopReason = int | str | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: StopReason = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -181,6 +185,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
 
 
 class CompletionChoice(BaseModel):
@@ -188,16 +193,13 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)  # vLLM's
-
-
-def _created() -> int:
-    return int(time.time())
 
 
 class _Response(BaseModel):
     id: str
-    created: int = Field(default_factory=_created)
+    created: int  # when the request came: the same in every chunk of a stream
     model: str
     system_fingerprint: str | None = None
     usage: Usage | None = None

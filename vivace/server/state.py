@@ -107,7 +107,8 @@ class ServerState:
 
     def served_models(self) -> list[tuple[str, AsyncEngine]]:
         """Each served model name with an engine serving it (503 while loading)."""
-        return [(self.model_name(), self.engine_for(None))]
+        engine = self.engine_for(None)
+        return [(self.model_name(), engine)]
 
     def engine_for(self, model: str | None, caller: Caller | None = None) -> AsyncEngine:
         """The engine serving ``model`` (None: the served one) to ``caller`` (a scaled-out

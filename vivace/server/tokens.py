@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
-from functools import partial
+import re
+from functools import cache, partial
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -15,6 +17,33 @@ from vivace.server.protocol import DetokenizeRequest, TokenizeChatRequest, Token
 from vivace.server.responses import DetokenizeResponse, TokenizeResponse
 from vivace.server.state import server_state
 from vivace.server.tools import tool_choice
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback (Llama 2, Gemma)
+
+
+@cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (SmolLM2, Llama 3, Qwen), character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\N{INVERTED EXCLAMATION MARK}"), ord("\N{SOFT HYPHEN}")),
+                 *range(ord("\N{REGISTERED SIGN}"), 256)]
+    shifted = [byte for byte in range(256) if byte not in printable]  # the rest, moved past 255 in order
+    return {**{chr(byte): byte for byte in printable}, **{chr(256 + i): byte for i, byte in enumerate(shifted)}}
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """The UTF-8 bytes of one token, as OpenAI's logprobs give them: a token that holds only part
+    of a character (an emoji's first bytes) decodes to U+FFFD, so its bytes come from its piece in
+    the vocabulary, and the pieces' bytes joined are the text's."""
+    if "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if match := _BYTE_PIECE.fullmatch(piece):
+            return [int(match.group(1), 16)]
+        decoder = _byte_level_decoder()
+        if piece and all(char in decoder for char in piece):
+            return [decoder[char] for char in piece]
+    return list(text.encode())
 
 
 def _tokenize_schema(raw: bytes) -> type[TokenizeChatRequest] | type[TokenizeCompletionRequest]:

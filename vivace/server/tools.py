@@ -60,6 +60,10 @@ def template_takes_tools(tokenizer: Any) -> bool:
 
 
 def _arguments(message_index: int, call_index: int, text: str) -> dict[str, Any]:
+    """A history call's arguments; empty text is no arguments (``{}``), as vLLM reads it: clients
+    send ``""`` back for a function without parameters."""
+    if not text.strip():
+        return {}
     try:
         arguments = json.loads(text)
     except json.JSONDecodeError:
@@ -94,7 +98,7 @@ def _convention_message(index: int, message: ChatMessage, form: ToolFormat) -> d
     calls = [(c.function.name, _arguments(index, i, c.function.arguments))
              for i, c in enumerate(message.tool_calls or [])]
     text = "\n".join([text] * bool(text) + [form.write(calls)] * bool(calls))
-    return _with_thinking({"role": role, "content": text}, message)
+    return _with_thinking(_with_name({"role": role, "content": text}, message), message)
 
 
 def _template_message(index: int, message: ChatMessage, form: ToolFormat) -> dict[str, Any]:
@@ -107,7 +111,13 @@ def _template_message(index: int, message: ChatMessage, form: ToolFormat) -> dic
             for i, c in enumerate(message.tool_calls)]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = form.history_id(message.tool_call_id)
-    return _with_thinking(rendered, message)
+    return _with_thinking(_with_name(rendered, message), message)
+
+
+def _with_name(rendered: dict[str, Any], message: ChatMessage) -> dict[str, Any]:
+    """The template's message with its participant's ``name``, when it has one (as vLLM passes it:
+    the template decides whether it shows)."""
+    return rendered if message.name is None else {**rendered, "name": message.name}
 
 
 def _with_thinking(rendered: dict[str, Any], message: ChatMessage) -> dict[str, Any]:
