@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,18 @@ def stream_text(base_url: str, out: list[str]) -> None:
         out.extend(line for line in response.iter_lines() if line.startswith("data:"))
 
 
+def sigterm_mid_stream(process: subprocess.Popen, stream: Callable[[], None], events: list[str]) -> threading.Thread:
+    """Run ``stream`` in a thread and SIGTERM ``process`` once ``events`` has its first line."""
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    deadline = time.monotonic() + 60
+    while not events:
+        assert time.monotonic() < deadline, "the stream never started"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    return streamer
+
+
 @pytest.mark.slow
 def test_serve_default_model_then_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
     port = free_port()
@@ -52,16 +65,40 @@ def test_serve_default_model_then_sigterm_drains_and_exits_zero(tmp_path: Path) 
                            json={"prompt": "The capital of France is", "max_tokens": 5})
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
         events: list[str] = []
-        streamer = threading.Thread(target=stream_text, args=(base_url, events))
-        streamer.start()
-        deadline = time.monotonic() + 60
-        while not events:
-            assert time.monotonic() < deadline, "the stream never started"
-            time.sleep(0.01)
-        process.send_signal(signal.SIGTERM)
+        streamer = sigterm_mid_stream(process, lambda: stream_text(base_url, events), events)
         assert process.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
         streamer.join(timeout=10)
         assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
+    finally:
+        if process.poll() is None:
+            process.kill()
+        log.close()
+
+
+def test_sigterm_past_the_grace_ends_open_streams_with_an_error_event(tmp_path: Path, make_tiny_llama) -> None:
+    """A stream still running when --shutdown-timeout runs out gets an error event and [DONE],
+    not a connection cut mid-chunk, and the process still exits 0."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vivace.cli", "serve", str(make_tiny_llama(max_position_embeddings=1 << 16)),
+         "--port", str(port), "--eager", "--shutdown-timeout", "1", "--num-kv-blocks", "4200"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "VIVACE_LOG_LEVEL": "warning"})
+    try:
+        wait_healthy(base_url, process)
+        events: list[str] = []
+        body = {"prompt": "Count:", "max_tokens": 60_000, "stream": True, "ignore_eos": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+                events.extend(line for line in response.iter_lines() if line.startswith("data:"))
+
+        streamer = sigterm_mid_stream(process, stream, events)
+        assert process.wait(timeout=30) == 0, (tmp_path / "serve.log").read_text()
+        streamer.join(timeout=10)
+        assert not streamer.is_alive()
+        assert events[-1] == "data: [DONE]" and '"code":"engine_dead"' in events[-2], events[-2:]
     finally:
         if process.poll() is None:
             process.kill()

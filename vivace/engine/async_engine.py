@@ -249,6 +249,12 @@ class AsyncEngine:
         for sub_id in [s for s in list(self._streams) if s == request_id or s.startswith(request_id + "-")]:
             self._commands.put(("abort", sub_id))
 
+    def end_all(self, exc: BaseException) -> None:
+        """End every open stream with ``exc`` (a shutdown past its grace): each raises it and
+        aborts its request in the engine, so its response can still end cleanly. Thread-safe."""
+        for request_id in list(self._streams):
+            self._deliver_error(request_id, exc)
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()
