@@ -75,6 +75,7 @@ def test_serve_default_model_then_sigterm_drains_and_exits_zero(tmp_path: Path) 
         log.close()
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_grace_ends_open_streams_with_an_error_event(tmp_path: Path, make_tiny_llama) -> None:
     """A stream still running when --shutdown-timeout runs out gets an error event and [DONE],
     not a connection cut mid-chunk, and the process still exits 0."""
