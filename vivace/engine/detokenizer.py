@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vivace.engine.tokenization import once_per_tokenizer
+
 # Decoding a few tokens before the new ones gives tokenizers the context they need
 # for leading spaces (sentencepiece) and byte-level merges.
 _CONTEXT_TOKENS = 5
@@ -27,13 +29,7 @@ def decoder_of(tokenizer) -> Callable[[list[int], bool], str]:
     Rust decode straight where that is the same (no clean-up of spaces; most of a transformers
     decode of a few ids is its Python around that call), else ``tokenizer.decode``. The check runs
     once per tokenizer."""
-    try:
-        backend = _DECODERS[tokenizer]
-    except KeyError:
-        backend = _rust_decoder(tokenizer)
-        _DECODERS[tokenizer] = backend
-    except TypeError:  # a tokenizer that is no weak-dictionary key: checked each time
-        backend = _rust_decoder(tokenizer)
+    backend = once_per_tokenizer(_DECODERS, tokenizer, _rust_decoder)
     if backend is not None:
         return lambda ids, skip_special_tokens: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from typing import TypeVar
 
 # Text that exercises what an encoder could get wrong: runs of spaces, newlines, tabs,
 # contractions, digits, punctuation, accents, CJK, an emoji, markup.
@@ -28,18 +29,26 @@ PIECE_CHARS = 512
 _ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 Encoder = Callable[[str, bool], list[int]]
+T = TypeVar("T")
+
+
+def once_per_tokenizer(cache: weakref.WeakKeyDictionary, tokenizer, make: Callable[[object], T]) -> T:
+    """``make(tokenizer)``, kept in ``cache`` for as long as the tokenizer lives (made each time
+    for a tokenizer that can be no weak-dictionary key)."""
+    try:
+        return cache[tokenizer]
+    except KeyError:
+        made = cache[tokenizer] = make(tokenizer)
+        return made
+    except TypeError:
+        return make(tokenizer)
 
 
 def encoder_of(tokenizer) -> Encoder:
     """``encode(text, add_special_tokens)``: the ids of ``tokenizer.encode(text,
     add_special_tokens=...)``, from the fast tokenizer's Rust encode without offsets (long
     texts in parallel pieces) where that was checked to give them, else ``tokenizer.encode``."""
-    try:
-        encoder = _ENCODERS[tokenizer]
-    except KeyError:
-        encoder = _ENCODERS[tokenizer] = _fast_encoder(tokenizer)
-    except TypeError:  # no weak-dictionary key: checked each time
-        encoder = _fast_encoder(tokenizer)
+    encoder = once_per_tokenizer(_ENCODERS, tokenizer, _fast_encoder)
     return encoder or (lambda text, add_special_tokens: tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
@@ -54,8 +63,8 @@ def _fast_encoder(tokenizer) -> Encoder | None:
             return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
         def in_pieces(text: str, add_special_tokens: bool, piece_chars: int = PIECE_CHARS) -> list[int]:
-            pieces = word_pieces(text, piece_chars) if len(text) > piece_chars else [text]
-            if len(pieces) == 1:
+            pieces = word_pieces(text, piece_chars)
+            if len(pieces) < 2:
                 return whole(text, add_special_tokens)
             merged = Encoding.merge(backend.encode_batch_fast(pieces, add_special_tokens=False))
             return backend.post_process(merged, None, add_special_tokens).ids if add_special_tokens else merged.ids

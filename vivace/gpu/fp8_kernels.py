@@ -55,27 +55,8 @@ QUANT_BLOCK = 1024  # columns per step of the row quantizer
 @triton.jit
 def _widen_e4m3(words, PTX: tl.constexpr):
     """``[..., 4 * WORDS]`` float32, in column order, of the e4m3 codes packed four to an int32,
-    little-endian, in ``words [..., WORDS]`` (3D). PTX: per word two paired conversions to half
-    (``cvt.rn.f16x2.e4m3x2``) and four to float, on the registers as loaded (Triton's own cast
-    unpacks the bytes and pairs them again); else, under the interpreter, Triton's casts."""
-    if PTX:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(
-            """{
-            .reg .b16 lo, hi, h0, h1, h2, h3;
-            .reg .b32 p01, p23;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 p01, lo;
-            cvt.rn.f16x2.e4m3x2 p23, hi;
-            mov.b32 {h0, h1}, p01;
-            mov.b32 {h2, h3}, p23;
-            cvt.f32.f16 $0, h0;
-            cvt.f32.f16 $1, h1;
-            cvt.f32.f16 $2, h2;
-            cvt.f32.f16 $3, h3;
-            }""", "=r,=r,=r,=r,r", [words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
-            pack=1)
-    else:
-        b0, b1, b2, b3 = e4m3_bytes(words, tl.float32)
+    little-endian, in ``words [..., WORDS]`` (3D), converted by ``kernels.e4m3_bytes``."""
+    b0, b1, b2, b3 = e4m3_bytes(words, tl.float32, PTX)
     columns = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., word, pair, byte in pair]
     return tl.reshape(columns, [words.shape[0], words.shape[1], 4 * words.shape[2]])
 

@@ -237,24 +237,11 @@ def _float16(x):
 
 
 @triton.jit
-def e4m3_bytes(words, dtype: tl.constexpr):
-    """The four e4m3 codes of each int32 of ``words`` (little-endian) in ``dtype``, by Triton's casts."""
-    return (words.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype),
-            (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype),
-            (words >> 16).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype),
-            (words >> 24).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype))
-
-
-@triton.jit
-def _e4m3_tile(WORDS, rows, w, mask, PTX: tl.constexpr):
-    """``[len(rows), 4 * len(w)]`` float16: the e4m3 codes of words ``w`` of the rows starting at
-    word ``rows`` of WORDS (int32, four codes a word, little-endian), exactly (every e4m3 value is
-    a float16 value); zeros where ``mask`` is off. PTX: two paired conversions a word
-    (``cvt.rn.f16x2.e4m3x2``) on the registers as loaded; Triton's cast of a float8 tile to
-    bfloat16 read the tile from shared memory a byte at a time and converted each value twice
-    (~7 instructions a byte of cache in the decode loop on sm_90, against ~2 for a bfloat16
-    cache). Else, under the interpreter, Triton's casts."""
-    words = tl.load(WORDS + rows[:, None] + w[None, :], mask=mask, other=0)
+def e4m3_bytes(words, dtype: tl.constexpr, PTX: tl.constexpr):
+    """The four e4m3 codes of each int32 of ``words`` (little-endian), exactly, in ``dtype``. PTX:
+    two paired conversions to float16 a word (``cvt.rn.f16x2.e4m3x2``) on the registers as loaded
+    (Triton's own cast unpacks the bytes and pairs them again, or reads a tile from shared memory a
+    byte at a time), then to ``dtype``; else, under the interpreter, Triton's casts."""
     if PTX:
         b0, b1, b2, b3 = tl.inline_asm_elementwise(
             """{
@@ -267,8 +254,22 @@ def _e4m3_tile(WORDS, rows, w, mask, PTX: tl.constexpr):
             mov.b32 {$2, $3}, p23;
             }""", "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
             pack=1)
-    else:
-        b0, b1, b2, b3 = e4m3_bytes(words, tl.float16)
+        return b0.to(dtype), b1.to(dtype), b2.to(dtype), b3.to(dtype)
+    return (words.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype),
+            (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype),
+            (words >> 16).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype),
+            (words >> 24).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype))
+
+
+@triton.jit
+def _e4m3_tile(WORDS, rows, w, mask, PTX: tl.constexpr):
+    """``[len(rows), 4 * len(w)]`` float16: the e4m3 codes of words ``w`` of the rows starting at
+    word ``rows`` of WORDS (int32, four codes a word, little-endian), exactly (every e4m3 value is
+    a float16 value); zeros where ``mask`` is off (``e4m3_bytes``: Triton's cast of a float8 tile to
+    bfloat16 read the tile from shared memory a byte at a time and converted each value twice,
+    ~7 instructions a byte of cache in the decode loop on sm_90, against ~2 for a bfloat16 cache)."""
+    words = tl.load(WORDS + rows[:, None] + w[None, :], mask=mask, other=0)
+    b0, b1, b2, b3 = e4m3_bytes(words, tl.float16, PTX)
     columns = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [row, word, pair, byte in pair]
     return tl.reshape(columns, [words.shape[0], 4 * words.shape[1]])
 
@@ -521,7 +522,8 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                   BLOCK_HALF=_pow2(half, 16), BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
                   DOT_F32=_dot_f32(q, kv_cache), KV_FP8=fp8, ROPE=rope is not None, NUM_HEADS=num_heads,
                   NUM_KV_HEADS=num_kv_heads, QK_NORM=qk_norm, MIXED=query_start is not None, KV_WORDS=words,
-                  PTX=not INTERPRETED, **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)), **pdl(q.device))
+                  PTX=not INTERPRETED, **attention_launch(block_g, block_d, block_n, _dot_itemsize(q, kv_cache)),
+                  **pdl(q.device))
     rope = rope or dict(cos=q, sin=q, positions=seq_lens, slots=seq_lens, eps=0.0)
     norms = (rope["q_norm"], rope["k_norm"]) if qk_norm else (q, q)
     tensors = (rope["cos"], rope["sin"], rope["positions"], rope["slots"], *norms)
@@ -654,7 +656,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     num_seqs = seq_lens.shape[0]
     grid = (num_tokens // block_m + num_seqs, num_heads)
     _prefill_attention_kernel[grid](
-        q, kv_cache, kv_cache.view(torch.int32) if words else kv_cache, kv_scale if fp8 else q, block_tables, query_start, seq_lens, out, float(scale) * LOG2E,
+        q, kv_cache, kv_cache.view(torch.int32) if words else kv_cache, kv_scale if fp8 else q, block_tables,
+        query_start, seq_lens, out, float(scale) * LOG2E,
         int(window or NO_WINDOW), q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), num_kv_heads, block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
