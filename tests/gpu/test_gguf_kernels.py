@@ -175,3 +175,29 @@ def test_float16_activations(m: int) -> None:
     y = gguf_matmul(x.to(DEVICE), device_planes(blocks, T.Q4_K), T.Q4_K)
     assert y.dtype == torch.float16
     assert_close(y, reference(x, blocks, T.Q4_K))
+
+
+@pytest.mark.parametrize("ggml_type", gguf_kernels.WORD_TYPES, ids=lambda t: t.name)
+def test_gemv_of_codes_read_as_words(ggml_type) -> None:
+    """Rows of a multiple of 4 bytes: the GEMV decodes codes from their words (``_word_step``) and
+    adds 2^e back as sums of x, within 1e-4 of a float64 product for float32 x (the cancellation
+    costs ~2^15 / 2^24 of a sub-block's sum); bfloat16 x read 4 columns a load, float16 and an x
+    whose rows are not 8-byte aligned column by column; tilings, splits, one row of x and several."""
+    k = columns(ggml_type, 10, 2)
+    blocks = random_blocks(ggml_type, N, k, seed=11)
+    w = device_planes(blocks, ggml_type)
+    assert w.shape[1] % 4 == 0
+    weight = torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type)).double()
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(3, k + 1, generator=g, dtype=torch.float64)
+    configs = [None, GemvConfig(block_n=8, block_k=32, splits=3, acc_2d=True),
+               GemvConfig(block_n=16, block_k=64, splits=2, acc_2d=False, num_warps=8)]
+    for m, config in [(1, configs[0]), (1, configs[1]), (3, configs[2]), (2, configs[0])]:
+        exact = x[:m, :k] @ weight.T
+        y = gguf_matmul(x[:m, :k].float().to(DEVICE), w, ggml_type, config=config).double().cpu()
+        torch.testing.assert_close(y, exact, rtol=0, atol=1e-4 * exact.abs().max().item())
+    for m, config in [(1, configs[1]), (3, configs[2])]:
+        rounded = x[:m, :k].bfloat16()
+        assert_close(gguf_matmul(rounded.to(DEVICE), w, ggml_type, config=config), reference(rounded, blocks, ggml_type))
+    unaligned = x[:2].half().to(DEVICE)[:, 1:]  # rows start 2 bytes past 8-byte alignment: x read column by column
+    assert_close(gguf_matmul(unaligned, w, ggml_type), reference(x[:2, 1:].half(), blocks, ggml_type))

@@ -82,8 +82,10 @@ def test_projections_stay_packed_and_multiply_as_dequantized(gguf_model) -> None
     # Same products as the dequantized model's, q/k rows included (llama.cpp permutes them).
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     dense_attn = dense.layers[0].self_attn
+    # The GEMV of Q8_0/Q4 words keeps 2^15 (Q4: 2^11) in float32 sums (gguf_kernels): ~2e-4 of the scale.
     for ours, theirs in ((attn.qkv_proj, dense_attn.qkv_proj), (packed.lm_head, dense.lm_head)):
-        torch.testing.assert_close(linear(ours, x), F.linear(x, theirs.weight), rtol=1e-4, atol=1e-4)
+        expected = F.linear(x, theirs.weight)
+        torch.testing.assert_close(linear(ours, x), expected, rtol=1e-4, atol=5e-4 * expected.abs().max().item())
 
 
 def test_cpu_only_quantization_is_refused(gguf_model) -> None:

@@ -30,6 +30,8 @@ weights are then ``a * f + b`` for codes ``f [BLOCK_N, NU, LANES, PLANES]`` and 
   cross-thread reduction over a tile's units happens once, after the last step (``acc_2d``), or
   each step. K is split among programs (partial sums in float32, added by ``kernels.sum_splits``)
   when the rows alone give too few programs to fill the GPU.
+  Q8_0, Q4_0, Q4_1 and Q4_K rows of a multiple of 4 bytes take ``_word_step`` instead (codes decoded
+  from the words they are loaded in; the section above it).
 - Decode batches (``M <= GEMM_MAX_ROWS``): a tiled GEMM, ``tl.dot`` of ``x``'s tile and the
   dequantized weight tile rounded to ``x``'s dtype, float32 accumulation; one row tile of ``x``,
   so each weight tile is decoded once.
@@ -58,6 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vivace.gpu import kernels
 from vivace.gpu.kernels import DOT_F32, GemvConfig, pdl, pdl_wait, sum_splits
 
 T = gguf.GGMLQuantizationType
@@ -123,6 +126,9 @@ LAYOUTS = {
                                           (208, 209))),  # ql[128], qh[64], int8 scales[16], f16 d
 }
 GPU_TYPES = tuple(LAYOUTS)
+# The types whose GEMV decodes codes from the int32 words they are loaded in (``_word_step``), when
+# a row's bytes are a multiple of 4 (its words then start 4-byte aligned).
+WORD_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K)
 
 
 def planar(blocks: torch.Tensor, ggml_type: T) -> torch.Tensor:
@@ -169,7 +175,7 @@ def _q5_k_fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _lanes(W, row, start, u0, hi, n_mask, BLOCK_N: tl.constexpr, NU: tl.constexpr, BYTES: tl.constexpr):
     """A plane's bytes, BYTES a unit, from byte ``start`` of each row: [BLOCK_N, NU, BYTES], loaded
-    as one contiguous run a row (so 16 bytes a thread)."""
+    as one contiguous run a row (so 16 bytes a thread); from W as int32, words and word offsets."""
     offs = u0 * BYTES + tl.arange(0, NU * BYTES)
     q = tl.load(W + row[:, None] + start + offs[None, :], mask=n_mask[:, None] & (offs < hi * BYTES)[None, :],
                 other=0)
@@ -361,6 +367,175 @@ def _unit_cols(u0, FORMAT: tl.constexpr, NU: tl.constexpr):
     return cols
 
 
+# --- the GEMV of codes read as words (Q8_0, Q4_0, Q4_1, Q4_K; rows of a multiple of 4 bytes) ------
+# A thread's codes stay in the int32 words they are loaded in, and each is moved into the mantissa
+# of a float32 whose exponent makes it ``2^e + code``: Q4 nibbles to bits 12-15 (2^e = 2048) or
+# 16-19 (128) by a mask and an OR (one LOP3), a shift first serving two nibbles; Q8_0 bytes to
+# bits 8-15 (2^15) by one byte permute (PRMT). ``2^e`` is never subtracted code by code: the GEMV
+# takes ``d`` times the sums of x under each 2^e (plus the offset) off the sub-block's product,
+# which float32 rounding leaves within ~2^15 / 2^24 of the sub-block's sum. A word's products are
+# added in a chain of multiply-adds (``tl.sum`` over a tile's lanes adds in a tree: a multiply and
+# half an add more a code), and x is read in its rows' order, bfloat16 four columns a load, not
+# gathered through shared memory; its conversion and sums are shared by the rows a thread holds.
+# Main loop on sm_90 (SASS, Llama-3.1-8B's qkv, batch 1, ``_units`` then these): Q4_0 327 -> 292
+# instructions (32 rows a program: 2 rows, 64 codes a thread), 589 -> 460 (64 rows reducing once:
+# 4 rows, 128 codes); Q8_0 209 -> 173, 349 -> 261; Q4_K 402 -> 411 (1 row a thread), 740 -> 655.
+
+
+@triton.jit
+def _code_floats(bits, exponent):
+    """The float32s ``2^e + code`` of ``bits`` (a code in mantissa bits only) under ``exponent``
+    (the bits of 2^e)."""
+    return (bits | exponent).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q8_codes(w, exponent, PTX: tl.constexpr):
+    """The four bytes of each word of ``w`` as ``2^15 + code``: PTX, one byte permute a code (the byte
+    to bits 8-15 beside ``exponent``'s top byte and zeros); else a shift and a mask."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            """{
+            prmt.b32 $0, $4, $5, 0x7404;
+            prmt.b32 $1, $4, $5, 0x7414;
+            prmt.b32 $2, $4, $5, 0x7424;
+            prmt.b32 $3, $4, $5, 0x7434;
+            }""", "=r,=r,=r,=r,r,r", [w, tl.zeros_like(w) + exponent],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    return (_code_floats((w << 8) & 0xFF00, exponent), _code_floats(w & 0xFF00, exponent),
+            _code_floats((w >> 8) & 0xFF00, exponent), _code_floats((w >> 16) & 0xFF00, exponent))
+
+
+@triton.jit
+def _x_quad(X, XQ, row_x, cols, offset: tl.constexpr, QUADS: tl.constexpr):
+    """x at columns ``cols + offset .. + 3`` ([NU, WORDS] each, float32). QUADS (bfloat16 x, 8-byte
+    aligned rows): one 8-byte load from XQ (x as int64) and shifts; else four loads."""
+    if QUADS:
+        q = tl.load(XQ + (row_x + cols + offset) // 4)
+        low, high = q.to(tl.int32), (q >> 32).to(tl.int32)
+        return ((low << 16).to(tl.float32, bitcast=True), (low & -65536).to(tl.float32, bitcast=True),
+                (high << 16).to(tl.float32, bitcast=True), (high & -65536).to(tl.float32, bitcast=True))
+    at = X + row_x + cols + offset
+    return (tl.load(at).to(tl.float32), tl.load(at + 1).to(tl.float32), tl.load(at + 2).to(tl.float32),
+            tl.load(at + 3).to(tl.float32))
+
+
+@triton.jit
+def _word_row(X, XQ, row_x, cols, c0, c1, c2, c3, c4, c5, c6, c7, d, m, d2, m2, FORMAT: tl.constexpr,
+              QUADS: tl.constexpr):
+    """One row of x times a step's units: ``[BLOCK_N, NU]``, from ``_word_step``'s codes. The
+    products of a word's codes are added in one chain (a multiply-add each), the words' sums then;
+    ``2^e`` (and the offset, the minimum) come back as ``d`` (``m``) times sums of x; Q4_K: ``d``,
+    ``m`` the low nibbles' sub-block's, ``d2``, ``m2`` the high ones'. ``cols``: the units' columns,
+    clamped to the row (a unit past it has d = 0)."""
+    if FORMAT == 8:
+        x0, x1, x2, x3 = _x_quad(X, XQ, row_x, cols, 0, QUADS)
+        s = c0 * x0[None]
+        s += c1 * x1[None]
+        s += c2 * x2[None]
+        s += c3 * x3[None]
+        sum_x = tl.sum(x0 + x1 + x2 + x3, 1)
+        t = d * (tl.sum(s, 2) - (32768.0 + 128.0) * sum_x[None])  # codes stored as q + 128
+    elif FORMAT == 12:
+        x0, x2, x4, x6 = _x_quad(X, XQ, row_x, cols, 0, QUADS)  # low nibble k: column k // 2
+        x1, x3, x5, x7 = _x_quad(X, XQ, row_x, cols, 32, QUADS)  # high: 32 + k // 2
+        s = c0 * x0[None]
+        s += c2 * x2[None]
+        s += c4 * x4[None]
+        s += c6 * x6[None]
+        s2 = c1 * x1[None]
+        s2 += c3 * x3[None]
+        s2 += c5 * x5[None]
+        s2 += c7 * x7[None]
+        low_12, low_16 = tl.sum(x0, 1)[None], tl.sum(x2 + x4 + x6, 1)[None]  # under 2^11, 2^7
+        high_12, high_16 = tl.sum(x1 + x3 + x5, 1)[None], tl.sum(x7, 1)[None]
+        t = (d * (tl.sum(s, 2) - 2048.0 * low_12 - 128.0 * low_16) + m * (low_12 + low_16)
+             + d2 * (tl.sum(s2, 2) - 2048.0 * high_12 - 128.0 * high_16) + m2 * (high_12 + high_16))
+    else:
+        x0, x2, x4, x6 = _x_quad(X, XQ, row_x, cols, 0, QUADS)  # nibble k: column k // 2 (+ 16 for odd k)
+        x1, x3, x5, x7 = _x_quad(X, XQ, row_x, cols, 16, QUADS)
+        s = c0 * x0[None]
+        s += c1 * x1[None]
+        s += c2 * x2[None]
+        s += c3 * x3[None]
+        s += c4 * x4[None]
+        s += c5 * x5[None]
+        s += c6 * x6[None]
+        s += c7 * x7[None]
+        high = tl.sum(x0 + x1 + x3 + x5, 1)  # the codes under 2^11
+        low = tl.sum(x2 + x4 + x6 + x7, 1)  # under 2^7
+        if FORMAT == 3:
+            t = d * (tl.sum(s, 2) - 2048.0 * high[None] - 128.0 * low[None]) + m * (high + low)[None]
+        else:
+            t = d * (tl.sum(s, 2) - 2056.0 * high[None] - 136.0 * low[None])  # 2^e + 8
+    return t
+
+
+@triton.jit
+def _word_step(W, WI, WH, X, XQ, m_rows, M, stride_xm, row_words, row, nblocks, u0, hi, n_mask, magic, cols,
+               FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr,
+               ACC_2D: tl.constexpr, QUADS: tl.constexpr, PTX: tl.constexpr, WAIT: tl.constexpr):
+    """A GEMV step over units u0 .. u0 + NU of the rows at word offsets ``row_words`` of WI (the
+    planar rows as int32; byte offsets ``row``), ``cols`` the columns [NU, WORDS] of the units'
+    words' first codes: ``[BLOCK_N, NU]`` (ACC_2D, one row of x) or ``[BLOCK_M, BLOCK_N]``.
+    Q8_0: 8 words a unit, codes at bits 8k (columns + k). Q4_0/Q4_1: 4 words, nibble k of word i the
+    code of column 4i + k // 2 (+ 16 for odd k). Q4_K: 8 words, the same with + 32, the low and high
+    nibbles two sub-blocks with their own scales and minimums."""
+    u = u0 + tl.arange(0, NU)
+    mask = n_mask[:, None] & (u < hi)[None, :]
+    d2, minimum2 = 0.0, 0.0
+    if FORMAT == 8:
+        w = _lanes(WI, row_words, 0, u0, hi, n_mask, BLOCK_N, NU, 8)
+        d = _f16(WH, row // 2, nblocks * 16 + u, mask)
+        pdl_wait(WAIT)
+        c0, c1, c2, c3 = _q8_codes(w, magic - (8 << 23), PTX)  # 2^15: a code in bits 8-15
+        c4, c5, c6, c7, minimum = c0, c0, c0, c0, 0.0
+        d = d.to(tl.float32)
+    else:
+        if FORMAT == 12:
+            w = _lanes(WI, row_words, 0, u0, hi, n_mask, BLOCK_N, NU, 8)
+            low, mid, high, d_dmin = _k_meta(W, WH, row, nblocks * 128, u, mask)
+        else:
+            w = _lanes(WI, row_words, 0, u0, hi, n_mask, BLOCK_N, NU, 4)
+            d = _f16(WH, row // 2, nblocks * 8 + u, mask)
+            if FORMAT == 3:
+                minimum = _f16(WH, row // 2, nblocks * 9 + u, mask).to(tl.float32)
+            else:
+                minimum = 0.0
+        pdl_wait(WAIT)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _nibble_codes(w, magic)
+        if FORMAT == 12:  # sub-block 2c in the low nibbles, 2c + 1 in the high ones (x 16 in _k_scales)
+            a, b = _k_scales(low, mid, high, d_dmin, u)
+            d, d2 = tl.split(a)
+            minimum, minimum2 = tl.split(b)
+            d2 = d2 * 16.0
+        else:
+            d = d.to(tl.float32)
+    if ACC_2D:
+        tl.static_assert(BLOCK_M == 1, "ACC_2D takes one row of x")
+        acc = _word_row(X, XQ, 0, cols, c0, c1, c2, c3, c4, c5, c6, c7, d, minimum, d2, minimum2, FORMAT, QUADS)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            t = _word_row(X, XQ, tl.minimum(i, M - 1) * stride_xm, cols, c0, c1, c2, c3, c4, c5, c6, c7, d, minimum,
+                          d2, minimum2, FORMAT, QUADS)  # rows past M: computed, never stored
+            acc += tl.where((m_rows == i)[:, None], tl.sum(t, 1)[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _nibble_codes(w, magic):
+    """The eight nibbles of each word of ``w`` as ``2^e + code``, nibble k (bits 4k-4k+3) moved to bits
+    12-15 (2^e = 2048: k = 0, 1, 3, 5) or 16-19 (128: k = 2, 4, 6, 7), two nibbles a shift."""
+    e12 = magic - (12 << 23)  # 2^11
+    e16 = magic - (16 << 23)  # 2^7
+    left, right = w << 8, w >> 8
+    return (_code_floats((w << 12) & 0xF000, e12), _code_floats(left & 0xF000, e12),
+            _code_floats(left & 0xF0000, e16), _code_floats(w & 0xF000, e12), _code_floats(w & 0xF0000, e16),
+            _code_floats(right & 0xF000, e12), _code_floats(right & 0xF0000, e16),
+            _code_floats((w >> 12) & 0xF0000, e16))
+
+
 @triton.jit
 def _weights(f, a, b, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """A tile's weights [BLOCK_N, BLOCK_K] (float32), columns in the order of its codes'."""
@@ -435,13 +610,15 @@ def _gemv_row(x, f, a, b, HAS_MIN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(W, WH, X, Y, BIAS, M, N, K, row_bytes, nblocks, units, units_per_split, stride_xm, stride_ym,
-                 stride_ys, magic, FORMAT: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr,
+def _gemv_kernel(W, WI, WH, X, XQ, Y, BIAS, M, N, K, row_bytes, row_words, nblocks, units, units_per_split, stride_xm,
+                 stride_ym, stride_ys, magic, FORMAT: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, NU: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 ACC_2D: tl.constexpr, PDL: tl.constexpr):
+                 ACC_2D: tl.constexpr, WORDS: tl.constexpr, QUADS: tl.constexpr, PTX: tl.constexpr,
+                 PDL: tl.constexpr):
     """One program: BLOCK_N output rows, every row of x, the units of one split of K, NU a step.
     Split, it writes float32 partial sums ``Y[split]``; else the result (+ bias) in Y's dtype. The
-    first tile's loads go out before ``pdl_wait`` (in ``_units``): no kernel writes weights."""
+    first tile's loads go out before ``pdl_wait`` (in ``_units``): no kernel writes weights. WORDS:
+    codes decoded from the words they are loaded in (``_word_step``; WI the rows as int32)."""
     split = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -449,13 +626,29 @@ def _gemv_kernel(W, WH, X, Y, BIAS, M, N, K, row_bytes, nblocks, units, units_pe
     m = tl.arange(0, BLOCK_M)
     lo = split * units_per_split
     hi = tl.minimum(lo + units_per_split, units)
-    f, a, b = _units(W, WH, row, nblocks, lo, hi, n_mask, magic, FORMAT, BLOCK_N, NU, PDL)
-    acc = _gemv_products(X, m, M, stride_xm, K, f, a, b, _unit_cols(lo, FORMAT, NU), HAS_MIN, BLOCK_M, ACC_2D)
-    for u0 in range(lo + NU, hi, NU):
-        f, a, b = _units(W, WH, row, nblocks, u0, hi, n_mask, magic, FORMAT, BLOCK_N, NU, False)
-        acc += _gemv_products(X, m, M, stride_xm, K, f, a, b, _unit_cols(u0, FORMAT, NU), HAS_MIN, BLOCK_M, ACC_2D)
-    if ACC_2D:
-        acc = tl.sum(tl.sum(acc, 2), 1)[None, :]
+    if WORDS:
+        words = n.to(tl.int64) * row_words
+        unit = tl.arange(0, NU)[:, None]
+        lane = 4 * tl.arange(0, 4 if FORMAT == 2 or FORMAT == 3 else 8)[None, :]
+        width = 64 if FORMAT == 12 else 32  # columns a unit
+        acc = _word_step(W, WI, WH, X, XQ, m, M, stride_xm, words, row, nblocks, lo, hi, n_mask, magic,
+                         width * tl.minimum(lo + unit, units - 1) + lane, FORMAT, BLOCK_M, BLOCK_N, NU, ACC_2D, QUADS,
+                         PTX, PDL)
+        for u0 in range(lo + NU, hi, NU):
+            acc += _word_step(W, WI, WH, X, XQ, m, M, stride_xm, words, row, nblocks, u0, hi, n_mask, magic,
+                              width * tl.minimum(u0 + unit, units - 1) + lane, FORMAT, BLOCK_M, BLOCK_N, NU, ACC_2D,
+                              QUADS, PTX, False)
+        if ACC_2D:
+            acc = tl.sum(acc, 1)[None, :]
+    else:
+        f, a, b = _units(W, WH, row, nblocks, lo, hi, n_mask, magic, FORMAT, BLOCK_N, NU, PDL)
+        acc = _gemv_products(X, m, M, stride_xm, K, f, a, b, _unit_cols(lo, FORMAT, NU), HAS_MIN, BLOCK_M, ACC_2D)
+        for u0 in range(lo + NU, hi, NU):
+            f, a, b = _units(W, WH, row, nblocks, u0, hi, n_mask, magic, FORMAT, BLOCK_N, NU, False)
+            acc += _gemv_products(X, m, M, stride_xm, K, f, a, b, _unit_cols(u0, FORMAT, NU), HAS_MIN, BLOCK_M,
+                                  ACC_2D)
+        if ACC_2D:
+            acc = tl.sum(tl.sum(acc, 2), 1)[None, :]
     store_gemv_rows(acc, Y, BIAS, m, n, m < M, n_mask, split, stride_ym, stride_ys, HAS_BIAS, SPLIT)
 
 
@@ -603,10 +796,13 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
     units_per_split = triton.cdiv(triton.cdiv(units, splits), nu) * nu
     splits = triton.cdiv(units, units_per_split)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    words = ggml_type in WORD_TYPES and row_bytes % 4 == 0
+    quads = words and x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0
     _gemv_kernel[(row_programs, splits)](
         X=x, Y=target, BIAS=bias, M=m, N=n, K=k, units_per_split=units_per_split, stride_xm=x.stride(0), stride_ym=n,
         stride_ys=m * n, BLOCK_M=block_m, BLOCK_N=config.block_n, NU=nu, HAS_BIAS=has_bias, SPLIT=splits > 1,
-        ACC_2D=config.acc_2d and m == 1, num_warps=config.num_warps, **weight, **pdl(x.device))
+        ACC_2D=config.acc_2d and m == 1, WI=blocks.view(torch.int32) if words else blocks, row_words=row_bytes // 4,
+        WORDS=words, XQ=x.view(torch.int64) if quads else x, QUADS=quads, PTX=not kernels.INTERPRETED, num_warps=config.num_warps, **weight, **pdl(x.device))
     if splits > 1:
         sum_splits(target, out, bias, has_bias)
     return out
