@@ -31,6 +31,10 @@ CASES = [
     ("        engine: {chat_template: '{% if %}'}\n", 5, "models[0].versions[0].engine",
      "--chat-template (inline): the template does not compile"),
     ("        replicas: 2\n        max_replicas: 3\n", 5, "models[0].versions[0].replicas", "either"),
+    ("        replicas: 2.5\n", 5, "models[0].versions[0].replicas", "whole number"),
+    ("        max_replicas: 2\n        target_ongoing_requests: .nan\n", 6,
+     "models[0].versions[0].target_ongoing_requests", "finite number"),
+    ("        max_replicas: 2\n        downscale_delay: -1\n", 6, "models[0].versions[0].downscale_delay", ">= 0"),
 ]
 
 

@@ -1,13 +1,16 @@
 """Routing seen from the API: a conversation stays on the replica that caches it, weights
 split a model's traffic between its versions, a tier gets the version reserved for it, and
-/health, /v1/models, /replicas and /metrics describe the whole application."""
+/health, /v1/models, /replicas and /metrics describe the whole application; structured output
+is checked in the ingress and obeyed on the replicas."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
 
 from .conftest import PREMIUM_KEY, ClusterServer
 
@@ -25,6 +28,8 @@ def test_health_models_and_replicas_cover_every_model(server: ClusterServer) -> 
     with server.http() as http:
         assert http.get("/health").json() == {"status": "ok"}
         assert {m["id"] for m in http.get("/v1/models").json()["data"]} == {"tiny", "split", "auto"}
+        per_engine = http.get("/debug/timings")  # the replicas' timings are in /metrics
+        assert per_engine.status_code == 404 and "/metrics" in per_engine.json()["error"]["message"]
     tiny = server.replicas("tiny")
     assert len(tiny) == 2 and len({r["pid"] for r in tiny}) == 2
     for row in tiny:
@@ -129,3 +134,25 @@ def test_responses_api_through_the_ingress(server: ClusterServer) -> None:
     assert whole.status_code == 200, whole.text
     assert whole.json()["output"][0]["content"][0]["text"] == chat_answer.json()["choices"][0]["message"]["content"]
     assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+
+
+class Pick(BaseModel):
+    choice: Literal["left", "right"]
+
+
+def test_structured_output_through_the_ingress(server: ClusterServer) -> None:
+    """The ingress checks a grammar compiles, with its copy of the version's tokenizer: a schema
+    that does is obeyed on the replica, one that does not is a 400 naming the field."""
+    client = server.client()
+    parsed = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "Pick"}],
+                                           response_format=Pick, max_tokens=20)
+    assert isinstance(parsed.choices[0].message.parsed, Pick)
+    choice = client.completions.create(model="split", prompt="Yes?", max_tokens=4,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    with server.http() as http:
+        refused = http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Pick"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "banana"}}}})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "response_format.json_schema.schema"

@@ -18,7 +18,7 @@ from vivace.engine.outputs import FinishReason
 from vivace.engine.sampling_params import SamplingParams
 from vivace.server.protocol import ChatTemplateRequest, Tool
 from vivace.server.tool_formats import HERMES, ToolFormat, detect, load_tool_format
-from vivace.server.tool_parser import parse_tool_calls
+from vivace.server.tool_parser import ParsedCall, parse_tool_calls
 from vivace.server.tools import chat_messages
 
 LLAMA, MISTRAL, MISTRAL_ARGS = ToolFormat("llama3_json"), ToolFormat("mistral"), ToolFormat("mistral", args_form=True)
@@ -144,22 +144,45 @@ SCHEMAS = {
 TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "parameters": p}}) for n, p in SCHEMAS.items()]
 
 
-@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS], ids=lambda f: f.label)
+# A nested model as pydantic writes it: ``$defs`` at the root, ``#/$defs/...`` refs to them.
+BOOKING = {"$defs": {"Place": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                               "required": ["city"], "additionalProperties": False}},
+           "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"},
+                                            "back": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]}},
+           "required": ["to", "back"], "additionalProperties": False}
+BOOK = Tool.model_validate({"type": "function", "function": {"name": "book", "parameters": BOOKING}})
+FORM_IDS = {"ids": lambda f: f.label}
+
+
+async def one_call(engine: AsyncEngine, form: ToolFormat, tools: list[Tool], choice: str, seed: int) -> ParsedCall:
+    """The one whole call a random model writes under ``form``'s grammar for ``choice``."""
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+                            structured=form.grammar(tools, choice, parallel=False))
+    text, finish = "", None
+    async for out in engine.generate("What is the weather?", params, f"{form.name}-{choice}-{seed}"):
+        text += out.outputs[0].text
+        finish = out.outputs[0].finish_reason
+    assert finish is FinishReason.STOP, text  # the grammar completed: one whole call
+    content, calls = parse_tool_calls(text, form.parser())
+    assert content is None and len(calls) == 1, text
+    assert choice == "required" or calls[0].name == choice
+    return calls[0]
+
+
+@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS], **FORM_IDS)
 @pytest.mark.parametrize("choice", ["required", "get_time"])
 async def test_each_grammar_holds_a_random_model_to_calls_that_fit(tiny_engine: AsyncEngine, form: ToolFormat,
                                                                    choice: str) -> None:
     for seed in (0, 1):
-        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
-                                structured=form.grammar(TOOLS, choice, parallel=False))
-        text, finish = "", None
-        async for out in tiny_engine.generate("What is the weather?", params, f"{form.name}-{choice}-{seed}"):
-            text += out.outputs[0].text
-            finish = out.outputs[0].finish_reason
-        assert finish is FinishReason.STOP, text  # the grammar completed: one whole call
-        content, calls = parse_tool_calls(text, form.parser())
-        assert content is None and len(calls) == 1, text
-        assert choice == "required" or calls[0].name == choice
-        jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+        call = await one_call(tiny_engine, form, TOOLS, choice, seed)
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS], **FORM_IDS)
+async def test_a_schemas_refs_to_its_own_defs_resolve_in_each_grammar(tiny_engine: AsyncEngine,
+                                                                      form: ToolFormat) -> None:
+    call = await one_call(tiny_engine, form, [*TOOLS, BOOK], "book", seed=0)
+    jsonschema.validate(json.loads(call.arguments), BOOKING)
 
 
 def test_grammars_of_each_form_name_only_the_chosen_function() -> None:

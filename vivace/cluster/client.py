@@ -1,6 +1,7 @@
 """The ingress side of the engine replicas: ``RemoteEngine`` offers what the OpenAI routes use
-of an ``AsyncEngine`` (tokenizer, limits, ``generate`` streams, ``abort``) for one version's
-replicas behind a Serve deployment handle; ``ServedModel`` picks a version by weight and tier.
+of an ``AsyncEngine`` (tokenizer, limits, grammar checks, ``generate`` streams, ``abort``) for
+one version's replicas behind a Serve deployment handle; ``ServedModel`` picks a version by
+weight and tier.
 
 A request that fails before a replica started it (the replica died, or was not there) is sent
 again, to another replica; one that fails after ends with a 503 ``replica_failed`` error (an
@@ -25,8 +26,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from vivace.cluster.replica import EngineInfo, GenerateCall
 from vivace.engine.async_engine import EngineDeadError
 from vivace.engine.deadlines import Deadlines
+from vivace.engine.grammar import GrammarCompiler
 from vivace.engine.outputs import RequestOutput
-from vivace.engine.sampling_params import SamplingParams
+from vivace.engine.sampling_params import SamplingParams, StructuredOutput
 from vivace.server.errors import APIError
 
 logger = logging.getLogger("vivace.cluster")
@@ -70,7 +72,13 @@ class RemoteEngine:
         self.model_name = info.model_name
         self.limits = info.limits
         self.max_model_len = info.limits.max_model_len
+        self._grammars = GrammarCompiler(info.tokenizer, info.limits.vocab_size, info.eos_token_ids)
         self._streams: dict[str, DeploymentResponseGenerator] = {}
+
+    def compile_grammar(self, structured: StructuredOutput) -> None:
+        """As ``AsyncEngine.compile_grammar``, in the ingress with this version's tokenizer: raise
+        ValueError (naming the problem) unless ``structured`` compiles. Thread-safe."""
+        self._grammars.compile(structured)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError when no replica of this version could ever serve the request."""

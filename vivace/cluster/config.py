@@ -43,6 +43,14 @@ class ConfigError(ValueError):
         super().__init__(f"{source}:{line}: {key}: {problem}")
 
 
+class ScalingError(ValueError):
+    """A bad scaling setting; ``key`` names it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 @dataclass(frozen=True)
 class Scaling:
     """A fixed ``replicas`` count, or autoscaling between ``min_replicas`` and ``max_replicas``
@@ -57,14 +65,16 @@ class Scaling:
 
     def __post_init__(self) -> None:
         if self.replicas is not None and self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+            raise ScalingError("replicas", f"replicas must be >= 1, got {self.replicas}")
         if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {self.min_replicas} "
-                             f"and {self.max_replicas}")
+            raise ScalingError("min_replicas", f"need 1 <= min_replicas <= max_replicas, got "
+                                               f"{self.min_replicas} and {self.max_replicas}")
         if self.target_ongoing_requests <= 0:
-            raise ValueError(f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
-        if self.upscale_delay < 0 or self.downscale_delay < 0:
-            raise ValueError("upscale_delay and downscale_delay must be >= 0")
+            raise ScalingError("target_ongoing_requests",
+                               f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
+        for key in ("upscale_delay", "downscale_delay"):
+            if getattr(self, key) < 0:
+                raise ScalingError(key, f"{key} must be >= 0, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)
@@ -212,9 +222,8 @@ class _Reader:
                             f"file defines {', '.join(sorted(self.tiers))})")
         try:
             scaling = scaling_of({k: node[k] for k in _SCALING_KEYS if k in node})
-        except (TypeError, ValueError) as exc:
-            key = next((k for k in _SCALING_KEYS if k in node), None)
-            raise self.fail(node, where, key, str(exc)) from None
+        except ScalingError as exc:
+            raise self.fail(node, where, exc.key, str(exc)) from None
         engine, origin = self.engine(node, where)
         return VersionSpec(name, engine, float(weight), scaling, tuple(tiers), origin)
 
@@ -244,14 +253,17 @@ def _join(path: str, key: str) -> str:
 
 def scaling_of(values: Mapping[str, Any]) -> Scaling:
     """A Scaling from ``values`` (keys of ``Scaling``; None ones left out): a fixed count,
-    or autoscaling when any autoscaling key is given."""
+    or autoscaling when any autoscaling key is given. Raises ScalingError naming a bad key:
+    every value a finite number, replica counts whole ones."""
     given = {k: v for k, v in values.items() if v is not None}
     for key, value in given.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"{key} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ScalingError(key, f"{key} must be a finite number, got {value!r}")
+        if key in _SCALING_KEYS[:3] and value != int(value):
+            raise ScalingError(key, f"{key} must be a whole number, got {value!r}")
     autoscaling = given.keys() - {"replicas"}
     if "replicas" in given and autoscaling:
-        raise ValueError(f"give either replicas or {', '.join(sorted(autoscaling))}, not both")
+        raise ScalingError("replicas", f"give either replicas or {', '.join(sorted(autoscaling))}, not both")
     if not autoscaling:
         return Scaling(int(given.get("replicas", 1)))
     low = int(given.get("min_replicas", 1))

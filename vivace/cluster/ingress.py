@@ -23,6 +23,7 @@ from vivace.cluster.client import (
     PLACEMENT, ROUTING_DECISIONS, Placement, RemoteEngine, ServedModel, Version)
 from vivace.cluster.config import ClusterConfig
 from vivace.engine.llm_engine import EngineStats
+from vivace.engine.step_timing import StepTimings
 from vivace.server.app import build_app
 from vivace.server.asgi import HTTPMiddleware
 from vivace.server.errors import APIError
@@ -68,6 +69,11 @@ class ClusterState(ServerState):
 
     def served_models(self) -> list[tuple[str, Any]]:
         return [(name, model.versions[0].engine) for name, model in self.models.items()]
+
+    def engine_timings(self) -> StepTimings:
+        """404: timing events are per engine; the replicas' step timings are in /metrics."""
+        raise APIError(404, "/debug/timings is per engine: behind the Ray Serve ingress, each replica's "
+                            "step timings are in /metrics (labelled by replica)", code="not_found")
 
     def engine_for(self, model: str | None, caller: Caller | None = None) -> RemoteEngine:
         served = self.models.get(model or self.default_model)

@@ -36,12 +36,14 @@ class GenerateCall:
 @dataclass(frozen=True)
 class EngineInfo:
     """What the ingress needs of a version's engine: its name, limits, tokenizer (with its chat
-    template) and the sampling defaults of the requests sent to it."""
+    template), the sampling defaults of the requests sent to it, and its end-of-sequence ids
+    (the ingress compiles grammars as the engine would, to refuse one that doesn't with a 400)."""
 
     model_name: str
     limits: RequestLimits
     tokenizer: Any
     sampling_defaults: dict[str, float | int]
+    eos_token_ids: tuple[int, ...]
 
 
 class EngineReplica:
@@ -57,7 +59,7 @@ class EngineReplica:
 
     def describe(self) -> EngineInfo:
         return EngineInfo(self.engine.model_name, self.engine.engine.limits, self.engine.tokenizer,
-                          self.engine.sampling_defaults)
+                          self.engine.sampling_defaults, self.engine.engine.loaded.config.eos_token_ids)
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[str | RequestOutput]:
         """First this replica's id (the request has started here), then the engine's delta

@@ -53,13 +53,14 @@ async def metrics(request: Request) -> Response:
 async def debug_timings(request: Request) -> Response:
     """The recent timing events (``vivace.engine.step_timing``) that started at or after the
     ``since`` query parameter (``time.perf_counter()`` seconds, default all), by kind, with the
-    server's ``now`` on the same clock. 503 while the model loads; 400 for a bad ``since``."""
+    server's ``now`` on the same clock. 503 while the model loads; 400 for a bad ``since``;
+    404 behind the Ray Serve ingress (the replicas' step timings are in /metrics)."""
     state = server_state(request)
-    engine = state.engine_for(None)
+    timings = state.engine_timings()
     try:
         since = float(request.query_params.get("since", "-inf"))
     except ValueError:
         raise APIError(400, "since must be a number of seconds", param="since") from None
-    logs = {"steps": engine.timings.steps, "handoffs": engine.timings.handoffs, "gc": engine.timings.gc,
+    logs = {"steps": timings.steps, "handoffs": timings.handoffs, "gc": timings.gc,
             **state.metrics.work}
     return JSONResponse({"now": time.perf_counter(), **{kind: log.rows(since) for kind, log in logs.items()}})

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
     from vivace.engine.async_engine import AsyncEngine
+    from vivace.engine.step_timing import StepTimings
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,10 @@ class ServerState:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                                 f"'{self.model_name()}'", param="model", code="model_not_found")
         return self.engine
+
+    def engine_timings(self) -> StepTimings:
+        """The served engine's recent timing events (``/debug/timings``); 503 while loading."""
+        return self.engine_for(None).timings
 
 
 def server_state(request: Request) -> ServerState:

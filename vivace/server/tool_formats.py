@@ -84,11 +84,11 @@ def _schema(schema: dict[str, Any]) -> str:
     return json.dumps({**schema, "x-guidance": JSON_LAYOUT})
 
 
-def _objects_rule(tools: list[Tool], arguments_key: str) -> list[str]:
-    """``body``: one JSON object per tool, its name first, then its arguments."""
-    return ["body: %json " + _schema({"anyOf": [
-        {"type": "object", "properties": {"name": {"const": t.function.name}, arguments_key: parameters_schema(t)},
-         "required": ["name", arguments_key], "additionalProperties": False} for t in tools]})]
+def _objects_rules(tools: list[Tool], arguments_key: str) -> list[str]:
+    """``call``: one JSON object per tool, its name first, then its arguments. Each schema stays
+    the root of its own rule, so its ``$ref``s (``#/$defs/...``, as pydantic writes them) resolve."""
+    return _calls_rules(tools, lambda name, args: _sequence(
+        f'{{"name": {json.dumps(name)}, "{arguments_key}": ', args, "}"))
 
 
 def _calls_rules(tools: list[Tool], written: Callable[[str, Rule], str]) -> list[str]:
@@ -135,8 +135,8 @@ class ToolFormat:
             rules = _calls_rules(tools, lambda name, args: _sequence(name, self._marker(MISTRAL_ARGS), args))
             return opener, "", [Rule("call")], opener, "", rules
         if self.name == "mistral":
-            return self._marker(MISTRAL_CALLS), " [", [Rule("body")], ", ", "]", _objects_rule(tools, "arguments")
-        return CALL_OPEN, "\n", [Rule("body"), f"\n{CALL_CLOSE}"], f"\n{CALL_OPEN}\n", "", _objects_rule(tools, "arguments")
+            return self._marker(MISTRAL_CALLS), " [", [Rule("call")], ", ", "]", _objects_rules(tools, "arguments")
+        return CALL_OPEN, "\n", [Rule("call"), f"\n{CALL_CLOSE}"], f"\n{CALL_OPEN}\n", "", _objects_rules(tools, "arguments")
 
     def grammar(self, tools: list[Tool], choice: str, parallel: bool) -> StructuredOutput:
         """The llguidance Lark grammar of the output for ``choice`` ("auto", "required" or a
