@@ -472,6 +472,20 @@ def _word_row(X, XQ, row_x, cols, c0, c1, c2, c3, c4, c5, c6, c7, d, m, d2, m2, 
 
 
 @triton.jit
+def _word_cols(u0, units, FORMAT: tl.constexpr, NU: tl.constexpr):
+    """The columns [NU, WORDS] of the first code of each word of units u0 .. u0 + NU (a unit past the
+    row: the last one's, its d being 0): word i at 4i from the unit's first column."""
+    u = tl.minimum(u0 + tl.arange(0, NU), units - 1)[:, None]
+    if FORMAT == 2 or FORMAT == 3:
+        cols = 32 * u + 4 * tl.arange(0, 4)[None, :]
+    elif FORMAT == 12:
+        cols = 64 * u + 4 * tl.arange(0, 8)[None, :]
+    else:
+        cols = 32 * u + 4 * tl.arange(0, 8)[None, :]
+    return cols
+
+
+@triton.jit
 def _word_step(W, WI, WH, X, XQ, m_rows, M, stride_xm, row_words, row, nblocks, u0, hi, n_mask, magic, cols,
                FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr,
                ACC_2D: tl.constexpr, QUADS: tl.constexpr, PTX: tl.constexpr, WAIT: tl.constexpr):
@@ -628,16 +642,12 @@ def _gemv_kernel(W, WI, WH, X, XQ, Y, BIAS, M, N, K, row_bytes, row_words, nbloc
     hi = tl.minimum(lo + units_per_split, units)
     if WORDS:
         words = n.to(tl.int64) * row_words
-        unit = tl.arange(0, NU)[:, None]
-        lane = 4 * tl.arange(0, 4 if FORMAT == 2 or FORMAT == 3 else 8)[None, :]
-        width = 64 if FORMAT == 12 else 32  # columns a unit
         acc = _word_step(W, WI, WH, X, XQ, m, M, stride_xm, words, row, nblocks, lo, hi, n_mask, magic,
-                         width * tl.minimum(lo + unit, units - 1) + lane, FORMAT, BLOCK_M, BLOCK_N, NU, ACC_2D, QUADS,
-                         PTX, PDL)
+                         _word_cols(lo, units, FORMAT, NU), FORMAT, BLOCK_M, BLOCK_N, NU, ACC_2D, QUADS, PTX, PDL)
         for u0 in range(lo + NU, hi, NU):
             acc += _word_step(W, WI, WH, X, XQ, m, M, stride_xm, words, row, nblocks, u0, hi, n_mask, magic,
-                              width * tl.minimum(u0 + unit, units - 1) + lane, FORMAT, BLOCK_M, BLOCK_N, NU, ACC_2D,
-                              QUADS, PTX, False)
+                              _word_cols(u0, units, FORMAT, NU), FORMAT, BLOCK_M, BLOCK_N, NU, ACC_2D, QUADS, PTX,
+                              False)
         if ACC_2D:
             acc = tl.sum(acc, 1)[None, :]
     else:
