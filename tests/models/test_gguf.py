@@ -52,12 +52,21 @@ def test_gguf_config_and_tokenizer(tiny, tmp_path) -> None:
     loaded = load_model(str(path), torch.float32)
     assert loaded.name == "tiny-llama3"
     assert loaded.config.architecture == "LlamaForCausalLM"
-    assert loaded.config.eos_token_ids == (EOS_ID,)
+    assert loaded.config.eos_token_ids == (EOS_ID, TOKENS.index("<|endoftext|>"))  # llama.cpp stops at both
     assert loaded.config.rope_scaling["rope_type"] == "freq_factors"
     assert loaded.tokenizer.chat_template == CHAT_TEMPLATE
     assert isinstance(loaded.tokenizer, transformers.PreTrainedTokenizerFast)
     text = "the hello world <|im_end|>\n"
     assert loaded.tokenizer.encode(text, add_special_tokens=False) == tiny_tokenizer().encode(text)
+
+
+def test_a_chat_ggufs_turn_end_stops_whatever_its_eos(tiny, tmp_path) -> None:
+    """Chat GGUFs often name the end of text as EOS while their template ends turns with another
+    control token (Gemma 3's <end_of_turn>, Phi-3's <|end|>): llama.cpp stops at both, and so must
+    we, or the answer runs on into made-up turns."""
+    end_of_text = TOKENS.index("<|endoftext|>")
+    path = write_gguf(tiny("llama").hf, tmp_path / "chat.gguf", eos_id=end_of_text)
+    assert load_model(str(path), torch.float32).config.eos_token_ids == (end_of_text, EOS_ID)
 
 
 def test_gguf_file_keeps_string_arrays_as_lengths(tiny, tmp_path) -> None:
