@@ -15,8 +15,12 @@ until it opens a call, and from there on the call must fit one of the tools' sch
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
+
+import jinja2
+import jinja2.meta
 
 from vivace.server.errors import APIError
 from vivace.server.protocol import ChatMessage, ChatTemplateRequest
@@ -56,7 +60,23 @@ def tool_choice(body: ChatTemplateRequest) -> str:
 
 
 def template_takes_tools(tokenizer: Any) -> bool:
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+    """Whether the chat template (or one of the tokenizer's named templates, such as Hermes-2-Pro's
+    "tool_use", which transformers picks for a request with tools) reads the ``tools`` variable; a
+    template that only mentions the word (Phi-4-mini's reads a system message's own ``tools`` key)
+    gets the tools by vivace's convention instead."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return any(_reads_tools(source) for source in (template.values() if isinstance(template, dict) else [template]))
+
+
+@functools.lru_cache(maxsize=16)
+def _reads_tools(template: str) -> bool:
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # transformers' own environment
+
+    try:
+        environment = _compile_jinja_template(template).environment
+        return "tools" in jinja2.meta.find_undeclared_variables(environment.parse(template))
+    except jinja2.TemplateSyntaxError:
+        return "tools" in template
 
 
 def _arguments(message_index: int, call_index: int, text: str) -> dict[str, Any]:
