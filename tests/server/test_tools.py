@@ -65,3 +65,26 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(tokenizer) -> None
         {"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]}]})
     messages, _ = chat_messages(body, tokenizer, "none", HERMES)
     assert messages[0]["content"] == "Hello\nWorld"
+
+
+# Gemma 3's template, condensed: no system role (its text opens the first user turn), and turns
+# that must alternate user / model.
+GEMMA3 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = messages[0]['content'] + "
+          "'\\n\\n' %}{% set loop_messages = messages[1:] %}{% else %}{% set first_user_prefix = '' %}"
+          "{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}"
+          "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' + "
+          "(first_user_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+
+
+def test_parallel_calls_results_are_one_user_turn_for_a_template_without_tools(tokenizer) -> None:
+    tokenizer.chat_template = GEMMA3
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{c}"}}'}}
+             for i, c in enumerate(["Paris", "Rome"])]
+    prompt = _prompt(tokenizer, tools=[WEATHER], messages=[
+        *ASK, {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_0", "content": "21"}, {"role": "tool", "tool_call_id": "call_1", "content": "25"}])
+    assert prompt.endswith("<start_of_turn>user\n<tool_response>\n21\n</tool_response>\n<tool_response>\n25\n"
+                           "</tool_response><end_of_turn>\n<start_of_turn>model\n")

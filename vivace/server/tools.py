@@ -5,7 +5,7 @@ them, and the history's tool calls and results, as transformers expects (with ca
 Mistral template accepts). Any other template (the default model's plain ChatML) gets vivace's
 convention: the tools as JSON lines inside ``<tools></tools>`` in the system message with how
 to call them, earlier calls written into the assistant's text as the model writes them, and
-tool results as user turns inside ``<tool_response></tool_response>``.
+tool results as user turns inside ``<tool_response></tool_response>`` (a run of them in one turn).
 
 How the model writes a call, and the grammar that holds it to that, is its family's
 (``vivace.server.tool_formats``; Hermes-style ``<tool_call>`` blocks by default): from the first
@@ -146,6 +146,18 @@ def _with_thinking(rendered: dict[str, Any], message: ChatMessage) -> dict[str, 
     return rendered if thinking is None else {**rendered, "reasoning_content": thinking}
 
 
+def _joined_results(sent: list[ChatMessage], rendered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rendered`` with each run of tool results (a parallel call's) in one user turn, as Qwen's
+    template writes them: templates whose turns must alternate (Gemma 3's) refuse two user turns."""
+    joined: list[dict[str, Any]] = []
+    for index, (message, turn) in enumerate(zip(sent, rendered)):
+        if message.role == "tool" and index and sent[index - 1].role == "tool":
+            joined[-1] = {**joined[-1], "content": f"{joined[-1]['content']}\n{turn['content']}"}
+        else:
+            joined.append(turn)
+    return joined
+
+
 def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str, form: ToolFormat = HERMES
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages for ``apply_chat_template`` and its ``tools`` argument (None when the
@@ -153,8 +165,10 @@ def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str, form: 
     for index, message in enumerate(body.messages):
         _check_roles(index, message)
     own = template_takes_tools(tokenizer)
-    render = _template_message if own else _convention_message
-    messages = [render(i, m, form) for i, m in enumerate(body.messages)]
+    if own:
+        messages = [_template_message(i, m, form) for i, m in enumerate(body.messages)]
+    else:
+        messages = _joined_results(body.messages, [_convention_message(i, m, form) for i, m in enumerate(body.messages)])
     if choice == "none" or not body.tools:
         return messages, None
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
