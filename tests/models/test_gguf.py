@@ -69,6 +69,16 @@ def test_a_chat_ggufs_turn_end_stops_whatever_its_eos(tiny, tmp_path) -> None:
     assert load_model(str(path), torch.float32).config.eos_token_ids == (end_of_text, EOS_ID)
 
 
+def test_named_chat_templates_of_a_gguf_are_the_tokenizers(tiny, tmp_path) -> None:
+    """llama.cpp's converter keeps tokenizer_config.json's named templates (Hermes-2-Pro's and
+    Command-R's "tool_use") as ``tokenizer.chat_template.<name>``: transformers picks that one for a
+    request with tools, as llama.cpp's server does."""
+    tool_use = "{% for t in tools %}{{ t.name }}{% endfor %}" + CHAT_TEMPLATE
+    path = write_gguf(tiny("llama").hf, tmp_path / "named.gguf",
+                      chat_template=[{"name": "default", "template": CHAT_TEMPLATE}, {"name": "tool_use", "template": tool_use}])
+    assert load_model(str(path), torch.float32).tokenizer.chat_template == {"default": CHAT_TEMPLATE, "tool_use": tool_use}
+
+
 def test_gguf_file_keeps_string_arrays_as_lengths(tiny, tmp_path) -> None:
     file = GGUFFile(write_gguf(tiny("qwen2").hf, tmp_path / "m.gguf", F16))
     assert file.metadata["general.architecture"] == "qwen2"

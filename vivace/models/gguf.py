@@ -57,6 +57,7 @@ _EXPERT_NEUTRAL = {"expert_shared_count": (0,), "expert_gating_func": (1,), "exp
 # another control token (Gemma 3's <end_of_turn>, Phi-3's <|end|>, Llama 3's <|eom_id|>).
 _END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                       "<|end_of_text|>", "<EOT>", "<end_of_utterance>")
+_CHAT_TEMPLATE = "tokenizer.chat_template"
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
 _LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}  # Phi-3
 _ROPE_TENSORS = (_ROPE_FREQS, *_LONGROPE.values())
@@ -246,9 +247,13 @@ def _yarn(file: GGUFFile, arch: str, factor: float | None) -> dict[str, Any]:
 
 
 def _tokenizer(path: Path, file: GGUFFile) -> transformers.PreTrainedTokenizerFast:
+    """The file's tokenizer with its chat template; with named ones (``tokenizer.chat_template.<name>``,
+    Hermes-2-Pro's "tool_use"), all of them by name, as transformers reads tokenizer_config.json's."""
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
-    if tokenizer.chat_template is None:
-        tokenizer.chat_template = file.metadata.get("tokenizer.chat_template")
+    default = tokenizer.chat_template or file.metadata.get(_CHAT_TEMPLATE)
+    named = {key.removeprefix(f"{_CHAT_TEMPLATE}."): value for key, value in file.metadata.items()
+             if key.startswith(f"{_CHAT_TEMPLATE}.")}
+    tokenizer.chat_template = {**({"default": default} if default else {}), **named} if named else default
     return tokenizer
 
 
