@@ -14,6 +14,7 @@ import transformers
 
 from vivace.cli import main
 from vivace.engine.async_engine import AsyncEngine
+from vivace.engine.grammar import GrammarCompiler
 from vivace.engine.outputs import FinishReason
 from vivace.engine.sampling_params import SamplingParams
 from vivace.server.protocol import ChatTemplateRequest, Tool
@@ -133,6 +134,27 @@ def test_mistral_form_and_special_markers_come_from_the_tokenizer(default_tokeni
     assert load_tool_format("llama3_json", tokenizer) == LLAMA  # a named parser wins over the template
     with pytest.raises(ValueError, match="unknown tool call parser 'pythonic'"):
         load_tool_format("pythonic", tokenizer)
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_markers_that_are_added_tokens_are_matched_by_id(default_tokenizer_dir, choice: str) -> None:
+    """Qwen2.5's and Qwen3's <tool_call> and </tool_call> are added tokens (not special ones): llguidance
+    never reads an added token as text, so the grammar must name them by id, or it forbids the very
+    tokens the model writes its calls with; they stay in the text the parser reads."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = "{{ tools }}<tool_call>"
+    form = load_tool_format("auto", tokenizer)
+    assert form.name == "hermes" and dict(form.specials) == {
+        "<tool_call>": tokenizer.convert_tokens_to_ids("<tool_call>"), "</tool_call>": tokenizer.convert_tokens_to_ids("</tool_call>")}
+    assert not form.keeps_special_tokens  # plain added tokens are in the text anyway
+    written = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+    ids = tokenizer.encode(written, add_special_tokens=False)
+    assert ids[0] == dict(form.specials)["<tool_call>"]
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    matcher = compiler.compile(form.grammar(TOOLS, choice, parallel=True))
+    assert matcher.consume_tokens(ids) and matcher.consume_token(tokenizer.eos_token_id), matcher.get_error()
+    assert parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True), form.parser())[1][0].name == "get_time"
 
 
 SCHEMAS = {

@@ -101,12 +101,15 @@ def _calls_rules(tools: list[Tool], written: Callable[[str, Rule], str]) -> list
 class ToolFormat:
     """One family's written form of calls, for one tokenizer. ``name`` is the parser's
     (``hermes``, ``llama3_json``, ``mistral``); ``args_form``: mistral's ``name[ARGS]{...}``
-    rather than its array; ``specials``: the markers that are special tokens of the tokenizer
-    (by their text), which the grammar matches by id and the output must keep as text."""
+    rather than its array; ``specials``: the markers that are added tokens of the tokenizer (by
+    their text: Qwen's ``<tool_call>``, Mistral's ``[TOOL_CALLS]``), which the grammar matches by id
+    (llguidance never reads an added token as text); ``hidden``: whether one of them is a special
+    token, which the output must then keep as text."""
 
     name: str
     args_form: bool = False
     specials: tuple[tuple[str, int], ...] = ()
+    hidden: bool = False
 
     @property
     def label(self) -> str:
@@ -121,22 +124,23 @@ class ToolFormat:
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the output must be detokenized with its special tokens (its markers are some)."""
-        return bool(self.specials)
+        return self.hidden
 
-    def _shape(self, tools: list[Tool]) -> tuple[Part, Part, list[Part], Part, Part, list[str]]:
+    def _shape(self, tools: list[Tool]) -> tuple[Part, Part, list[Part], list[Part], Part, list[str]]:
         """(opener, lead, call, separator, close, rules): the calls are ``opener lead call
         (separator call)* close``, ``call`` being one of ``tools``' calls."""
         if self.name == "llama3_json":
             opener = '{"name": "'
             rules = _calls_rules(tools, lambda name, args: _sequence(f'{name}", "parameters": ', args, "}"))
-            return opener, "", [Rule("call")], "; " + opener, "", rules
+            return opener, "", [Rule("call")], ["; " + opener], "", rules
         if self.name == "mistral" and self.args_form:
             opener = self._marker(MISTRAL_CALLS)
             rules = _calls_rules(tools, lambda name, args: _sequence(name, self._marker(MISTRAL_ARGS), args))
-            return opener, "", [Rule("call")], opener, "", rules
+            return opener, "", [Rule("call")], [opener], "", rules
         if self.name == "mistral":
-            return self._marker(MISTRAL_CALLS), " [", [Rule("body")], ", ", "]", _objects_rule(tools, "arguments")
-        return CALL_OPEN, "\n", [Rule("body"), f"\n{CALL_CLOSE}"], f"\n{CALL_OPEN}\n", "", _objects_rule(tools, "arguments")
+            return self._marker(MISTRAL_CALLS), " [", [Rule("body")], [", "], "]", _objects_rule(tools, "arguments")
+        opener, close = self._marker(CALL_OPEN), self._marker(CALL_CLOSE)
+        return opener, "\n", [Rule("body"), "\n", close], ["\n", opener, "\n"], "", _objects_rule(tools, "arguments")
 
     def grammar(self, tools: list[Tool], choice: str, parallel: bool) -> StructuredOutput:
         """The llguidance Lark grammar of the output for ``choice`` ("auto", "required" or a
@@ -145,7 +149,7 @@ class ToolFormat:
         named = choice not in ("auto", "required")
         chosen = [t for t in tools if not named or t.function.name == choice]
         opener, lead, call, separator, close, rules = self._shape(chosen)
-        more = f"({_sequence(separator, *call)})*" if parallel and not named else ""
+        more = f"({_sequence(*separator, *call)})*" if parallel and not named else ""
         end = f" {_sequence(close)}" if close else ""
         lines = [*rules, "TEXT: /(.|\\n)*/"]
         if choice != "auto":
@@ -241,11 +245,10 @@ def load_tool_format(name: str, tokenizer: Any) -> ToolFormat:
     template = _template(tokenizer)
     if name == "auto":
         name = detect(template)
-    if name != "mistral":
-        return ToolFormat(name)
     vocab = tokenizer.get_vocab()
-    special_ids = set(getattr(tokenizer, "all_special_ids", ()))
-    special_ids |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
-    specials = tuple((text, vocab[text]) for text in (MISTRAL_CALLS, MISTRAL_ARGS)
-                     if vocab.get(text) in special_ids)
-    return ToolFormat(name, args_form=MISTRAL_ARGS in template or MISTRAL_ARGS in vocab, specials=specials)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special_ids = set(getattr(tokenizer, "all_special_ids", ())) | {i for i, t in added.items() if t.special}
+    markers = {"hermes": (CALL_OPEN, CALL_CLOSE), "mistral": (MISTRAL_CALLS, MISTRAL_ARGS)}.get(name, ())
+    specials = tuple((text, vocab[text]) for text in markers if vocab.get(text) in special_ids | set(added))
+    return ToolFormat(name, args_form=name == "mistral" and (MISTRAL_ARGS in template or MISTRAL_ARGS in vocab),
+                      specials=specials, hidden=any(i in special_ids for _, i in specials))
