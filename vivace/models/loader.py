@@ -286,6 +286,9 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokeni
     raw = json.loads(config_file.read_text())
     config = ModelConfig.from_hf(raw)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    processor_template = path / "chat_template.json"  # a multimodal processor's, which AutoTokenizer doesn't read
+    if tokenizer.chat_template is None and processor_template.is_file():
+        tokenizer.chat_template = json.loads(processor_template.read_text()).get("chat_template")
     config = dataclasses.replace(config, eos_token_ids=_eos_token_ids(path, config, tokenizer.eos_token_id))
     files, rename = safetensors_files(path), None
     if (wrapper := multimodal_architecture(raw)) is not None:
