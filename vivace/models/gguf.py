@@ -91,11 +91,13 @@ def open_gguf(path: Path, skip: Collection[str] = ()) -> GGUFModel:
 
 
 def _turn_ends(file: GGUFFile, tokenizer: transformers.PreTrainedTokenizerFast, config: ModelConfig) -> list[int]:
-    """The control tokens of ``_END_OF_GENERATION`` the file has, but for its EOS and EOT."""
+    """The tokens of ``_END_OF_GENERATION`` the file has as added ones (control, or user-defined as some
+    Gemma GGUFs mark <end_of_turn>: llama.cpp overrides that), but for its EOS and EOT."""
     types = file.metadata.get("tokenizer.ggml.token_type") or []
+    added = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
     vocab = tokenizer.get_vocab()
     found = [vocab[text] for text in _END_OF_GENERATION if text in vocab]
-    return [i for i in found if i < len(types) and types[i] == gguf.TokenType.CONTROL and i not in config.eos_token_ids]
+    return [i for i in found if i < len(types) and types[i] in added and i not in config.eos_token_ids]
 
 
 def model_config(file: GGUFFile) -> ModelConfig:
