@@ -23,6 +23,7 @@ from vivace.server.tool_parser import parse_tool_calls
 from vivace.server.tools import chat_messages
 
 LLAMA, MISTRAL, MISTRAL_ARGS = ToolFormat("llama3_json"), ToolFormat("mistral"), ToolFormat("mistral", args_form=True)
+GRANITE = ToolFormat("granite")
 WEATHER = {"city": "Paris", "tags": ["a}", "b\"", "{;"]}
 TIME = {"zone": "utc"}
 # Each form's two calls, as the model writes them.
@@ -32,8 +33,10 @@ TWO_CALLS = {
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + '}, '
                '{"name": "get_time", "arguments": ' + json.dumps(TIME) + ', "id": "abcdefghi"}]',
     "mistral_args": "[TOOL_CALLS]get_weather[ARGS]" + json.dumps(WEATHER) + "[TOOL_CALLS]get_time[ARGS]" + json.dumps(TIME),
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + '}, '
+               '{"name": "get_time", "arguments": ' + json.dumps(TIME) + '}]',
 }
-FORMS = {"llama3_json": LLAMA, "mistral": MISTRAL, "mistral_args": MISTRAL_ARGS}
+FORMS = {"llama3_json": LLAMA, "mistral": MISTRAL, "mistral_args": MISTRAL_ARGS, "granite": GRANITE}
 
 
 def stream(form: ToolFormat, pieces: list[str]) -> tuple[str, list[dict[str, str]]]:
@@ -84,6 +87,7 @@ def test_a_call_alone_has_no_content(form: str) -> None:
     ("mistral", '[TOOL_CALLS] [{"arguments": {}}]'),
     ("mistral_args", "[TOOL_CALLS]no args here"),
     ("mistral_args", "[TOOL_CALL"),
+    ("granite", "<|tool_call|> not a list"),
 ])
 def test_malformed_calls_stay_content(form: str, text: str) -> None:
     for pieces in splits(text):
@@ -117,6 +121,9 @@ def test_ids_are_the_familys() -> None:
     ("{%- if tools %}Environment: ipython{% endif %}<|python_tag|>", "llama3_json"),
     ('{% if tools %}Respond in the format {"name": function name, "parameters": dict}{% endif %}', "llama3_json"),
     ("{% if m.tool_calls %}[TOOL_CALLS] [{{ m.tool_calls | tojson }}]{% endif %}", "mistral"),
+    # Granite 3.x's system prompt with tools.
+    ("{% if tools %}When a tool is required to answer the user's query, respond with <|tool_call|> followed by a "
+     "JSON list of tools used.{% endif %}", "granite"),
 ])
 def test_auto_reads_the_form_off_the_chat_template(template: str, parser: str) -> None:
     assert detect(template) == parser
@@ -166,7 +173,7 @@ SCHEMAS = {
 TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "parameters": p}}) for n, p in SCHEMAS.items()]
 
 
-@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS], ids=lambda f: f.label)
+@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS, GRANITE], ids=lambda f: f.label)
 @pytest.mark.parametrize("choice", ["required", "get_time"])
 async def test_each_grammar_holds_a_random_model_to_calls_that_fit(tiny_engine: AsyncEngine, form: ToolFormat,
                                                                    choice: str) -> None:
@@ -186,7 +193,7 @@ async def test_each_grammar_holds_a_random_model_to_calls_that_fit(tiny_engine: 
 
 def test_grammars_of_each_form_name_only_the_chosen_function() -> None:
     tools = [Tool.model_validate({"type": "function", "function": {"name": n}}) for n in ("get_weather", "get_time")]
-    for form in (HERMES, LLAMA, MISTRAL, MISTRAL_ARGS):
+    for form in (HERMES, LLAMA, MISTRAL, MISTRAL_ARGS, GRANITE):
         named = form.grammar(tools, "get_time", parallel=True).spec
         assert "get_time" in named and "get_weather" not in named and "TEXT |" not in named
         assert "TEXT |" in form.grammar(tools, "auto", parallel=True).spec
@@ -195,10 +202,10 @@ def test_grammars_of_each_form_name_only_the_chosen_function() -> None:
 def test_an_unknown_tool_call_parser_exits_2_naming_the_choices(capsys: pytest.CaptureFixture[str],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert main(["serve", "--tool-call-parser", "pythonic", "--enable-auto-tool-choice", "--port", "1"]) == 2
-    assert "unknown tool call parser 'pythonic': choose one of auto, hermes, llama3_json, mistral" in capsys.readouterr().err
-    monkeypatch.setenv("VIVACE_TOOL_CALL_PARSER", "granite")
+    assert "unknown tool call parser 'pythonic': choose one of auto, hermes, llama3_json, mistral, granite" in capsys.readouterr().err
+    monkeypatch.setenv("VIVACE_TOOL_CALL_PARSER", "xlam")
     assert main(["serve", "--port", "1"]) == 2
-    assert "unknown tool call parser 'granite'" in capsys.readouterr().err
+    assert "unknown tool call parser 'xlam'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("form, written", [
@@ -206,6 +213,7 @@ def test_an_unknown_tool_call_parser_exits_2_naming_the_choices(capsys: pytest.C
     (LLAMA, '{"name": "get_time", "parameters": {"zone": "utc"}}'),
     (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "utc"}}]'),
     (MISTRAL_ARGS, '[TOOL_CALLS]get_time[ARGS]{"zone": "utc"}'),
+    (GRANITE, '<|tool_call|>[{"name": "get_time", "arguments": {"zone": "utc"}}]'),
 ])
 def test_a_template_without_tools_is_told_the_form_and_sees_its_calls_in_it(default_tokenizer_dir, form: ToolFormat,
                                                                            written: str) -> None:
