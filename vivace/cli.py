@@ -151,7 +151,8 @@ SERVER_FLAGS = (
     Flag("--reasoning-parser", None, "hand a thinking model's <think>...</think> text out apart from its "
          "answer (reasoning_content and reasoning): qwen3 or deepseek_r1, as vLLM's (default: off)"),
     Flag("--tool-call-parser", "auto", "the form the model writes tool calls in, as vLLM's: hermes "
-         "(<tool_call> blocks), llama3_json (a bare JSON call), mistral ([TOOL_CALLS]), or auto (read off "
+         "(<tool_call> blocks), llama3_json (a bare JSON call), mistral ([TOOL_CALLS]), granite "
+         "(<|tool_call|>[...]), or auto (read off "
          "the chat template)"),
     Flag("--enable-auto-tool-choice", False, "accepted for vLLM command lines; no effect (tool_choice "
          "\"auto\" is always allowed)", kind="switch"),

@@ -39,16 +39,19 @@ ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3
 
 def write_gguf(model: transformers.PreTrainedModel, path: Path,
                ggml_type: gguf.GGMLQuantizationType = F32,
-               types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+               types: dict[str, gguf.GGMLQuantizationType] | None = None, eos_id: int = EOS_ID,
+               chat_template: str | list[dict[str, str]] = CHAT_TEMPLATE) -> Path:
     """Export ``model`` to ``path``; matrices are stored as ``ggml_type`` (F32, F16, or a quant),
-    or as ``types[part]`` for the GGUF tensor part named (``attn_q``, ``token_embd``, ...).
+    or as ``types[part]`` for the GGUF tensor part named (``attn_q``, ``token_embd``, ...); the
+    metadata's EOS is ``eos_id``, its chat template ``chat_template`` (named ones: a list, as llama.cpp's
+    converter takes tokenizer_config.json's).
     Types the gguf package cannot quantize to (the K-quants) get random codes of that type."""
     config = model.config
     arch = ARCHS[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{config.model_type}")
     _add_hparams(writer, config, arch)
-    _add_tokenizer(writer)
+    _add_tokenizer(writer, eos_id, chat_template)
     for name, values in _unfused_experts(model.state_dict()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -135,7 +138,7 @@ def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig,
                 getattr(writer, f"add_rope_scaling_yarn_{key}")(rope[key])
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, eos_id: int, chat_template: str | list[dict[str, str]]) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(TOKENS)
@@ -143,9 +146,9 @@ def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_token_types([control if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in TOKENS])
     writer.add_token_merges([" ".join(m) for m in MERGES])
     writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(EOS_ID)
+    writer.add_eos_token_id(eos_id)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
 
 def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray,

@@ -52,12 +52,31 @@ def test_gguf_config_and_tokenizer(tiny, tmp_path) -> None:
     loaded = load_model(str(path), torch.float32)
     assert loaded.name == "tiny-llama3"
     assert loaded.config.architecture == "LlamaForCausalLM"
-    assert loaded.config.eos_token_ids == (EOS_ID,)
+    assert loaded.config.eos_token_ids == (EOS_ID, TOKENS.index("<|endoftext|>"))  # llama.cpp stops at both
     assert loaded.config.rope_scaling["rope_type"] == "freq_factors"
     assert loaded.tokenizer.chat_template == CHAT_TEMPLATE
     assert isinstance(loaded.tokenizer, transformers.PreTrainedTokenizerFast)
     text = "the hello world <|im_end|>\n"
     assert loaded.tokenizer.encode(text, add_special_tokens=False) == tiny_tokenizer().encode(text)
+
+
+def test_a_chat_ggufs_turn_end_stops_whatever_its_eos(tiny, tmp_path) -> None:
+    """Chat GGUFs often name the end of text as EOS while their template ends turns with another
+    control token (Gemma 3's <end_of_turn>, Phi-3's <|end|>): llama.cpp stops at both, and so must
+    we, or the answer runs on into made-up turns."""
+    end_of_text = TOKENS.index("<|endoftext|>")
+    path = write_gguf(tiny("llama").hf, tmp_path / "chat.gguf", eos_id=end_of_text)
+    assert load_model(str(path), torch.float32).config.eos_token_ids == (end_of_text, EOS_ID)
+
+
+def test_named_chat_templates_of_a_gguf_are_the_tokenizers(tiny, tmp_path) -> None:
+    """llama.cpp's converter keeps tokenizer_config.json's named templates (Hermes-2-Pro's and
+    Command-R's "tool_use") as ``tokenizer.chat_template.<name>``: transformers picks that one for a
+    request with tools, as llama.cpp's server does."""
+    tool_use = "{% for t in tools %}{{ t.name }}{% endfor %}" + CHAT_TEMPLATE
+    path = write_gguf(tiny("llama").hf, tmp_path / "named.gguf",
+                      chat_template=[{"name": "default", "template": CHAT_TEMPLATE}, {"name": "tool_use", "template": tool_use}])
+    assert load_model(str(path), torch.float32).tokenizer.chat_template == {"default": CHAT_TEMPLATE, "tool_use": tool_use}
 
 
 def test_gguf_file_keeps_string_arrays_as_lengths(tiny, tmp_path) -> None:

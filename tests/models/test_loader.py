@@ -46,6 +46,28 @@ def test_generation_config_adds_eos_ids(tiny, tmp_path) -> None:
     assert load_model(str(tmp_path), torch.float32).config.eos_token_ids == (EOS_ID, 7)
 
 
+def test_the_tokenizers_eos_stops_too(tiny, tmp_path) -> None:
+    """A fine-tune whose tokenizer ends turns with another token than config.json's EOS (a ChatML
+    fine-tune of a base model keeps the base's ``eos_token_id``): generation stops at both, as in vLLM."""
+    save_hf_dir(tiny("llama").hf, tmp_path)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((tmp_path / name).read_text())
+        (tmp_path / name).write_text(json.dumps({**config, "eos_token_id": 0}))
+    assert load_model(str(tmp_path), torch.float32).config.eos_token_ids == (0, EOS_ID)
+
+
+def test_a_processors_chat_template_json_serves_when_the_tokenizer_has_none(tiny, tmp_path) -> None:
+    """Multimodal checkpoints may keep their template only in the processor's chat_template.json,
+    which AutoTokenizer does not read (vLLM takes the processor's)."""
+    save_hf_dir(tiny("llama").hf, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    assert load_model(str(tmp_path), torch.float32).tokenizer.chat_template == CHAT_TEMPLATE
+
+
 def test_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as error:

@@ -14,6 +14,7 @@ import transformers
 
 from vivace.cli import main
 from vivace.engine.async_engine import AsyncEngine
+from vivace.engine.grammar import GrammarCompiler
 from vivace.engine.outputs import FinishReason
 from vivace.engine.sampling_params import SamplingParams
 from vivace.server.protocol import ChatTemplateRequest, Tool
@@ -22,6 +23,7 @@ from vivace.server.tool_parser import ParsedCall, parse_tool_calls
 from vivace.server.tools import chat_messages
 
 LLAMA, MISTRAL, MISTRAL_ARGS = ToolFormat("llama3_json"), ToolFormat("mistral"), ToolFormat("mistral", args_form=True)
+GRANITE = ToolFormat("granite")
 WEATHER = {"city": "Paris", "tags": ["a}", "b\"", "{;"]}
 TIME = {"zone": "utc"}
 # Each form's two calls, as the model writes them.
@@ -31,8 +33,10 @@ TWO_CALLS = {
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + '}, '
                '{"name": "get_time", "arguments": ' + json.dumps(TIME) + ', "id": "abcdefghi"}]',
     "mistral_args": "[TOOL_CALLS]get_weather[ARGS]" + json.dumps(WEATHER) + "[TOOL_CALLS]get_time[ARGS]" + json.dumps(TIME),
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + '}, '
+               '{"name": "get_time", "arguments": ' + json.dumps(TIME) + '}]',
 }
-FORMS = {"llama3_json": LLAMA, "mistral": MISTRAL, "mistral_args": MISTRAL_ARGS}
+FORMS = {"llama3_json": LLAMA, "mistral": MISTRAL, "mistral_args": MISTRAL_ARGS, "granite": GRANITE}
 
 
 def stream(form: ToolFormat, pieces: list[str]) -> tuple[str, list[dict[str, str]]]:
@@ -83,6 +87,7 @@ def test_a_call_alone_has_no_content(form: str) -> None:
     ("mistral", '[TOOL_CALLS] [{"arguments": {}}]'),
     ("mistral_args", "[TOOL_CALLS]no args here"),
     ("mistral_args", "[TOOL_CALL"),
+    ("granite", "<|tool_call|> not a list"),
 ])
 def test_malformed_calls_stay_content(form: str, text: str) -> None:
     for pieces in splits(text):
@@ -116,6 +121,9 @@ def test_ids_are_the_familys() -> None:
     ("{%- if tools %}Environment: ipython{% endif %}<|python_tag|>", "llama3_json"),
     ('{% if tools %}Respond in the format {"name": function name, "parameters": dict}{% endif %}', "llama3_json"),
     ("{% if m.tool_calls %}[TOOL_CALLS] [{{ m.tool_calls | tojson }}]{% endif %}", "mistral"),
+    # Granite 3.x's system prompt with tools.
+    ("{% if tools %}When a tool is required to answer the user's query, respond with <|tool_call|> followed by a "
+     "JSON list of tools used.{% endif %}", "granite"),
 ])
 def test_auto_reads_the_form_off_the_chat_template(template: str, parser: str) -> None:
     assert detect(template) == parser
@@ -133,6 +141,27 @@ def test_mistral_form_and_special_markers_come_from_the_tokenizer(default_tokeni
     assert load_tool_format("llama3_json", tokenizer) == LLAMA  # a named parser wins over the template
     with pytest.raises(ValueError, match="unknown tool call parser 'pythonic'"):
         load_tool_format("pythonic", tokenizer)
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_markers_that_are_added_tokens_are_matched_by_id(default_tokenizer_dir, choice: str) -> None:
+    """Qwen2.5's and Qwen3's <tool_call> and </tool_call> are added tokens (not special ones): llguidance
+    never reads an added token as text, so the grammar must name them by id, or it forbids the very
+    tokens the model writes its calls with; they stay in the text the parser reads."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = "{{ tools }}<tool_call>"
+    form = load_tool_format("auto", tokenizer)
+    assert form.name == "hermes" and dict(form.specials) == {
+        "<tool_call>": tokenizer.convert_tokens_to_ids("<tool_call>"), "</tool_call>": tokenizer.convert_tokens_to_ids("</tool_call>")}
+    assert not form.keeps_special_tokens  # plain added tokens are in the text anyway
+    written = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+    ids = tokenizer.encode(written, add_special_tokens=False)
+    assert ids[0] == dict(form.specials)["<tool_call>"]
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    matcher = compiler.compile(form.grammar(TOOLS, choice, parallel=True))
+    assert matcher.consume_tokens(ids) and matcher.consume_token(tokenizer.eos_token_id), matcher.get_error()
+    assert parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True), form.parser())[1][0].name == "get_time"
 
 
 SCHEMAS = {
@@ -169,7 +198,7 @@ async def one_call(engine: AsyncEngine, form: ToolFormat, tools: list[Tool], cho
     return calls[0]
 
 
-@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS], **FORM_IDS)
+@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS, GRANITE], **FORM_IDS)
 @pytest.mark.parametrize("choice", ["required", "get_time"])
 async def test_each_grammar_holds_a_random_model_to_calls_that_fit(tiny_engine: AsyncEngine, form: ToolFormat,
                                                                    choice: str) -> None:
@@ -178,7 +207,7 @@ async def test_each_grammar_holds_a_random_model_to_calls_that_fit(tiny_engine: 
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
-@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS], **FORM_IDS)
+@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS, GRANITE], **FORM_IDS)
 async def test_a_schemas_refs_to_its_own_defs_resolve_in_each_grammar(tiny_engine: AsyncEngine,
                                                                       form: ToolFormat) -> None:
     call = await one_call(tiny_engine, form, [*TOOLS, BOOK], "book", seed=0)
@@ -187,7 +216,7 @@ async def test_a_schemas_refs_to_its_own_defs_resolve_in_each_grammar(tiny_engin
 
 def test_grammars_of_each_form_name_only_the_chosen_function() -> None:
     tools = [Tool.model_validate({"type": "function", "function": {"name": n}}) for n in ("get_weather", "get_time")]
-    for form in (HERMES, LLAMA, MISTRAL, MISTRAL_ARGS):
+    for form in (HERMES, LLAMA, MISTRAL, MISTRAL_ARGS, GRANITE):
         named = form.grammar(tools, "get_time", parallel=True).spec
         assert "get_time" in named and "get_weather" not in named and "TEXT |" not in named
         assert "TEXT |" in form.grammar(tools, "auto", parallel=True).spec
@@ -196,10 +225,10 @@ def test_grammars_of_each_form_name_only_the_chosen_function() -> None:
 def test_an_unknown_tool_call_parser_exits_2_naming_the_choices(capsys: pytest.CaptureFixture[str],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert main(["serve", "--tool-call-parser", "pythonic", "--enable-auto-tool-choice", "--port", "1"]) == 2
-    assert "unknown tool call parser 'pythonic': choose one of auto, hermes, llama3_json, mistral" in capsys.readouterr().err
-    monkeypatch.setenv("VIVACE_TOOL_CALL_PARSER", "granite")
+    assert "unknown tool call parser 'pythonic': choose one of auto, hermes, llama3_json, mistral, granite" in capsys.readouterr().err
+    monkeypatch.setenv("VIVACE_TOOL_CALL_PARSER", "xlam")
     assert main(["serve", "--port", "1"]) == 2
-    assert "unknown tool call parser 'granite'" in capsys.readouterr().err
+    assert "unknown tool call parser 'xlam'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("form, written", [
@@ -207,6 +236,7 @@ def test_an_unknown_tool_call_parser_exits_2_naming_the_choices(capsys: pytest.C
     (LLAMA, '{"name": "get_time", "parameters": {"zone": "utc"}}'),
     (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "utc"}}]'),
     (MISTRAL_ARGS, '[TOOL_CALLS]get_time[ARGS]{"zone": "utc"}'),
+    (GRANITE, '<|tool_call|>[{"name": "get_time", "arguments": {"zone": "utc"}}]'),
 ])
 def test_a_template_without_tools_is_told_the_form_and_sees_its_calls_in_it(default_tokenizer_dir, form: ToolFormat,
                                                                            written: str) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 import transformers
@@ -51,6 +52,12 @@ _SMOLLM3_NO_ROPE_STEP = 4
 # Expert keys llama.cpp reads, at the values that mean what transformers' Qwen3-MoE and Mixtral do.
 _EXPERT_NEUTRAL = {"expert_shared_count": (0,), "expert_gating_func": (1,), "expert_weights_scale": (0.0, 1.0),
                    "expert_group_count": (0,)}
+# Turn ends llama.cpp stops at (its end-of-generation tokens, found by text) besides the metadata's
+# EOS and EOT: a chat GGUF's EOS is often the end of text while its template ends each turn with
+# another control token (Gemma 3's <end_of_turn>, Phi-3's <|end|>, Llama 3's <|eom_id|>).
+_END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                      "<|end_of_text|>", "<EOT>", "<end_of_utterance>")
+_CHAT_TEMPLATE = "tokenizer.chat_template"
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
 _LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}  # Phi-3
 _ROPE_TENSORS = (_ROPE_FREQS, *_LONGROPE.values())
@@ -78,8 +85,19 @@ def open_gguf(path: Path, skip: Collection[str] = ()) -> GGUFModel:
     """
     file = GGUFFile(path)
     config = model_config(file)
-    return GGUFModel(config, _tokenizer(path, file),
-                     _tensors(file, config, file.metadata["general.architecture"], frozenset(skip)))
+    tokenizer = _tokenizer(path, file)
+    config = dataclasses.replace(config, eos_token_ids=(*config.eos_token_ids, *_turn_ends(file, tokenizer, config)))
+    return GGUFModel(config, tokenizer, _tensors(file, config, file.metadata["general.architecture"], frozenset(skip)))
+
+
+def _turn_ends(file: GGUFFile, tokenizer: transformers.PreTrainedTokenizerFast, config: ModelConfig) -> list[int]:
+    """The tokens of ``_END_OF_GENERATION`` the file has as added ones (control, or user-defined as some
+    Gemma GGUFs mark <end_of_turn>: llama.cpp overrides that), but for its EOS and EOT."""
+    types = file.metadata.get("tokenizer.ggml.token_type") or []
+    added = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
+    vocab = tokenizer.get_vocab()
+    found = [vocab[text] for text in _END_OF_GENERATION if text in vocab]
+    return [i for i in found if i < len(types) and types[i] in added and i not in config.eos_token_ids]
 
 
 def model_config(file: GGUFFile) -> ModelConfig:
@@ -231,9 +249,13 @@ def _yarn(file: GGUFFile, arch: str, factor: float | None) -> dict[str, Any]:
 
 
 def _tokenizer(path: Path, file: GGUFFile) -> transformers.PreTrainedTokenizerFast:
+    """The file's tokenizer with its chat template; with named ones (``tokenizer.chat_template.<name>``,
+    Hermes-2-Pro's "tool_use"), all of them by name, as transformers reads tokenizer_config.json's."""
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
-    if tokenizer.chat_template is None:
-        tokenizer.chat_template = file.metadata.get("tokenizer.chat_template")
+    default = tokenizer.chat_template or file.metadata.get(_CHAT_TEMPLATE)
+    named = {key.removeprefix(f"{_CHAT_TEMPLATE}."): value for key, value in file.metadata.items()
+             if key.startswith(f"{_CHAT_TEMPLATE}.")}
+    tokenizer.chat_template = {**({"default": default} if default else {}), **named} if named else default
     return tokenizer
 
 

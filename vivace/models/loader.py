@@ -285,8 +285,11 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokeni
         raise FileNotFoundError(f"{path} has no config.json, so it is not a Hugging Face model directory")
     raw = json.loads(config_file.read_text())
     config = ModelConfig.from_hf(raw)
-    config = dataclasses.replace(config, eos_token_ids=_eos_token_ids(path, config))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    processor_template = path / "chat_template.json"  # a multimodal processor's, which AutoTokenizer doesn't read
+    if tokenizer.chat_template is None and processor_template.is_file():
+        tokenizer.chat_template = json.loads(processor_template.read_text()).get("chat_template")
+    config = dataclasses.replace(config, eos_token_ids=_eos_token_ids(path, config, tokenizer.eos_token_id))
     files, rename = safetensors_files(path), None
     if (wrapper := multimodal_architecture(raw)) is not None:
         logger.info("vivace: %s is %s: serving its language model, for text; image inputs are not supported",
@@ -297,12 +300,13 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokeni
     return config, tokenizer, _read_safetensors(files, rename)
 
 
-def _eos_token_ids(path: Path, config: ModelConfig) -> tuple[int, ...]:
-    """config.json's EOS ids plus generation_config.json's (chat models often list more there)."""
+def _eos_token_ids(path: Path, config: ModelConfig, tokenizer_eos: int | None) -> tuple[int, ...]:
+    """config.json's EOS ids plus generation_config.json's (chat models often list more there) and
+    the tokenizer's (a fine-tune's turn end, which config.json may not know), as vLLM stops at all."""
     generation_file = path / "generation_config.json"
     extra = json.loads(generation_file.read_text()).get("eos_token_id") if generation_file.is_file() else None
     extra = [] if extra is None else [extra] if isinstance(extra, int) else extra
-    return tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
+    return tuple(dict.fromkeys([*config.eos_token_ids, *extra, *_as_ids(tokenizer_eos)]))
 
 
 def safetensors_files(path: Path) -> list[Path]:

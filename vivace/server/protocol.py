@@ -211,8 +211,9 @@ class ChatMessage(_Strict):
         "function_call values (the legacy form of tool_calls)", {"maxProperties": 0})] = None
 
     def text(self) -> str:
+        """The content as the chat template gets it: text parts joined by newlines, as vLLM joins them."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or self.refusal or ""
 
     def thinking(self) -> str | None:

@@ -10,6 +10,7 @@ chat template accepts.
   {...}}, ...]`` (v3 tokenizers: Mistral 7B v0.3, Nemo), or, where the tokenizer or template
   knows ``[ARGS]`` (Mistral Small 3.1+, Magistral, Devstral), ``[TOOL_CALLS]name[ARGS]{...}``
   per call. Call ids are 9 alphanumeric characters, as its templates demand.
+- ``granite`` (Granite 3.x): ``<|tool_call|>`` then the same JSON array.
 
 ``auto`` reads the family off the chat template. Every form is a table row: the text (or
 special token) that opens the calls and ends free text, what leads to the first call, each
@@ -31,8 +32,9 @@ from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.protocol import Tool
 from vivace.server.tool_parser import CALL_CLOSE, CALL_OPEN, CallParser, CallSyntax, ToolCallParser
 
-PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+PARSERS = ("auto", "hermes", "llama3_json", "mistral", "granite")
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+GRANITE_CALLS = "<|tool_call|>"
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -101,12 +103,15 @@ def _calls_rules(tools: list[Tool], written: Callable[[str, Rule], str]) -> list
 class ToolFormat:
     """One family's written form of calls, for one tokenizer. ``name`` is the parser's
     (``hermes``, ``llama3_json``, ``mistral``); ``args_form``: mistral's ``name[ARGS]{...}``
-    rather than its array; ``specials``: the markers that are special tokens of the tokenizer
-    (by their text), which the grammar matches by id and the output must keep as text."""
+    rather than its array; ``specials``: the markers that are added tokens of the tokenizer (by
+    their text: Qwen's ``<tool_call>``, Mistral's ``[TOOL_CALLS]``), which the grammar matches by id
+    (llguidance never reads an added token as text); ``hidden``: whether one of them is a special
+    token, which the output must then keep as text."""
 
     name: str
     args_form: bool = False
     specials: tuple[tuple[str, int], ...] = ()
+    hidden: bool = False
 
     @property
     def label(self) -> str:
@@ -121,22 +126,25 @@ class ToolFormat:
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the output must be detokenized with its special tokens (its markers are some)."""
-        return bool(self.specials)
+        return self.hidden
 
-    def _shape(self, tools: list[Tool]) -> tuple[Part, Part, list[Part], Part, Part, list[str]]:
+    def _shape(self, tools: list[Tool]) -> tuple[Part, Part, list[Part], list[Part], Part, list[str]]:
         """(opener, lead, call, separator, close, rules): the calls are ``opener lead call
         (separator call)* close``, ``call`` being one of ``tools``' calls."""
         if self.name == "llama3_json":
             opener = '{"name": "'
             rules = _calls_rules(tools, lambda name, args: _sequence(f'{name}", "parameters": ', args, "}"))
-            return opener, "", [Rule("call")], "; " + opener, "", rules
+            return opener, "", [Rule("call")], ["; " + opener], "", rules
         if self.name == "mistral" and self.args_form:
             opener = self._marker(MISTRAL_CALLS)
             rules = _calls_rules(tools, lambda name, args: _sequence(name, self._marker(MISTRAL_ARGS), args))
-            return opener, "", [Rule("call")], opener, "", rules
+            return opener, "", [Rule("call")], [opener], "", rules
         if self.name == "mistral":
-            return self._marker(MISTRAL_CALLS), " [", [Rule("call")], ", ", "]", _objects_rules(tools, "arguments")
-        return CALL_OPEN, "\n", [Rule("call"), f"\n{CALL_CLOSE}"], f"\n{CALL_OPEN}\n", "", _objects_rules(tools, "arguments")
+            return self._marker(MISTRAL_CALLS), " [", [Rule("call")], [", "], "]", _objects_rules(tools, "arguments")
+        if self.name == "granite":
+            return self._marker(GRANITE_CALLS), "[", [Rule("call")], [", "], "]", _objects_rules(tools, "arguments")
+        opener, close = self._marker(CALL_OPEN), self._marker(CALL_CLOSE)
+        return opener, "\n", [Rule("call"), "\n", close], ["\n", opener, "\n"], "", _objects_rules(tools, "arguments")
 
     def grammar(self, tools: list[Tool], choice: str, parallel: bool) -> StructuredOutput:
         """The llguidance Lark grammar of the output for ``choice`` ("auto", "required" or a
@@ -145,7 +153,7 @@ class ToolFormat:
         named = choice not in ("auto", "required")
         chosen = [t for t in tools if not named or t.function.name == choice]
         opener, lead, call, separator, close, rules = self._shape(chosen)
-        more = f"({_sequence(separator, *call)})*" if parallel and not named else ""
+        more = f"({_sequence(*separator, *call)})*" if parallel and not named else ""
         end = f" {_sequence(close)}" if close else ""
         lines = [*rules, "TEXT: /(.|\\n)*/"]
         if choice != "auto":
@@ -181,8 +189,9 @@ class ToolFormat:
             return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
         if self.name == "mistral" and self.args_form:
             return "".join(f"{MISTRAL_CALLS}{n}{MISTRAL_ARGS}{json.dumps(a)}" for n, a in calls)
-        if self.name == "mistral":
-            return f"{MISTRAL_CALLS} " + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+        if self.name in ("mistral", "granite"):
+            opener = f"{MISTRAL_CALLS} " if self.name == "mistral" else GRANITE_CALLS
+            return opener + json.dumps([{"name": n, "arguments": a} for n, a in calls])
         return "\n".join(f"{CALL_OPEN}\n{json.dumps({'name': n, 'arguments': a})}\n{CALL_CLOSE}" for n, a in calls)
 
     def instruction(self) -> str:
@@ -192,8 +201,9 @@ class ToolFormat:
                     '"parameters": <args-json-object>}; separate several calls with "; ".')
         if self.name == "mistral" and self.args_form:
             return "To call a function, write [TOOL_CALLS]<function-name>[ARGS]<args-json-object>, once per call."
-        if self.name == "mistral":
-            return ('To call functions, write [TOOL_CALLS] followed by a JSON array of the calls: '
+        if self.name in ("mistral", "granite"):
+            opener = MISTRAL_CALLS if self.name == "mistral" else GRANITE_CALLS
+            return (f'To call functions, write {opener} followed by a JSON array of the calls: '
                     '[{"name": <function-name>, "arguments": <args-json-object>}, ...]')
         return ("For each function call, return a json object with function name and arguments within "
                 "<tool_call></tool_call> XML tags:\n<tool_call>\n"
@@ -212,6 +222,9 @@ SYNTAXES = {
     ("mistral", False): CallSyntax(
         opener=MISTRAL_CALLS, first=r"\[TOOL_CALLS\]\s*\[\s*" + _OBJECT_HEAD % "arguments",
         tail=r'\s*(?:,\s*"id"\s*:\s*"[^"]*"\s*)?\}', next=r"\s*,\s*" + _OBJECT_HEAD % "arguments", end=r"\s*\]"),
+    ("granite", False): CallSyntax(
+        opener=GRANITE_CALLS, first=r"<\|tool_call\|>\s*\[\s*" + _OBJECT_HEAD % "arguments", tail=r"\s*\}",
+        next=r"\s*,\s*" + _OBJECT_HEAD % "arguments", end=r"\s*\]"),
     ("mistral", True): CallSyntax(
         opener=MISTRAL_CALLS, first=_MISTRAL_ARGS_HEAD, tail="", next=r"\s*" + _MISTRAL_ARGS_HEAD),
 }
@@ -229,6 +242,8 @@ def detect(template: str) -> str:
         return "hermes"
     if MISTRAL_CALLS in template:
         return "mistral"
+    if GRANITE_CALLS in template:
+        return "granite"
     if "<|python_tag|>" in template or "ipython" in template or ('"parameters"' in template and "tools" in template):
         return "llama3_json"
     return "hermes"
@@ -241,11 +256,11 @@ def load_tool_format(name: str, tokenizer: Any) -> ToolFormat:
     template = _template(tokenizer)
     if name == "auto":
         name = detect(template)
-    if name != "mistral":
-        return ToolFormat(name)
     vocab = tokenizer.get_vocab()
-    special_ids = set(getattr(tokenizer, "all_special_ids", ()))
-    special_ids |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
-    specials = tuple((text, vocab[text]) for text in (MISTRAL_CALLS, MISTRAL_ARGS)
-                     if vocab.get(text) in special_ids)
-    return ToolFormat(name, args_form=MISTRAL_ARGS in template or MISTRAL_ARGS in vocab, specials=specials)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special_ids = set(getattr(tokenizer, "all_special_ids", ())) | {i for i, t in added.items() if t.special}
+    markers = {"hermes": (CALL_OPEN, CALL_CLOSE), "mistral": (MISTRAL_CALLS, MISTRAL_ARGS),
+               "granite": (GRANITE_CALLS,)}.get(name, ())
+    specials = tuple((text, vocab[text]) for text in markers if vocab.get(text) in special_ids | set(added))
+    return ToolFormat(name, args_form=name == "mistral" and (MISTRAL_ARGS in template or MISTRAL_ARGS in vocab),
+                      specials=specials, hidden=any(i in special_ids for _, i in specials))

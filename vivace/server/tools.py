@@ -5,7 +5,7 @@ them, and the history's tool calls and results, as transformers expects (with ca
 Mistral template accepts). Any other template (the default model's plain ChatML) gets vivace's
 convention: the tools as JSON lines inside ``<tools></tools>`` in the system message with how
 to call them, earlier calls written into the assistant's text as the model writes them, and
-tool results as user turns inside ``<tool_response></tool_response>``.
+tool results as user turns inside ``<tool_response></tool_response>`` (a run of them in one turn).
 
 How the model writes a call, and the grammar that holds it to that, is its family's
 (``vivace.server.tool_formats``; Hermes-style ``<tool_call>`` blocks by default): from the first
@@ -15,8 +15,12 @@ until it opens a call, and from there on the call must fit one of the tools' sch
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
+
+import jinja2
+import jinja2.meta
 
 from vivace.server.errors import APIError
 from vivace.server.protocol import ChatMessage, ChatTemplateRequest
@@ -56,7 +60,23 @@ def tool_choice(body: ChatTemplateRequest) -> str:
 
 
 def template_takes_tools(tokenizer: Any) -> bool:
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+    """Whether the chat template (or one of the tokenizer's named templates, such as Hermes-2-Pro's
+    "tool_use", which transformers picks for a request with tools) reads the ``tools`` variable; a
+    template that only mentions the word (Phi-4-mini's reads a system message's own ``tools`` key)
+    gets the tools by vivace's convention instead."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return any(_reads_tools(source) for source in (template.values() if isinstance(template, dict) else [template]))
+
+
+@functools.lru_cache(maxsize=16)
+def _reads_tools(template: str) -> bool:
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # transformers' own environment
+
+    try:
+        environment = _compile_jinja_template(template).environment
+        return "tools" in jinja2.meta.find_undeclared_variables(environment.parse(template))
+    except jinja2.TemplateSyntaxError:
+        return "tools" in template
 
 
 def _arguments(message_index: int, call_index: int, text: str) -> dict[str, Any]:
@@ -126,6 +146,18 @@ def _with_thinking(rendered: dict[str, Any], message: ChatMessage) -> dict[str, 
     return rendered if thinking is None else {**rendered, "reasoning_content": thinking}
 
 
+def _joined_results(sent: list[ChatMessage], rendered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rendered`` with each run of tool results (a parallel call's) in one user turn, as Qwen's
+    template writes them: templates whose turns must alternate (Gemma 3's) refuse two user turns."""
+    joined: list[dict[str, Any]] = []
+    for index, (message, turn) in enumerate(zip(sent, rendered)):
+        if message.role == "tool" and index and sent[index - 1].role == "tool":
+            joined[-1] = {**joined[-1], "content": f"{joined[-1]['content']}\n{turn['content']}"}
+        else:
+            joined.append(turn)
+    return joined
+
+
 def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str, form: ToolFormat = HERMES
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages for ``apply_chat_template`` and its ``tools`` argument (None when the
@@ -133,8 +165,10 @@ def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str, form: 
     for index, message in enumerate(body.messages):
         _check_roles(index, message)
     own = template_takes_tools(tokenizer)
-    render = _template_message if own else _convention_message
-    messages = [render(i, m, form) for i, m in enumerate(body.messages)]
+    if own:
+        messages = [_template_message(i, m, form) for i, m in enumerate(body.messages)]
+    else:
+        messages = _joined_results(body.messages, [_convention_message(i, m, form) for i, m in enumerate(body.messages)])
     if choice == "none" or not body.tools:
         return messages, None
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
