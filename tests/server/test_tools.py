@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
+from vivace.server.errors import APIError
 from vivace.server.prompts import chat_prompt_ids
 from vivace.server.protocol import ChatTemplateRequest
 from vivace.server.tool_formats import HERMES
@@ -88,3 +89,13 @@ def test_parallel_calls_results_are_one_user_turn_for_a_template_without_tools(t
         {"role": "tool", "tool_call_id": "call_0", "content": "21"}, {"role": "tool", "tool_call_id": "call_1", "content": "25"}])
     assert prompt.endswith("<start_of_turn>user\n<tool_response>\n21\n</tool_response>\n<tool_response>\n25\n"
                            "</tool_response><end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_a_template_that_cannot_compute_with_a_message_is_a_400(tokenizer) -> None:
+    """A TypeError inside the template (here a number added to each message's text) is a 400 on
+    ``messages``, as vLLM answers it, not a 500."""
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content + 1 }}{% endfor %}"
+    with pytest.raises(APIError) as refused:
+        _prompt(tokenizer, messages=ASK)
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert "could not render the messages" in str(refused.value)

@@ -79,9 +79,10 @@ def chat_prompt_ids(tokenizer: Any, body: ChatTemplateRequest, tool_choice: str 
     except (jinja2.TemplateError, ValueError) as exc:  # ValueError: no final message to continue
         raise APIError(400, f"The chat template rejected the messages: {exc}",
                        param="messages") from None
-    except (TypeError, ArithmeticError) as exc:  # a template variable the template can't compute with
+    except (TypeError, ArithmeticError) as exc:  # a value the template can't compute with: a 400, as in vLLM
         if not body.chat_template_kwargs:
-            raise
+            raise APIError(400, f"The chat template could not render the messages: {exc}",
+                           param="messages") from None
         raise APIError(400, f"The chat template could not use chat_template_kwargs: {exc}",
                        param="chat_template_kwargs") from None
     return nonempty(encoder_of(tokenizer)(text, add_special_tokens), "messages")
