@@ -179,25 +179,43 @@ def test_float16_activations(m: int) -> None:
 
 @pytest.mark.parametrize("ggml_type", gguf_kernels.WORD_TYPES, ids=lambda t: t.name)
 def test_gemv_of_codes_read_as_words(ggml_type) -> None:
-    """Rows of a multiple of 4 bytes: the GEMV decodes codes from their words (``_word_step``) and
-    adds 2^e back as sums of x, within 1e-4 of a float64 product for float32 x (the cancellation
-    costs ~2^15 / 2^24 of a sub-block's sum); bfloat16 x read 4 columns a load, float16 and an x
-    whose rows are not 8-byte aligned column by column; tilings, splits, one row of x and several."""
+    """Rows of a multiple of 4 bytes, one or two rows of x: the GEMV decodes codes from their words
+    (``_word_step``) and adds 2^e back as sums of x, within 1e-4 of a float64 product for float32
+    x (the cancellation costs ~2^15 / 2^24 of a sub-block's sum); bfloat16 x read 4 columns a
+    load, float16 and an x whose rows are not 8-byte aligned column by column; tilings, splits."""
+    unit = LAYOUTS[ggml_type].unit_cols
     k = columns(ggml_type, 10, 2)
     blocks = random_blocks(ggml_type, N, k, seed=11)
     w = device_planes(blocks, ggml_type)
-    assert w.shape[1] % 4 == 0
     weight = torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type)).double()
     g = torch.Generator().manual_seed(12)
-    x = torch.randn(3, k + 1, generator=g, dtype=torch.float64)
-    configs = [None, GemvConfig(block_n=8, block_k=32, splits=3, acc_2d=True),
-               GemvConfig(block_n=16, block_k=64, splits=2, acc_2d=False, num_warps=8)]
-    for m, config in [(1, configs[0]), (1, configs[1]), (3, configs[2]), (2, configs[0])]:
+    x = torch.randn(2, k + 1, generator=g, dtype=torch.float64)
+    configs = [(1, GemvConfig(block_n=64, block_k=4 * unit, splits=2, acc_2d=True)),  # 2 rows a thread
+               (1, GemvConfig(block_n=64, block_k=8 * unit, splits=1, num_warps=8))]
+    if ggml_type != T.Q4_K:
+        configs += [(1, gguf_kernels.default_gemv_config(ggml_type)),
+                    (2, GemvConfig(block_n=16, block_k=2 * unit, splits=3, acc_2d=False))]
+    for m, config in configs:
+        nu = gguf_kernels._gemv_units(config, LAYOUTS[ggml_type], k // unit)
+        assert gguf_kernels.uses_words(ggml_type, m, w.shape[1], config, nu)
         exact = x[:m, :k] @ weight.T
         y = gguf_matmul(x[:m, :k].float().to(DEVICE), w, ggml_type, config=config).double().cpu()
         torch.testing.assert_close(y, exact, rtol=0, atol=1e-4 * exact.abs().max().item())
-    for m, config in [(1, configs[1]), (3, configs[2])]:
         rounded = x[:m, :k].bfloat16()
         assert_close(gguf_matmul(rounded.to(DEVICE), w, ggml_type, config=config), reference(rounded, blocks, ggml_type))
-    unaligned = x[:2].half().to(DEVICE)[:, 1:]  # rows start 2 bytes past 8-byte alignment: x read column by column
-    assert_close(gguf_matmul(unaligned, w, ggml_type), reference(x[:2, 1:].half(), blocks, ggml_type))
+    m, config = configs[0]
+    unaligned = x[:m].half().to(DEVICE)[:, 1:]  # rows start 2 bytes past 8-byte alignment: x read column by column
+    assert_close(gguf_matmul(unaligned, w, ggml_type, config=config), reference(x[:m, 1:].half(), blocks, ggml_type))
+
+
+def test_words_only_where_they_count_fewer_instructions() -> None:
+    """``uses_words``: rows of a multiple of 4 bytes, at most two rows of x; Q4_K at one row of x,
+    two or more rows of W a thread."""
+    default = gguf_kernels.default_gemv_config(T.Q4_0)
+    assert gguf_kernels.uses_words(T.Q4_0, 2, 2304, default, 8)
+    assert not gguf_kernels.uses_words(T.Q4_0, 3, 2304, default, 8)
+    assert not gguf_kernels.uses_words(T.Q4_0, 1, 18 * 33, default, 8)  # 594 bytes a row
+    assert not gguf_kernels.uses_words(T.Q6_K, 1, 210 * 16, default, 8)
+    assert not gguf_kernels.uses_words(T.Q4_K, 1, 144 * 16, gguf_kernels.default_gemv_config(T.Q4_K), 4)
+    assert gguf_kernels.uses_words(T.Q4_K, 1, 144 * 16, GemvConfig(block_n=64, block_k=256), 4)
+    assert not gguf_kernels.uses_words(T.Q4_K, 2, 144 * 16, GemvConfig(block_n=64, block_k=256), 4)

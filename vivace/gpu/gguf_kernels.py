@@ -30,8 +30,8 @@ weights are then ``a * f + b`` for codes ``f [BLOCK_N, NU, LANES, PLANES]`` and 
   cross-thread reduction over a tile's units happens once, after the last step (``acc_2d``), or
   each step. K is split among programs (partial sums in float32, added by ``kernels.sum_splits``)
   when the rows alone give too few programs to fill the GPU.
-  Q8_0, Q4_0, Q4_1 and Q4_K rows of a multiple of 4 bytes take ``_word_step`` instead (codes decoded
-  from the words they are loaded in; the section above it).
+  Q8_0, Q4_0, Q4_1 and Q4_K rows of a multiple of 4 bytes take ``_word_step`` instead at one or two
+  rows of x (``uses_words``; codes decoded from the words they are loaded in; the section above it).
 - Decode batches (``M <= GEMM_MAX_ROWS``): a tiled GEMM, ``tl.dot`` of ``x``'s tile and the
   dequantized weight tile rounded to ``x``'s dtype, float32 accumulation; one row tile of ``x``,
   so each weight tile is decoded once.
@@ -127,8 +127,10 @@ LAYOUTS = {
 }
 GPU_TYPES = tuple(LAYOUTS)
 # The types whose GEMV decodes codes from the int32 words they are loaded in (``_word_step``), when
-# a row's bytes are a multiple of 4 (its words then start 4-byte aligned).
+# a row's bytes are a multiple of 4 (its words then start 4-byte aligned) and x has at most
+# WORD_MAX_ROWS rows (``uses_words``).
 WORD_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K)
+WORD_MAX_ROWS = 2
 
 
 def planar(blocks: torch.Tensor, ggml_type: T) -> torch.Tensor:
@@ -411,7 +413,7 @@ def _x_quad(X, XQ, row_x, cols, offset: tl.constexpr, QUADS: tl.constexpr):
     """x at columns ``cols + offset .. + 3`` ([NU, WORDS] each, float32). QUADS (bfloat16 x, 8-byte
     aligned rows): one 8-byte load from XQ (x as int64) and shifts; else four loads."""
     if QUADS:
-        q = tl.load(XQ + (row_x + cols + offset) // 4)
+        q = tl.load(XQ + row_x // 4 + (cols >> 2) + offset // 4)  # cols >> 2: the same for every row of x
         low, high = q.to(tl.int32), (q >> 32).to(tl.int32)
         return ((low << 16).to(tl.float32, bitcast=True), (low & -65536).to(tl.float32, bitcast=True),
                 (high << 16).to(tl.float32, bitcast=True), (high & -65536).to(tl.float32, bitcast=True))
@@ -756,6 +758,18 @@ def gemv_candidates(ggml_type: T, n: int, k: int, device: torch.device) -> list[
     return list(dict.fromkeys(candidates))[:12]
 
 
+def uses_words(ggml_type: T, m: int, row_bytes: int, config: GemvConfig, nu: int) -> bool:
+    """Whether the GEMV of ``m`` rows of x decodes codes from words (``_word_step``), where its main
+    loop has fewer instructions than decoding bytes (sm_90 SASS, docs/gpu.md): rows of a multiple
+    of 4 bytes, at most WORD_MAX_ROWS rows of x (each row's x costs the words a conversion and sums
+    of its own: 8 rows of Q4_0 took 1,447 instructions against 1,264); Q4_K only at one row of x
+    and tilings that give a thread two or more rows (with one, the sums of x cost what the words
+    save: 411 against 402)."""
+    if ggml_type not in WORD_TYPES or row_bytes % 4 or m > WORD_MAX_ROWS:
+        return False
+    return ggml_type != T.Q4_K or (m == 1 and config.block_n * nu >= 2 * 32 * config.num_warps)
+
+
 def _gemv_units(config: GemvConfig, layout: BlockLayout, units: int) -> int:
     """Units a GEMV step: ``config.block_k`` columns rounded down to a power of two of units (at
     least one), at most the row's units rounded up."""
@@ -806,7 +820,7 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch
     units_per_split = triton.cdiv(triton.cdiv(units, splits), nu) * nu
     splits = triton.cdiv(units, units_per_split)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    words = ggml_type in WORD_TYPES and row_bytes % 4 == 0
+    words = uses_words(ggml_type, m, row_bytes, config, nu)
     quads = words and x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0
     _gemv_kernel[(row_programs, splits)](
         X=x, Y=target, BIAS=bias, M=m, N=n, K=k, units_per_split=units_per_split, stride_xm=x.stride(0), stride_ym=n,
