@@ -14,7 +14,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
-from vivace.server.tracing import traces_url
+from vivace.server.tracing import RequestTracer, traces_url
 
 from .harness import RunningServer, free_port, serving, wait_until
 from .otlp_receiver import Received, attributes, otlp_receiver
@@ -111,6 +111,36 @@ def test_traces_url_appends_the_otlp_path_to_a_bare_address() -> None:
     assert traces_url("https://c.example/custom/path") == "https://c.example/custom/path"
     with pytest.raises(ValueError, match="http"):
         traces_url("collector:4317")
+
+
+def test_the_service_is_named_by_otel_variables_else_vivace(monkeypatch: pytest.MonkeyPatch) -> None:
+    def service() -> dict[str, object]:
+        tracer = RequestTracer(f"http://127.0.0.1:{free_port()}", lambda: "tiny")
+        tracer.shutdown()
+        return dict(tracer.provider.resource.attributes)
+
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    assert service()["service.name"] == "vivace"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=chat-api,deployment.environment=prod")
+    assert (service()["service.name"], service()["deployment.environment"]) == ("chat-api", "prod")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "wins")
+    assert service()["service.name"] == "wins"
+
+
+def test_an_otlp_protocol_it_cannot_speak_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="http/json"):
+        RequestTracer(endpoint, lambda: "tiny")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # the traces' own wins
+    try:
+        import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="opentelemetry-exporter-otlp-proto-grpc"):
+            RequestTracer(endpoint, lambda: "tiny")
+    else:
+        RequestTracer(endpoint, lambda: "tiny").shutdown()
 
 
 def test_without_tracing_opentelemetry_sdk_is_never_imported() -> None:

@@ -7,8 +7,10 @@ Each engine request becomes one ``llm_request`` span (vLLM's name), a child of t
 preemptions and prefill chunks are events. Spans are built from the request's timings once it
 has ended, on the event loop; the SDK's batch processor exports them from its own thread, so
 neither the engine nor a request ever waits on the collector (an unreachable one is logged).
-The standard ``OTEL_*`` variables apply: service name, resource attributes, propagators,
-exporter headers and timeout, batch sizes and delays, ``OTEL_SDK_DISABLED``.
+The standard ``OTEL_*`` variables apply: service name, resource attributes (a ``service.name``
+there too), propagators, the sampler, exporter headers and timeout, batch sizes and delays,
+``OTEL_SDK_DISABLED``, and the protocol: ``http/protobuf`` unless ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
+(or ``OTEL_EXPORTER_OTLP_PROTOCOL``) says ``grpc``, which needs OpenTelemetry's gRPC exporter.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from starlette.types import Receive, Scope, Send
 
 from vivace.server.asgi import HTTPMiddleware
@@ -40,6 +42,37 @@ logger = logging.getLogger("vivace.server")
 SPAN_NAME = "llm_request"
 _PROPAGATED = (b"traceparent", b"tracestate", b"baggage")
 _incoming_headers: ContextVar[Mapping[str, str]] = ContextVar("vivace_trace_headers", default={})
+
+
+def trace_protocol() -> str:
+    """The OTLP protocol the ``OTEL_*`` variables ask for (the traces' own first), as given."""
+    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
+
+
+def span_exporter(endpoint: str) -> SpanExporter:
+    """An OTLP exporter to ``endpoint`` over :func:`trace_protocol`. Raises ValueError for a
+    protocol it cannot speak (``http/json``, or ``grpc`` without OpenTelemetry's gRPC exporter)
+    rather than sending protobuf over HTTP to a collector that expects something else."""
+    protocol = trace_protocol()
+    if protocol == "http/protobuf":
+        return OTLPSpanExporter(traces_url(endpoint))
+    if protocol != "grpc":
+        raise ValueError(f"OTLP protocol {protocol!r} is not supported: use http/protobuf or grpc")
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    except ImportError:
+        raise ValueError("OTLP over grpc needs OpenTelemetry's gRPC exporter: "
+                         "pip install opentelemetry-exporter-otlp-proto-grpc") from None
+    return GrpcExporter(endpoint)  # type: ignore[no-any-return]
+
+
+def service_resource() -> Resource:
+    """The resource of the ``OTEL_*`` variables, named ``vivace`` unless they name the service."""
+    resource = Resource.create()
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "vivace"}))
+    return resource
 
 
 def traces_url(endpoint: str) -> str:
@@ -68,9 +101,8 @@ class RequestTracer:
     """Turns ended engine requests into spans exported to ``endpoint`` (see the module doc)."""
 
     def __init__(self, endpoint: str, model_name: Callable[[], str]) -> None:
-        resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "vivace")})
-        self.provider = TracerProvider(resource=resource)
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(traces_url(endpoint))))
+        self.provider = TracerProvider(resource=service_resource())
+        self.provider.add_span_processor(BatchSpanProcessor(span_exporter(endpoint)))
         self.tracer = self.provider.get_tracer("vivace")
         self.model_name = model_name
 
