@@ -201,7 +201,8 @@ class ServerMetrics:
         t = out.timings
         if t.first_token is not None:
             self.ttft.observe(t.first_token - t.arrival)
-        for earlier, later in zip(t.token_times, t.token_times[1:]):
+        steps = list(dict.fromkeys(t.token_times))  # a speculative step's tokens share its instant
+        for earlier, later in zip(steps, steps[1:]):
             self.itl.observe(later - earlier)
         if t.finished is not None:
             self.e2e.observe(t.finished - t.arrival)
