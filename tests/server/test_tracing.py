@@ -66,6 +66,9 @@ def test_a_request_is_one_span_continuing_the_callers_trace(traced) -> None:
     latency = {k.removeprefix("gen_ai.latency."): v for k, v in attrs.items() if "latency" in k}
     assert 0 <= latency["time_in_queue"] < latency["time_to_first_token"] <= latency["e2e"]
     assert latency["time_in_model_prefill"] > 0 and latency["time_in_model_decode"] > 0
+    assert latency["time_in_model_inference"] == pytest.approx(
+        latency["time_in_model_prefill"] + latency["time_in_model_decode"])
+    assert attrs["gen_ai.usage.num_sequences"] == 1
     assert span.end_time_unix_nano - span.start_time_unix_nano == pytest.approx(latency["e2e"] * 1e9, rel=1e-3)
     assert abs(span.start_time_unix_nano / 1e9 - time.time()) < 60
     chunks = [e for e in span.events if e.name == "prefill_chunk"]

@@ -159,6 +159,7 @@ def request_attributes(request: EngineRequest, model: str) -> dict[str, Any]:
         "gen_ai.response.finish_reasons": [c.finish_reason or "abort" for c in request.choices],
         "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
         "gen_ai.usage.prompt_tokens": prompt, "gen_ai.usage.completion_tokens": completion,
+        "gen_ai.usage.num_sequences": params.n,
     }
     if params.seed is not None:
         attributes["gen_ai.request.seed"] = params.seed
@@ -169,6 +170,7 @@ def request_attributes(request: EngineRequest, model: str) -> dict[str, Any]:
     attributes["gen_ai.latency.time_in_queue"] = t.queue_time
     attributes["gen_ai.latency.time_in_model_prefill"] = t.prefill_time
     attributes["gen_ai.latency.time_in_model_decode"] = t.decode_time
+    attributes["gen_ai.latency.time_in_model_inference"] = t.prefill_time + t.decode_time
     attributes["gen_ai.latency.num_preemptions"] = len(t.preemptions)
     if t.first_token is not None:
         attributes["gen_ai.latency.time_to_first_token"] = t.first_token - t.arrival
