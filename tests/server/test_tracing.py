@@ -4,6 +4,7 @@ with queue/prefill/decode children; a dead collector costs no request."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -92,6 +93,22 @@ def test_phases_are_child_spans_in_order(traced) -> None:
     assert phases["prefill"].end_time_unix_nano == phases["decode"].start_time_unix_nano
     assert phases["decode"].end_time_unix_nano == request.end_time_unix_nano
     assert attributes(request)["gen_ai.operation.name"] == "text_completion"
+
+
+def test_the_operation_is_the_routes_whatever_the_request_id(traced) -> None:
+    server, received = traced
+    message = {"role": "user", "content": "hi"}
+    server.client().chat.completions.create(model="tiny", messages=[message], max_tokens=2,
+                                            extra_headers={"X-Request-Id": "gateway-42"})
+    with server.http() as http:
+        assert http.post("/v1/messages", json={"model": "tiny", "max_tokens": 2,
+                                               "messages": [message]}).status_code == 200
+    server.client().completions.create(model="tiny", prompt="x", max_tokens=2,
+                                       extra_headers={"X-Request-Id": "chatcmpl-lookalike"})
+    wait_until(lambda: len(received.named("llm_request")) == 3, what="three spans")
+    spans = [attributes(span) for span in received.named("llm_request")]
+    operations = {re.split("[-_]", str(a["gen_ai.request.id"]))[0]: a["gen_ai.operation.name"] for a in spans}
+    assert operations == {"gateway": "chat", "msg": "chat", "chatcmpl": "text_completion"}
 
 
 def test_an_unreachable_collector_costs_no_request(tiny_engine: AsyncEngine,

@@ -41,7 +41,15 @@ logger = logging.getLogger("vivace.server")
 
 SPAN_NAME = "llm_request"
 _PROPAGATED = (b"traceparent", b"tracestate", b"baggage")
-_incoming_headers: ContextVar[Mapping[str, str]] = ContextVar("vivace_trace_headers", default={})
+# The trace-context headers of the HTTP request being served, and its gen_ai.operation.name.
+_incoming: ContextVar[tuple[Mapping[str, str], str]] = ContextVar("vivace_trace_context", default=({}, "chat"))
+
+
+def operation_of(path: str) -> str:
+    """The GenAI operation an API path serves: ``text_completion`` for /v1/completions, else ``chat``
+    (chat completions, Anthropic's messages, responses)."""
+    path = path.rstrip("/")
+    return "text_completion" if path.endswith("/completions") and not path.endswith("/chat/completions") else "chat"
 
 
 def trace_protocol() -> str:
@@ -84,17 +92,18 @@ def traces_url(endpoint: str) -> str:
 
 
 class _TraceHeaders(HTTPMiddleware):
-    """ASGI middleware keeping the request's trace-context headers for the span recorded when
-    its engine request ends (that runs in a task spawned under this call, so it sees them)."""
+    """ASGI middleware keeping the request's trace-context headers and operation for the span
+    recorded when its engine request ends (that runs in a task spawned under this call, so it
+    sees them)."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in scope["headers"] if name in _PROPAGATED}
-        token = _incoming_headers.set(headers)
+        token = _incoming.set((headers, operation_of(scope["path"])))
         try:
             await self.app(scope, receive, send)
         finally:
-            _incoming_headers.reset(token)
+            _incoming.reset(token)
 
 
 class RequestTracer:
@@ -109,11 +118,11 @@ class RequestTracer:
     def record(self, request: EngineRequest) -> None:
         """Emits the span of one ended ``request``; never raises (a failure is logged)."""
         try:
-            self._record(request, _incoming_headers.get())
+            self._record(request, *_incoming.get())
         except Exception:
             logger.exception("could not record the trace of %s", request.request_id)
 
-    def _record(self, request: EngineRequest, headers: Mapping[str, str]) -> None:
+    def _record(self, request: EngineRequest, headers: Mapping[str, str], operation: str) -> None:
         wall_now, perf_now = time.time_ns(), time.perf_counter()
 
         def ns(instant: float) -> int:
@@ -125,7 +134,7 @@ class RequestTracer:
         end = ns(t.finished) if t and t.finished is not None else wall_now
         span = self.tracer.start_span(SPAN_NAME, context=propagate.extract(headers),
                                       kind=trace.SpanKind.SERVER, start_time=start,
-                                      attributes=request_attributes(request, self.model_name()))
+                                      attributes=request_attributes(request, self.model_name(), operation))
         if t is not None:
             phases = trace.set_span_in_context(span)
             first = t.first_token
@@ -145,12 +154,13 @@ class RequestTracer:
         self.provider.shutdown()
 
 
-def request_attributes(request: EngineRequest, model: str) -> dict[str, Any]:
-    """The ``gen_ai.*`` attributes of one ended request, vLLM's names and the current ones."""
+def request_attributes(request: EngineRequest, model: str, operation: str) -> dict[str, Any]:
+    """The ``gen_ai.*`` attributes of one ended request of ``operation``, vLLM's names and the
+    current ones."""
     params, out = request.params, request.last
     prompt, completion = len(request.prompt_ids), request.completion_tokens
     attributes: dict[str, Any] = {
-        "gen_ai.operation.name": "chat" if request.request_id.startswith(("chatcmpl", "resp")) else "text_completion",
+        "gen_ai.operation.name": operation,
         "gen_ai.request.id": request.request_id, "gen_ai.request.model": model,
         "gen_ai.request.max_tokens": params.max_tokens or 0, "gen_ai.request.n": params.n,
         "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
