@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of requests, exported over OTLP/HTTP (protobuf) when the server is given
+"""OpenTelemetry traces of requests, exported over OTLP (HTTP/protobuf, or gRPC) when the server is given
 ``--otlp-traces-endpoint``. Nothing here is imported otherwise, so tracing off costs nothing.
 
 Each engine request becomes one ``llm_request`` span (vLLM's name), a child of the incoming W3C
@@ -72,7 +72,7 @@ def span_exporter(endpoint: str) -> SpanExporter:
     except ImportError:
         raise ValueError("OTLP over grpc needs OpenTelemetry's gRPC exporter: "
                          "pip install opentelemetry-exporter-otlp-proto-grpc") from None
-    return GrpcExporter(endpoint)  # type: ignore[no-any-return]
+    return GrpcExporter(endpoint)
 
 
 def service_resource() -> Resource:
