@@ -146,8 +146,9 @@ SERVER_FLAGS = (
     Flag("--no-ui", False, "do not serve the web playground at /", kind="switch"),
     Flag("--allowed-origins", ["*"], "web origins whose pages may call the API (CORS; repeatable; "
          "* any; an empty value: none)", kind="list"),
-    Flag("--otlp-traces-endpoint", None, "OTLP/HTTP collector URL receiving one OpenTelemetry "
-         "span per request, e.g. http://localhost:4318 (OTEL_* variables apply; default: off)"),
+    Flag("--otlp-traces-endpoint", None, "OTLP collector URL receiving one OpenTelemetry span per "
+         "request, e.g. http://localhost:4318 (OTLP/HTTP; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc for "
+         "gRPC; OTEL_* variables apply; default: off)"),
     Flag("--reasoning-parser", None, "hand a thinking model's <think>...</think> text out apart from its "
          "answer (reasoning_content and reasoning): qwen3 or deepseek_r1, as vLLM's (default: off)"),
     Flag("--tool-call-parser", "auto", "the form the model writes tool calls in, as vLLM's: hermes "

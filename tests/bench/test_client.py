@@ -60,6 +60,12 @@ def test_a_token_without_text_is_an_event_the_role_and_usage_are_not() -> None:
     assert chunk_content({"choices": [], "usage": {"completion_tokens": 3}}) is None
 
 
+def test_a_reasoning_token_is_an_event_without_answer_text() -> None:
+    for name in ("reasoning_content", "reasoning"):
+        assert chunk_content({"choices": [{"index": 0, "delta": {name: "Let me think"}}]}) == ""
+        assert chunk_content({"choices": [{"index": 0, "delta": {"role": "assistant", name: "Hm"}}]}) == ""
+
+
 async def test_request_body_pins_the_output_length(scripted) -> None:
     server = await scripted(tokens=2)
     endpoint = Endpoint(server.url, "completions", "scripted", output_control="min_tokens", extra_body={"seed": 3})

@@ -76,3 +76,17 @@ def test_a_streamed_chat_moves_the_timing_histograms_and_lists_its_events(server
     assert all(since <= step["start"] <= timings["now"] and step["total"] >= step["forward"] > 0 for step in steps)
     assert {"start", "lag"} <= set(timings["handoffs"][0])
     assert len(timings["prompt"]) == 1 and timings["prompt"][0]["seconds"] > 0
+
+
+def test_token_counters_move_while_a_request_streams(server: RunningServer) -> None:
+    before = [metric_value(server, f"vivace:{name}_tokens_total") for name in ("prompt", "generation")]
+    stream = server.client().completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=40, stream=True,
+                                                extra_body={"ignore_eos": True})
+    chunks = 0
+    for chunk in stream:
+        chunks += bool(chunk.choices and chunk.choices[0].text is not None)
+        if chunks == 10:  # as vLLM's, what was generated so far is counted before the request ends
+            prompt, generated = (metric_value(server, f"vivace:{name}_tokens_total") - b
+                                 for name, b in zip(("prompt", "generation"), before))
+            assert prompt == 3 and 10 <= generated < 40
+    assert metric_value(server, "vivace:generation_tokens_total") - before[1] == 40

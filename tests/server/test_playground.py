@@ -145,3 +145,18 @@ def test_markdown_is_rendered_and_html_is_escaped(page) -> None:
     assert "<code>x&lt;y</code>" in html and "<ul><li>one</li><li>two</li></ul>" in html
     assert '<pre data-lang="py"><code>print(1)</code></pre>' in html
     assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+def test_the_live_panel_adds_up_every_replica_of_a_scaled_out_server(page) -> None:
+    load = page.evaluate("""async () => {
+        const { engineLoad, parsePrometheus } = await import('/ui/metrics.js');
+        const text = [
+            'vivace:num_requests_running{model="a",version="v1",replica="r1"} 2.0',
+            'vivace:num_requests_running{model="b",version="v1",replica="r2"} 3.0',
+            'vivace:num_requests_waiting{model="a",version="v1",replica="r1"} 0.0',
+            'vivace:num_requests_waiting{model="b",version="v1",replica="r2"} 4.0',
+            'vivace:kv_cache_usage_perc{model="a",version="v1",replica="r1"} 0.9',
+            'vivace:kv_cache_usage_perc{model="b",version="v1",replica="r2"} 0.1'].join('\\n');
+        return engineLoad(parsePrometheus(text));
+    }""")
+    assert load == {"running": 5, "waiting": 4, "kv": 0.9}

@@ -79,3 +79,12 @@ def test_accepted_tokens_stream_as_separate_deltas(spec_server: RunningServer) -
     assert counters(spec_server)[2] > before[2]  # some steps emitted several tokens
     tokens_per_chunk = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices]
     assert tokens_per_chunk == [1] * 32
+
+
+def test_inter_token_latency_is_one_gap_per_step_not_zeros_for_accepted_tokens(spec_server: RunningServer) -> None:
+    itl = "vivace:inter_token_latency_seconds"
+    before = [metric_value(spec_server, f"{itl}_count")] + counters(spec_server)
+    spec_server.client().completions.create(**GREEDY, extra_body={"ignore_eos": True})
+    after = [metric_value(spec_server, f"{itl}_count")] + counters(spec_server)
+    gaps, _, _, accepted = (b - a for a, b in zip(before, after))
+    assert accepted > 0 and 31 - accepted <= gaps < 31  # as vLLM's: a verify step is one gap

@@ -4,6 +4,7 @@ with queue/prefill/decode children; a dead collector costs no request."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
-from vivace.server.tracing import traces_url
+from vivace.server.tracing import RequestTracer, traces_url
 
 from .harness import RunningServer, free_port, serving, wait_until
 from .otlp_receiver import Received, attributes, otlp_receiver
@@ -66,6 +67,9 @@ def test_a_request_is_one_span_continuing_the_callers_trace(traced) -> None:
     latency = {k.removeprefix("gen_ai.latency."): v for k, v in attrs.items() if "latency" in k}
     assert 0 <= latency["time_in_queue"] < latency["time_to_first_token"] <= latency["e2e"]
     assert latency["time_in_model_prefill"] > 0 and latency["time_in_model_decode"] > 0
+    assert latency["time_in_model_inference"] == pytest.approx(
+        latency["time_in_model_prefill"] + latency["time_in_model_decode"])
+    assert attrs["gen_ai.usage.num_sequences"] == 1
     assert span.end_time_unix_nano - span.start_time_unix_nano == pytest.approx(latency["e2e"] * 1e9, rel=1e-3)
     assert abs(span.start_time_unix_nano / 1e9 - time.time()) < 60
     chunks = [e for e in span.events if e.name == "prefill_chunk"]
@@ -91,6 +95,22 @@ def test_phases_are_child_spans_in_order(traced) -> None:
     assert attributes(request)["gen_ai.operation.name"] == "text_completion"
 
 
+def test_the_operation_is_the_routes_whatever_the_request_id(traced) -> None:
+    server, received = traced
+    message = {"role": "user", "content": "hi"}
+    server.client().chat.completions.create(model="tiny", messages=[message], max_tokens=2,
+                                            extra_headers={"X-Request-Id": "gateway-42"})
+    with server.http() as http:
+        assert http.post("/v1/messages", json={"model": "tiny", "max_tokens": 2,
+                                               "messages": [message]}).status_code == 200
+    server.client().completions.create(model="tiny", prompt="x", max_tokens=2,
+                                       extra_headers={"X-Request-Id": "chatcmpl-lookalike"})
+    wait_until(lambda: len(received.named("llm_request")) == 3, what="three spans")
+    spans = [attributes(span) for span in received.named("llm_request")]
+    operations = {re.split("[-_]", str(a["gen_ai.request.id"]))[0]: a["gen_ai.operation.name"] for a in spans}
+    assert operations == {"gateway": "chat", "msg": "chat", "chatcmpl": "text_completion"}
+
+
 def test_an_unreachable_collector_costs_no_request(tiny_engine: AsyncEngine,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
@@ -111,6 +131,36 @@ def test_traces_url_appends_the_otlp_path_to_a_bare_address() -> None:
     assert traces_url("https://c.example/custom/path") == "https://c.example/custom/path"
     with pytest.raises(ValueError, match="http"):
         traces_url("collector:4317")
+
+
+def test_the_service_is_named_by_otel_variables_else_vivace(monkeypatch: pytest.MonkeyPatch) -> None:
+    def service() -> dict[str, object]:
+        tracer = RequestTracer(f"http://127.0.0.1:{free_port()}", lambda: "tiny")
+        tracer.shutdown()
+        return dict(tracer.provider.resource.attributes)
+
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    assert service()["service.name"] == "vivace"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=chat-api,deployment.environment=prod")
+    assert (service()["service.name"], service()["deployment.environment"]) == ("chat-api", "prod")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "wins")
+    assert service()["service.name"] == "wins"
+
+
+def test_an_otlp_protocol_it_cannot_speak_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="http/json"):
+        RequestTracer(endpoint, lambda: "tiny")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # the traces' own wins
+    try:
+        import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="opentelemetry-exporter-otlp-proto-grpc"):
+            RequestTracer(endpoint, lambda: "tiny")
+    else:
+        RequestTracer(endpoint, lambda: "tiny").shutdown()
 
 
 def test_without_tracing_opentelemetry_sdk_is_never_imported() -> None:

@@ -94,7 +94,9 @@ def chunk_content(chunk: dict[str, Any]) -> str | None:
     """The generated text carried by one streamed chunk, or None where it carries no token (the
     role chunk, usage, a finish without text). A token whose text is still empty (part of a
     character, an id the tokenizer does not decode, text held back for a stop string) is an event
-    of its own on servers that send one per token (vivace, vLLM): '' here, so ITL counts it."""
+    of its own on servers that send one per token (vivace, vLLM): '' here, so ITL counts it. So is a
+    thinking model's reasoning token (``reasoning_content``, or vLLM's newer ``reasoning``): its
+    text is not the answer's, but the user waits on it as on any other token."""
     choices = chunk.get("choices") or []
     if not choices:
         return None
@@ -104,6 +106,8 @@ def chunk_content(chunk: dict[str, Any]) -> str | None:
     else:
         delta = choice.get("delta") or {}
         text = delta.get("content")
+        if not text and (delta.get("reasoning_content") or delta.get("reasoning")):
+            return ""
         if "role" in delta and not text:
             return None
     if text is None or (not text and choice.get("finish_reason")):

@@ -178,6 +178,7 @@ class EngineRequest:
                             self.choices[delta.index].add(delta)
                             if out.prompt_logprobs is not None:
                                 self.choices[delta.index].prompt_logprobs = out.prompt_logprobs
+                        self.metrics.record_output(out, first=self.last is None)
                         self.last = out
                         yield out
         finally:

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server, named like vLLM's with the ``vivace:`` prefix.
 
-Each app owns its registry: request histograms and counters are recorded as requests end
-(or are refused); engine gauges (running, waiting, KV usage), the preemption count, the
+Each app owns its registry: token counters move as outputs stream, request histograms and
+counters are recorded as requests end (or are refused); engine gauges (running, waiting, KV usage), the preemption count, the
 prefix-cache and the speculative-decoding counters are read from ``engine.stats()`` at scrape time.
 Where the time goes (engine step phases, hand-offs to the event loop, GC pauses, and the server's
 own work: body parsing, chat template and tokenization, SSE writes) is recorded into
@@ -21,6 +21,7 @@ from vivace.engine.step_timing import StepTimings, TimingLog, work_log
 from vivace.server.admission import REJECTION_REASONS
 
 if TYPE_CHECKING:
+    from vivace.engine.outputs import RequestOutput
     from vivace.server.generation import EngineRequest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -187,21 +188,27 @@ class ServerMetrics:
         """Counts one request ended by its ``kind`` of deadline: "queue" or "request"."""
         self.timed_out.labels(kind=kind).inc()
 
+    def record_output(self, out: RequestOutput, first: bool) -> None:
+        """Counts one engine output's new tokens as it streams, and its prompt's with a request's
+        ``first``: as vLLM's, the token counters move every step, not when a request ends."""
+        if first:
+            self.prompt_tokens.inc(out.prompt_tokens)
+        self.generation_tokens.inc(sum(len(delta.token_ids) for delta in out.outputs))
+
     def record_request(self, request: EngineRequest) -> None:
         """Records one ended request (finished or aborted)."""
         for listener in self.listeners:
             listener(request)
-        self.generation_tokens.inc(request.completion_tokens)
         for choice in request.choices:
             self.request_success.labels(finished_reason=choice.finish_reason or "abort").inc()
         out = request.last
         if out is None:
             return
-        self.prompt_tokens.inc(out.prompt_tokens)
         t = out.timings
         if t.first_token is not None:
             self.ttft.observe(t.first_token - t.arrival)
-        for earlier, later in zip(t.token_times, t.token_times[1:]):
+        steps = list(dict.fromkeys(t.token_times))  # a speculative step's tokens share its instant
+        for earlier, later in zip(steps, steps[1:]):
             self.itl.observe(later - earlier)
         if t.finished is not None:
             self.e2e.observe(t.finished - t.arrival)

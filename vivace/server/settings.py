@@ -23,7 +23,7 @@ class ServerSettings:
     ends a request that runs longer (504). None means no bound. ``ssl_keyfile`` and
     ``ssl_certfile`` serve https; with ``ssl_ca_certs`` too, clients must present a certificate
     signed by one of those CAs (mutual TLS).
-    ``ui`` serves the web playground at ``/``; ``otlp_traces_endpoint`` (an OTLP/HTTP URL,
+    ``ui`` serves the web playground at ``/``; ``otlp_traces_endpoint`` (an OTLP collector URL,
     None: no tracing) receives one OpenTelemetry span per request. ``allowed_origins`` are the
     web origins whose pages may call the API (CORS; ``*`` any, as vLLM and llama.cpp's server
     allow by default; empty: none but the server's own). ``reasoning_parser`` (one of

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of requests, exported over OTLP/HTTP (protobuf) when the server is given
+"""OpenTelemetry traces of requests, exported over OTLP (HTTP/protobuf, or gRPC) when the server is given
 ``--otlp-traces-endpoint``. Nothing here is imported otherwise, so tracing off costs nothing.
 
 Each engine request becomes one ``llm_request`` span (vLLM's name), a child of the incoming W3C
@@ -7,8 +7,10 @@ Each engine request becomes one ``llm_request`` span (vLLM's name), a child of t
 preemptions and prefill chunks are events. Spans are built from the request's timings once it
 has ended, on the event loop; the SDK's batch processor exports them from its own thread, so
 neither the engine nor a request ever waits on the collector (an unreachable one is logged).
-The standard ``OTEL_*`` variables apply: service name, resource attributes, propagators,
-exporter headers and timeout, batch sizes and delays, ``OTEL_SDK_DISABLED``.
+The standard ``OTEL_*`` variables apply: service name, resource attributes (a ``service.name``
+there too), propagators, the sampler, exporter headers and timeout, batch sizes and delays,
+``OTEL_SDK_DISABLED``, and the protocol: ``http/protobuf`` unless ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
+(or ``OTEL_EXPORTER_OTLP_PROTOCOL``) says ``grpc``, which needs OpenTelemetry's gRPC exporter.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from starlette.types import Receive, Scope, Send
 
 from vivace.server.asgi import HTTPMiddleware
@@ -39,7 +41,46 @@ logger = logging.getLogger("vivace.server")
 
 SPAN_NAME = "llm_request"
 _PROPAGATED = (b"traceparent", b"tracestate", b"baggage")
-_incoming_headers: ContextVar[Mapping[str, str]] = ContextVar("vivace_trace_headers", default={})
+# The trace-context headers of the HTTP request being served, and its gen_ai.operation.name.
+_incoming: ContextVar[tuple[Mapping[str, str], str]] = ContextVar("vivace_trace_context", default=({}, "chat"))
+
+
+def operation_of(path: str) -> str:
+    """The GenAI operation an API path serves: ``text_completion`` for /v1/completions, else ``chat``
+    (chat completions, Anthropic's messages, responses)."""
+    path = path.rstrip("/")
+    return "text_completion" if path.endswith("/completions") and not path.endswith("/chat/completions") else "chat"
+
+
+def trace_protocol() -> str:
+    """The OTLP protocol the ``OTEL_*`` variables ask for (the traces' own first), as given."""
+    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
+
+
+def span_exporter(endpoint: str) -> SpanExporter:
+    """An OTLP exporter to ``endpoint`` over :func:`trace_protocol`. Raises ValueError for a
+    protocol it cannot speak (``http/json``, or ``grpc`` without OpenTelemetry's gRPC exporter)
+    rather than sending protobuf over HTTP to a collector that expects something else."""
+    protocol = trace_protocol()
+    if protocol == "http/protobuf":
+        return OTLPSpanExporter(traces_url(endpoint))
+    if protocol != "grpc":
+        raise ValueError(f"OTLP protocol {protocol!r} is not supported: use http/protobuf or grpc")
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    except ImportError:
+        raise ValueError("OTLP over grpc needs OpenTelemetry's gRPC exporter: "
+                         "pip install opentelemetry-exporter-otlp-proto-grpc") from None
+    return GrpcExporter(endpoint)
+
+
+def service_resource() -> Resource:
+    """The resource of the ``OTEL_*`` variables, named ``vivace`` unless they name the service."""
+    resource = Resource.create()
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "vivace"}))
+    return resource
 
 
 def traces_url(endpoint: str) -> str:
@@ -51,37 +92,37 @@ def traces_url(endpoint: str) -> str:
 
 
 class _TraceHeaders(HTTPMiddleware):
-    """ASGI middleware keeping the request's trace-context headers for the span recorded when
-    its engine request ends (that runs in a task spawned under this call, so it sees them)."""
+    """ASGI middleware keeping the request's trace-context headers and operation for the span
+    recorded when its engine request ends (that runs in a task spawned under this call, so it
+    sees them)."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in scope["headers"] if name in _PROPAGATED}
-        token = _incoming_headers.set(headers)
+        token = _incoming.set((headers, operation_of(scope["path"])))
         try:
             await self.app(scope, receive, send)
         finally:
-            _incoming_headers.reset(token)
+            _incoming.reset(token)
 
 
 class RequestTracer:
     """Turns ended engine requests into spans exported to ``endpoint`` (see the module doc)."""
 
     def __init__(self, endpoint: str, model_name: Callable[[], str]) -> None:
-        resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "vivace")})
-        self.provider = TracerProvider(resource=resource)
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(traces_url(endpoint))))
+        self.provider = TracerProvider(resource=service_resource())
+        self.provider.add_span_processor(BatchSpanProcessor(span_exporter(endpoint)))
         self.tracer = self.provider.get_tracer("vivace")
         self.model_name = model_name
 
     def record(self, request: EngineRequest) -> None:
         """Emits the span of one ended ``request``; never raises (a failure is logged)."""
         try:
-            self._record(request, _incoming_headers.get())
+            self._record(request, *_incoming.get())
         except Exception:
             logger.exception("could not record the trace of %s", request.request_id)
 
-    def _record(self, request: EngineRequest, headers: Mapping[str, str]) -> None:
+    def _record(self, request: EngineRequest, headers: Mapping[str, str], operation: str) -> None:
         wall_now, perf_now = time.time_ns(), time.perf_counter()
 
         def ns(instant: float) -> int:
@@ -93,7 +134,7 @@ class RequestTracer:
         end = ns(t.finished) if t and t.finished is not None else wall_now
         span = self.tracer.start_span(SPAN_NAME, context=propagate.extract(headers),
                                       kind=trace.SpanKind.SERVER, start_time=start,
-                                      attributes=request_attributes(request, self.model_name()))
+                                      attributes=request_attributes(request, self.model_name(), operation))
         if t is not None:
             phases = trace.set_span_in_context(span)
             first = t.first_token
@@ -113,12 +154,13 @@ class RequestTracer:
         self.provider.shutdown()
 
 
-def request_attributes(request: EngineRequest, model: str) -> dict[str, Any]:
-    """The ``gen_ai.*`` attributes of one ended request, vLLM's names and the current ones."""
+def request_attributes(request: EngineRequest, model: str, operation: str) -> dict[str, Any]:
+    """The ``gen_ai.*`` attributes of one ended request of ``operation``, vLLM's names and the
+    current ones."""
     params, out = request.params, request.last
     prompt, completion = len(request.prompt_ids), request.completion_tokens
     attributes: dict[str, Any] = {
-        "gen_ai.operation.name": "chat" if request.request_id.startswith(("chatcmpl", "resp")) else "text_completion",
+        "gen_ai.operation.name": operation,
         "gen_ai.request.id": request.request_id, "gen_ai.request.model": model,
         "gen_ai.request.max_tokens": params.max_tokens or 0, "gen_ai.request.n": params.n,
         "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
@@ -127,6 +169,7 @@ def request_attributes(request: EngineRequest, model: str) -> dict[str, Any]:
         "gen_ai.response.finish_reasons": [c.finish_reason or "abort" for c in request.choices],
         "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
         "gen_ai.usage.prompt_tokens": prompt, "gen_ai.usage.completion_tokens": completion,
+        "gen_ai.usage.num_sequences": params.n,
     }
     if params.seed is not None:
         attributes["gen_ai.request.seed"] = params.seed
@@ -137,6 +180,7 @@ def request_attributes(request: EngineRequest, model: str) -> dict[str, Any]:
     attributes["gen_ai.latency.time_in_queue"] = t.queue_time
     attributes["gen_ai.latency.time_in_model_prefill"] = t.prefill_time
     attributes["gen_ai.latency.time_in_model_decode"] = t.decode_time
+    attributes["gen_ai.latency.time_in_model_inference"] = t.prefill_time + t.decode_time
     attributes["gen_ai.latency.num_preemptions"] = len(t.preemptions)
     if t.first_token is not None:
         attributes["gen_ai.latency.time_to_first_token"] = t.first_token - t.arrival

@@ -23,17 +23,30 @@ export function parsePrometheus(text) {
   return samples;
 }
 
-function value(samples, name) {
-  const found = samples.find((s) => s.name === name);
-  return found ? found.value : null;
+// A series over all its label sets (a scaled-out server has one per replica): `combine` of
+// their values, null when there is none.
+function total(samples, name, combine = (a, b) => a + b) {
+  const values = samples.filter((s) => s.name === name).map((s) => s.value);
+  return values.length ? values.reduce(combine) : null;
 }
 
-// Cumulative buckets of a histogram, [[upper bound, count], ...] by bound.
+// Requests running and waiting on every engine, and the fullest engine's KV cache use (0 to 1).
+export function engineLoad(samples) {
+  return {
+    running: total(samples, "vivace:num_requests_running"),
+    waiting: total(samples, "vivace:num_requests_waiting"),
+    kv: total(samples, "vivace:kv_cache_usage_perc", (a, b) => Math.max(a, b)),
+  };
+}
+
+// Cumulative buckets of a histogram summed over its label sets, [[upper bound, count], ...] by bound.
 function buckets(samples, name) {
-  return samples
-    .filter((s) => s.name === `${name}_bucket`)
-    .map((s) => [s.labels.le === "+Inf" ? Infinity : Number(s.labels.le), s.value])
-    .sort((a, b) => a[0] - b[0]);
+  const counts = new Map();
+  for (const s of samples.filter((s) => s.name === `${name}_bucket`)) {
+    const le = s.labels.le === "+Inf" ? Infinity : Number(s.labels.le);
+    counts.set(le, (counts.get(le) || 0) + s.value);
+  }
+  return [...counts].sort((a, b) => a[0] - b[0]);
 }
 
 // The q-quantile of cumulative `now` minus cumulative `before` (same bounds; the window starts
@@ -105,16 +118,16 @@ export class LivePanel {
       t,
       ttft: buckets(samples, "vivace:time_to_first_token_seconds"),
       itl: buckets(samples, "vivace:inter_token_latency_seconds"),
-      tokens: value(samples, "vivace:generation_tokens_total") || 0,
+      tokens: total(samples, "vivace:generation_tokens_total") || 0,
     };
     this.history.push(now);
     while (this.history.length && this.history[0].t < t - WINDOW_MS) this.history.shift();
     const minute = this.since(t, WINDOW_MS);
     const recent = this.since(t, RATE_WINDOW_MS);
     const seconds = (t - recent.t) / 1000;
-    this.charts.requests.push([value(samples, "vivace:num_requests_running"),
-                               value(samples, "vivace:num_requests_waiting")]);
-    this.charts.kv.push([100 * (value(samples, "vivace:kv_cache_usage_perc") || 0)]);
+    const load = engineLoad(samples);
+    this.charts.requests.push([load.running, load.waiting]);
+    this.charts.kv.push([100 * (load.kv || 0)]);
     this.charts.ttft.push([0.5, 0.99].map((q) => windowQuantile(now.ttft, minute.ttft, q)));
     this.charts.itl.push([0.5, 0.99].map((q) => windowQuantile(now.itl, minute.itl, q)));
     this.charts.tokens.push([seconds > 0 ? (now.tokens - recent.tokens) / seconds : 0]);
