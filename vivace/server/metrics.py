@@ -1,8 +1,9 @@
 """Prometheus metrics of one server, named like vLLM's with the ``vivace:`` prefix.
 
 Each app owns its registry: token counters move as outputs stream, request histograms and
-counters are recorded as requests end (or are refused); engine gauges (running, waiting, KV usage), the preemption count, the
-prefix-cache and the speculative-decoding counters are read from ``engine.stats()`` at scrape time.
+counters are recorded as requests end (or are refused); engine gauges (running, waiting, KV
+usage), the preemption count, the prefix-cache and the speculative-decoding counters are read
+from ``engine.stats()`` at scrape time.
 Where the time goes (engine step phases, hand-offs to the event loop, GC pauses, and the server's
 own work: body parsing, chat template and tokenization, SSE writes) is recorded into
 ``vivace.engine.step_timing`` logs as it happens and exported as histograms at scrape time.
