@@ -183,8 +183,10 @@ def test_gemv_of_codes_read_as_words(ggml_type) -> None:
     (``_word_step``) and adds 2^e back as sums of x, within 1e-4 of a float64 product for float32
     x (the cancellation costs ~2^15 / 2^24 of a sub-block's sum); bfloat16 x read 4 columns a
     load, float16 and an x whose rows are not 8-byte aligned column by column; tilings, splits."""
-    unit = LAYOUTS[ggml_type].unit_cols
-    k = columns(ggml_type, 10, 2)
+    layout = LAYOUTS[ggml_type]
+    unit = layout.unit_cols
+    k = next(k for k in range(2 * layout.block_cols, 64 * layout.block_cols, layout.block_cols)  # rows of 16n bytes
+             if k // layout.block_cols * layout.block_bytes % 16 == 0 and k >= 256)
     blocks = random_blocks(ggml_type, N, k, seed=11)
     w = device_planes(blocks, ggml_type)
     weight = torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type)).double()
@@ -192,7 +194,7 @@ def test_gemv_of_codes_read_as_words(ggml_type) -> None:
     x = torch.randn(2, k + 1, generator=g, dtype=torch.float64)
     configs = [(1, GemvConfig(block_n=64, block_k=4 * unit, splits=2, acc_2d=True)),  # 2 rows a thread
                (1, GemvConfig(block_n=64, block_k=8 * unit, splits=1, num_warps=8))]
-    if ggml_type != T.Q4_K:
+    if ggml_type not in (T.Q4_K, T.Q6_K):
         configs += [(1, gguf_kernels.default_gemv_config(ggml_type)),
                     (2, GemvConfig(block_n=16, block_k=2 * unit, splits=3, acc_2d=False))]
     for m, config in configs:
@@ -209,13 +211,14 @@ def test_gemv_of_codes_read_as_words(ggml_type) -> None:
 
 
 def test_words_only_where_they_count_fewer_instructions() -> None:
-    """``uses_words``: rows of a multiple of 4 bytes, at most two rows of x; Q4_K at one row of x,
-    two or more rows of W a thread."""
+    """``uses_words``: rows of a multiple of 16 bytes, at most two rows of x; the K-quants at one row
+    of x, two or more rows of W a thread; never Q5_K."""
     default = gguf_kernels.default_gemv_config(T.Q4_0)
     assert gguf_kernels.uses_words(T.Q4_0, 2, 2304, default, 8)
     assert not gguf_kernels.uses_words(T.Q4_0, 3, 2304, default, 8)
-    assert not gguf_kernels.uses_words(T.Q4_0, 1, 18 * 33, default, 8)  # 594 bytes a row
-    assert not gguf_kernels.uses_words(T.Q6_K, 1, 210 * 16, default, 8)
-    assert not gguf_kernels.uses_words(T.Q4_K, 1, 144 * 16, gguf_kernels.default_gemv_config(T.Q4_K), 4)
-    assert gguf_kernels.uses_words(T.Q4_K, 1, 144 * 16, GemvConfig(block_n=64, block_k=256), 4)
-    assert not gguf_kernels.uses_words(T.Q4_K, 2, 144 * 16, GemvConfig(block_n=64, block_k=256), 4)
+    assert not gguf_kernels.uses_words(T.Q4_0, 1, 18 * 18, default, 8)  # 324 bytes a row
+    assert not gguf_kernels.uses_words(T.Q5_K, 1, 176 * 16, GemvConfig(block_n=64, block_k=256), 4)
+    for k_quant, row_bytes in ((T.Q4_K, 144 * 16), (T.Q6_K, 210 * 16)):
+        assert not gguf_kernels.uses_words(k_quant, 1, row_bytes, gguf_kernels.default_gemv_config(k_quant), 4)
+        assert gguf_kernels.uses_words(k_quant, 1, row_bytes, GemvConfig(block_n=64, block_k=256), 4)
+        assert not gguf_kernels.uses_words(k_quant, 2, row_bytes, GemvConfig(block_n=64, block_k=256), 4)

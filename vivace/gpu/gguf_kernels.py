@@ -30,8 +30,8 @@ weights are then ``a * f + b`` for codes ``f [BLOCK_N, NU, LANES, PLANES]`` and 
   cross-thread reduction over a tile's units happens once, after the last step (``acc_2d``), or
   each step. K is split among programs (partial sums in float32, added by ``kernels.sum_splits``)
   when the rows alone give too few programs to fill the GPU.
-  Q8_0, Q4_0, Q4_1 and Q4_K rows of a multiple of 4 bytes take ``_word_step`` instead at one or two
-  rows of x (``uses_words``; codes decoded from the words they are loaded in; the section above it).
+  Q8_0, Q4_0, Q4_1, Q4_K and Q6_K rows of a multiple of 16 bytes take ``_word_step`` instead at one or
+  two rows of x (``uses_words``; codes decoded from the words they are loaded in; the section above it).
 - Decode batches (``M <= GEMM_MAX_ROWS``): a tiled GEMM, ``tl.dot`` of ``x``'s tile and the
   dequantized weight tile rounded to ``x``'s dtype, float32 accumulation; one row tile of ``x``,
   so each weight tile is decoded once.
@@ -127,9 +127,9 @@ LAYOUTS = {
 }
 GPU_TYPES = tuple(LAYOUTS)
 # The types whose GEMV decodes codes from the int32 words they are loaded in (``_word_step``), when
-# a row's bytes are a multiple of 4 (its words then start 4-byte aligned) and x has at most
-# WORD_MAX_ROWS rows (``uses_words``).
-WORD_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K)
+# a row's bytes are a multiple of 16 (each row's words then load 16 bytes at a time) and x has at
+# most WORD_MAX_ROWS rows (``uses_words``).
+WORD_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
 WORD_MAX_ROWS = 2
 
 
@@ -369,19 +369,21 @@ def _unit_cols(u0, FORMAT: tl.constexpr, NU: tl.constexpr):
     return cols
 
 
-# --- the GEMV of codes read as words (Q8_0, Q4_0, Q4_1, Q4_K; rows of a multiple of 4 bytes) ------
+# --- the GEMV of codes read as words (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; rows of 16n bytes) ------------
 # A thread's codes stay in the int32 words they are loaded in, and each is moved into the mantissa
 # of a float32 whose exponent makes it ``2^e + code``: Q4 nibbles to bits 12-15 (2^e = 2048) or
 # 16-19 (128) by a mask and an OR (one LOP3), a shift first serving two nibbles; Q8_0 bytes to
-# bits 8-15 (2^15) by one byte permute (PRMT). ``2^e`` is never subtracted code by code: the GEMV
-# takes ``d`` times the sums of x under each 2^e (plus the offset) off the sub-block's product,
-# which float32 rounding leaves within ~2^15 / 2^24 of the sub-block's sum. A word's products are
-# added in a chain of multiply-adds (``tl.sum`` over a tile's lanes adds in a tree: a multiply and
-# half an add more a code), and x is read in its rows' order, bfloat16 four columns a load, not
-# gathered through shared memory; its conversion and sums are shared by the rows a thread holds.
-# Main loop on sm_90 (SASS, Llama-3.1-8B's qkv, batch 1, ``_units`` then these): Q4_0 327 -> 292
-# instructions (32 rows a program: 2 rows, 64 codes a thread), 589 -> 460 (64 rows reducing once:
-# 4 rows, 128 codes); Q8_0 209 -> 173, 349 -> 261; Q4_K 402 -> 411 (1 row a thread), 740 -> 655.
+# bits 8-15 (2^15) by one byte permute (PRMT); Q6_K's code as two floats, its nibble's and
+# ``2^e' + 16 * top``. ``2^e`` is never subtracted code by code: the GEMV takes ``d`` times the sums
+# of x under each 2^e (plus the offset) off the sub-block's product, which float32 rounding leaves
+# within ~2^15 / 2^24 of the sub-block's sum. A word's products are added in a chain of
+# multiply-adds (``tl.sum`` over a tile's lanes adds in a tree: a multiply and half an add more a
+# code), and x is read in its rows' order, bfloat16 four columns a load, not gathered through
+# shared memory; its conversion and sums are shared by the rows a thread holds (``uses_words``:
+# where this counts fewer instructions). Main loop on sm_90 (SASS, Llama-3.1-8B's qkv, batch 1,
+# ``_units`` then these): Q4_0 327 -> 292 instructions (32 rows a program: 2 rows, 64 codes a
+# thread), 589 -> 460 (64 rows reducing once: 4 rows, 128 codes); Q8_0 209 -> 173, 349 -> 261;
+# Q4_K 402 -> 411 (1 row a thread), 740 -> 655; Q6_K 1,056 -> 1,055, 2,202 -> 1,740.
 
 
 @triton.jit
@@ -478,7 +480,9 @@ def _word_cols(u0, units, FORMAT: tl.constexpr, NU: tl.constexpr):
     """The columns [NU, WORDS] of the first code of each word of units u0 .. u0 + NU (a unit past the
     row: the last one's, its d being 0): word i at 4i from the unit's first column."""
     u = tl.minimum(u0 + tl.arange(0, NU), units - 1)[:, None]
-    if FORMAT == 2 or FORMAT == 3:
+    if FORMAT == 14:  # of the unit's first run
+        cols = u // 4 * 256 + u // 2 % 2 * 128 + u % 2 * 16 + 4 * tl.arange(0, 4)[None, :]
+    elif FORMAT == 2 or FORMAT == 3:
         cols = 32 * u + 4 * tl.arange(0, 4)[None, :]
     elif FORMAT == 12:
         cols = 64 * u + 4 * tl.arange(0, 8)[None, :]
@@ -500,6 +504,9 @@ def _word_step(W, WI, WH, X, XQ, m_rows, M, stride_xm, row_words, row, nblocks, 
     u = u0 + tl.arange(0, NU)
     mask = n_mask[:, None] & (u < hi)[None, :]
     d2, minimum2 = 0.0, 0.0
+    if FORMAT == 14:
+        return _q6_step(WI, WH, X, XQ, m_rows, M, stride_xm, row_words, row, nblocks, u0, hi, n_mask, magic, cols,
+                        BLOCK_M, BLOCK_N, NU, ACC_2D, QUADS, WAIT)
     if FORMAT == 8:
         w = _lanes(WI, row_words, 0, u0, hi, n_mask, BLOCK_N, NU, 8)
         d = _f16(WH, row // 2, nblocks * 16 + u, mask)
@@ -537,6 +544,100 @@ def _word_step(W, WI, WH, X, XQ, m_rows, M, stride_xm, row_words, row, nblocks, 
                           d2, minimum2, FORMAT, QUADS)  # rows past M: computed, never stored
             acc += tl.where((m_rows == i)[:, None], tl.sum(t, 1)[None, :], 0.0)
     return acc
+
+
+@triton.jit
+def _q6_step(WI, WH, X, XQ, m_rows, M, stride_xm, row_words, row, nblocks, u0, hi, n_mask, magic, cols,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr, ACC_2D: tl.constexpr,
+             QUADS: tl.constexpr, WAIT: tl.constexpr):
+    """``_word_step`` for Q6_K: a unit's ``ql_lo``, ``ql_hi`` and ``qh`` planes as 4 words each (lane
+    4i + b in byte b of word i) and its four int8 scales as one word. A code ``nibble + 16 * top`` is
+    two floats, ``2^e + nibble`` (``_nibble_codes``) and ``2^e' + 16 * top`` (``_q6_tops``), both
+    multiplied by x in a run's chain."""
+    u = u0 + tl.arange(0, NU)
+    mask = n_mask[:, None] & (u < hi)[None, :]
+    lo = _lanes(WI, row_words, 0, u0, hi, n_mask, BLOCK_N, NU, 4)
+    hi_words = _lanes(WI, row_words, nblocks * 16, u0, hi, n_mask, BLOCK_N, NU, 4)
+    qh = _lanes(WI, row_words, nblocks * 32, u0, hi, n_mask, BLOCK_N, NU, 4)
+    scales = tl.load(WI + row_words[:, None] + (nblocks * 48 + u)[None, :], mask=mask, other=0)
+    d = _f16(WH, row // 2, nblocks * 104 + u // 4, mask)
+    pdl_wait(WAIT)
+    # runs 0 and 2 in ql_lo's low and high nibbles, 1 and 3 in ql_hi's; byte b: nibble 2b, 2b + 1
+    l0, l1, l2, l3, l4, l5, l6, l7 = _nibble_codes(lo, magic)
+    h0, h1, h2, h3, h4, h5, h6, h7 = _nibble_codes(hi_words, magic)
+    t00, t01, t02, t03, t10, t11, t12, t13, t20, t21, t22, t23, t30, t31, t32, t33 = _q6_tops(qh, magic)
+    d = d.to(tl.float32)
+    a0 = d * ((scales << 24) >> 24).to(tl.float32)  # int8 scale r: byte r, sign-extended
+    a1 = d * ((scales << 16) >> 24).to(tl.float32)
+    a2 = d * ((scales << 8) >> 24).to(tl.float32)
+    a3 = d * (scales >> 24).to(tl.float32)
+    if ACC_2D:
+        tl.static_assert(BLOCK_M == 1, "ACC_2D takes one row of x")
+        acc = _q6_row(X, XQ, 0, cols, l0, l1, l2, l3, l4, l5, l6, l7, h0, h1, h2, h3, h4, h5, h6, h7, t00, t01, t02,
+                      t03, t10, t11, t12, t13, t20, t21, t22, t23, t30, t31, t32, t33, a0, a1, a2, a3, QUADS)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            t = _q6_row(X, XQ, tl.minimum(i, M - 1) * stride_xm, cols, l0, l1, l2, l3, l4, l5, l6, l7, h0, h1, h2, h3,
+                        h4, h5, h6, h7, t00, t01, t02, t03, t10, t11, t12, t13, t20, t21, t22, t23, t30, t31, t32, t33,
+                        a0, a1, a2, a3, QUADS)
+            acc += tl.where((m_rows == i)[:, None], tl.sum(t, 1)[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _q6_tops(qh, magic):
+    """The 2-bit fields of each word of ``qh`` (byte b, run r at bits 8b + 2r) as ``2^e + 16 * top``,
+    in order (b, r): each moved to bits 14-21 (at 14 + 2j: 2^e = 2^(13 - 2j)) by one LOP3, four
+    shifts serving the sixteen."""
+    e14 = magic - (10 << 23)  # a field at bit p under 2^(27 - p): 2^(27 - p) + 16 * field
+    e16 = magic - (12 << 23)
+    e18 = magic - (14 << 23)
+    e20 = magic - (16 << 23)
+    b1, b0, b3 = qh << 6, qh << 14, qh >> 8
+    return (_code_floats(b0 & 0xC000, e14), _code_floats(b0 & 0x30000, e16), _code_floats(b0 & 0xC0000, e18),
+            _code_floats(b0 & 0x300000, e20),
+            _code_floats(b1 & 0xC000, e14), _code_floats(b1 & 0x30000, e16), _code_floats(b1 & 0xC0000, e18),
+            _code_floats(b1 & 0x300000, e20),
+            _code_floats(qh & 0x30000, e16), _code_floats(qh & 0xC0000, e18), _code_floats(qh & 0x300000, e20),
+            _code_floats(b3 & 0xC000, e14),
+            _code_floats(b3 & 0x30000, e16), _code_floats(b3 & 0xC0000, e18), _code_floats(b3 & 0x300000, e20),
+            _code_floats((qh >> 16) & 0xC000, e14))
+
+
+@triton.jit
+def _q6_run(X, XQ, row_x, cols, n0, n1, n2, n3, t0, t1, t2, t3, c0: tl.constexpr, c1: tl.constexpr,
+            c2: tl.constexpr, c3: tl.constexpr, QUADS: tl.constexpr):
+    """A Q6_K run's ``sum (code - 32) * x`` over a unit's 16 lanes [BLOCK_N, NU] from its nibble floats
+    n_b and top floats t_b (byte b of each word), ``c_b`` the 2^e of both plus 32."""
+    x0, x1, x2, x3 = _x_quad(X, XQ, row_x, cols, 0, QUADS)
+    s = n0 * x0[None]
+    s += t0 * x0[None]
+    s += n1 * x1[None]
+    s += t1 * x1[None]
+    s += n2 * x2[None]
+    s += t2 * x2[None]
+    s += n3 * x3[None]
+    s += t3 * x3[None]
+    offsets = c0 * tl.sum(x0, 1) + c1 * tl.sum(x1, 1) + c2 * tl.sum(x2, 1) + c3 * tl.sum(x3, 1)
+    return tl.sum(s, 2) - offsets[None]
+
+
+@triton.jit
+def _q6_row(X, XQ, row_x, cols, l0, l1, l2, l3, l4, l5, l6, l7, h0, h1, h2, h3, h4, h5, h6, h7, t00, t01, t02, t03,
+            t10, t11, t12, t13, t20, t21, t22, t23, t30, t31, t32, t33, a0, a1, a2, a3, QUADS: tl.constexpr):
+    """One row of x times a step's Q6_K units: ``[BLOCK_N, NU]``. Run r's columns: ``cols + 32 r``;
+    the 2^e of each lane's two floats (``_nibble_codes``, ``_q6_tops``) plus 32 are taken off as
+    sums of x."""
+    run0 = _q6_run(X, XQ, row_x, cols, l0, l2, l4, l6, t00, t10, t20, t30, 2048.0 + 8192.0 + 32.0,
+                   128.0 + 8192.0 + 32.0, 128.0 + 2048.0 + 32.0, 128.0 + 2048.0 + 32.0, QUADS)
+    run1 = _q6_run(X, XQ, row_x, cols + 32, h0, h2, h4, h6, t01, t11, t21, t31, 2048.0 + 2048.0 + 32.0,
+                   128.0 + 2048.0 + 32.0, 128.0 + 512.0 + 32.0, 128.0 + 512.0 + 32.0, QUADS)
+    run2 = _q6_run(X, XQ, row_x, cols + 64, l1, l3, l5, l7, t02, t12, t22, t32, 2048.0 + 512.0 + 32.0,
+                   2048.0 + 512.0 + 32.0, 2048.0 + 128.0 + 32.0, 128.0 + 128.0 + 32.0, QUADS)
+    run3 = _q6_run(X, XQ, row_x, cols + 96, h1, h3, h5, h7, t03, t13, t23, t33, 2048.0 + 128.0 + 32.0,
+                   2048.0 + 128.0 + 32.0, 2048.0 + 8192.0 + 32.0, 128.0 + 8192.0 + 32.0, QUADS)
+    return a0 * run0 + a1 * run1 + a2 * run2 + a3 * run3
 
 
 @triton.jit
@@ -643,7 +744,7 @@ def _gemv_kernel(W, WI, WH, X, XQ, Y, BIAS, M, N, K, row_bytes, row_words, nbloc
     lo = split * units_per_split
     hi = tl.minimum(lo + units_per_split, units)
     if WORDS:
-        words = n.to(tl.int64) * row_words
+        words = n.to(tl.int64) * (row_words // 4) * 4  # rows of 16-byte multiples: aligned, so read 16 bytes a load
         acc = _word_step(W, WI, WH, X, XQ, m, M, stride_xm, words, row, nblocks, lo, hi, n_mask, magic,
                          _word_cols(lo, units, FORMAT, NU), FORMAT, BLOCK_M, BLOCK_N, NU, ACC_2D, QUADS, PTX, PDL)
         for u0 in range(lo + NU, hi, NU):
@@ -761,13 +862,14 @@ def gemv_candidates(ggml_type: T, n: int, k: int, device: torch.device) -> list[
 def uses_words(ggml_type: T, m: int, row_bytes: int, config: GemvConfig, nu: int) -> bool:
     """Whether the GEMV of ``m`` rows of x decodes codes from words (``_word_step``), where its main
     loop has fewer instructions than decoding bytes (sm_90 SASS, docs/gpu.md): rows of a multiple
-    of 4 bytes, at most WORD_MAX_ROWS rows of x (each row's x costs the words a conversion and sums
-    of its own: 8 rows of Q4_0 took 1,447 instructions against 1,264); Q4_K only at one row of x
-    and tilings that give a thread two or more rows (with one, the sums of x cost what the words
-    save: 411 against 402)."""
-    if ggml_type not in WORD_TYPES or row_bytes % 4 or m > WORD_MAX_ROWS:
+    of 16 bytes (else the compiler, unsure of their alignment, loads a word at a time and spreads a
+    unit's words over threads: Q6_K's sums became shuffles), at most WORD_MAX_ROWS rows of x (each
+    row's x costs the words a conversion and sums of its own: 8 rows of Q4_0 took 1,447
+    instructions against 1,264); the K-quants only at one row of x and tilings that give a thread
+    two or more rows (with one, the sums of x cost what the words save: Q4_K 411 against 402)."""
+    if ggml_type not in WORD_TYPES or row_bytes % 16 or m > WORD_MAX_ROWS:
         return False
-    return ggml_type != T.Q4_K or (m == 1 and config.block_n * nu >= 2 * 32 * config.num_warps)
+    return ggml_type not in (T.Q4_K, T.Q6_K) or (m == 1 and config.block_n * nu >= 2 * 32 * config.num_warps)
 
 
 def _gemv_units(config: GemvConfig, layout: BlockLayout, units: int) -> int:
