@@ -865,8 +865,9 @@ def uses_words(ggml_type: T, m: int, row_bytes: int, config: GemvConfig, nu: int
     of 16 bytes (else the compiler, unsure of their alignment, loads a word at a time and spreads a
     unit's words over threads: Q6_K's sums became shuffles), at most WORD_MAX_ROWS rows of x (each
     row's x costs the words a conversion and sums of its own: 8 rows of Q4_0 took 1,447
-    instructions against 1,264); the K-quants only at one row of x and tilings that give a thread
-    two or more rows (with one, the sums of x cost what the words save: Q4_K 411 against 402)."""
+    instructions against 1,264); the K-quants only at one row of x and tilings of two or more
+    (row, unit) pairs a thread (with one, the sums of x cost what the words save: Q4_K 411 against
+    402; Q6_K's default, two units of one row, 1,055 against 1,056)."""
     if ggml_type not in WORD_TYPES or row_bytes % 16 or m > WORD_MAX_ROWS:
         return False
     return ggml_type not in (T.Q4_K, T.Q6_K) or (m == 1 and config.block_n * nu >= 2 * 32 * config.num_warps)
