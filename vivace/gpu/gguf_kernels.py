@@ -185,10 +185,17 @@ def _lanes(W, row, start, u0, hi, n_mask, BLOCK_N: tl.constexpr, NU: tl.constexp
 
 
 @triton.jit
+def _code_floats(bits, exponent):
+    """The float32s ``2^e + code`` of ``bits`` (a code in mantissa bits only) under ``exponent``
+    (the bits of 2^e)."""
+    return (bits | exponent).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _codes(bits, magic, offset: tl.constexpr):
     """``bits - offset`` in float32 for int32 ``0 <= bits < 2^23``, exactly: ``magic`` (MAGIC, passed
     as an argument so that it sits in a register, where one LOP3 masks a code and ORs it in)."""
-    return (bits | magic).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+    return _code_floats(bits, magic) - (8388608.0 + offset)
 
 
 @triton.jit
@@ -387,13 +394,6 @@ def _unit_cols(u0, FORMAT: tl.constexpr, NU: tl.constexpr):
 
 
 @triton.jit
-def _code_floats(bits, exponent):
-    """The float32s ``2^e + code`` of ``bits`` (a code in mantissa bits only) under ``exponent``
-    (the bits of 2^e)."""
-    return (bits | exponent).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _q8_codes(w, exponent, PTX: tl.constexpr):
     """The four bytes of each word of ``w`` as ``2^15 + code``: PTX, one byte permute a code (the byte
     to bits 8-15 beside ``exponent``'s top byte and zeros); else a shift and a mask."""
@@ -425,6 +425,27 @@ def _x_quad(X, XQ, row_x, cols, offset: tl.constexpr, QUADS: tl.constexpr):
 
 
 @triton.jit
+def _products(c0, x0, c1, x1, c2, x2, c3, x3):
+    """``c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3`` added in that order, one chain of multiply-adds
+    (codes [BLOCK_N, NU, WORDS], x [NU, WORDS])."""
+    s = c0 * x0[None]
+    s += c1 * x1[None]
+    s += c2 * x2[None]
+    s += c3 * x3[None]
+    return s
+
+
+@triton.jit
+def _more_products(s, c0, x0, c1, x1, c2, x2, c3, x3):
+    """``s`` plus four more products, the chain going on."""
+    s += c0 * x0[None]
+    s += c1 * x1[None]
+    s += c2 * x2[None]
+    s += c3 * x3[None]
+    return s
+
+
+@triton.jit
 def _word_row(X, XQ, row_x, cols, c0, c1, c2, c3, c4, c5, c6, c7, d, m, d2, m2, FORMAT: tl.constexpr,
               QUADS: tl.constexpr):
     """One row of x times a step's units: ``[BLOCK_N, NU]``, from ``_word_step``'s codes. The
@@ -434,23 +455,14 @@ def _word_row(X, XQ, row_x, cols, c0, c1, c2, c3, c4, c5, c6, c7, d, m, d2, m2, 
     clamped to the row (a unit past it has d = 0)."""
     if FORMAT == 8:
         x0, x1, x2, x3 = _x_quad(X, XQ, row_x, cols, 0, QUADS)
-        s = c0 * x0[None]
-        s += c1 * x1[None]
-        s += c2 * x2[None]
-        s += c3 * x3[None]
+        s = _products(c0, x0, c1, x1, c2, x2, c3, x3)
         sum_x = tl.sum(x0 + x1 + x2 + x3, 1)
         t = d * (tl.sum(s, 2) - (32768.0 + 128.0) * sum_x[None])  # codes stored as q + 128
     elif FORMAT == 12:
         x0, x2, x4, x6 = _x_quad(X, XQ, row_x, cols, 0, QUADS)  # low nibble k: column k // 2
         x1, x3, x5, x7 = _x_quad(X, XQ, row_x, cols, 32, QUADS)  # high: 32 + k // 2
-        s = c0 * x0[None]
-        s += c2 * x2[None]
-        s += c4 * x4[None]
-        s += c6 * x6[None]
-        s2 = c1 * x1[None]
-        s2 += c3 * x3[None]
-        s2 += c5 * x5[None]
-        s2 += c7 * x7[None]
+        s = _products(c0, x0, c2, x2, c4, x4, c6, x6)
+        s2 = _products(c1, x1, c3, x3, c5, x5, c7, x7)
         low_12, low_16 = tl.sum(x0, 1)[None], tl.sum(x2 + x4 + x6, 1)[None]  # under 2^11, 2^7
         high_12, high_16 = tl.sum(x1 + x3 + x5, 1)[None], tl.sum(x7, 1)[None]
         t = (d * (tl.sum(s, 2) - 2048.0 * low_12 - 128.0 * low_16) + m * (low_12 + low_16)
@@ -458,14 +470,7 @@ def _word_row(X, XQ, row_x, cols, c0, c1, c2, c3, c4, c5, c6, c7, d, m, d2, m2, 
     else:
         x0, x2, x4, x6 = _x_quad(X, XQ, row_x, cols, 0, QUADS)  # nibble k: column k // 2 (+ 16 for odd k)
         x1, x3, x5, x7 = _x_quad(X, XQ, row_x, cols, 16, QUADS)
-        s = c0 * x0[None]
-        s += c1 * x1[None]
-        s += c2 * x2[None]
-        s += c3 * x3[None]
-        s += c4 * x4[None]
-        s += c5 * x5[None]
-        s += c6 * x6[None]
-        s += c7 * x7[None]
+        s = _more_products(_products(c0, x0, c1, x1, c2, x2, c3, x3), c4, x4, c5, x5, c6, x6, c7, x7)
         high = tl.sum(x0 + x1 + x3 + x5, 1)  # the codes under 2^11
         low = tl.sum(x2 + x4 + x6 + x7, 1)  # under 2^7
         if FORMAT == 3:
@@ -501,12 +506,12 @@ def _word_step(W, WI, WH, X, XQ, m_rows, M, stride_xm, row_words, row, nblocks, 
     Q8_0: 8 words a unit, codes at bits 8k (columns + k). Q4_0/Q4_1: 4 words, nibble k of word i the
     code of column 4i + k // 2 (+ 16 for odd k). Q4_K: 8 words, the same with + 32, the low and high
     nibbles two sub-blocks with their own scales and minimums."""
-    u = u0 + tl.arange(0, NU)
-    mask = n_mask[:, None] & (u < hi)[None, :]
-    d2, minimum2 = 0.0, 0.0
     if FORMAT == 14:
         return _q6_step(WI, WH, X, XQ, m_rows, M, stride_xm, row_words, row, nblocks, u0, hi, n_mask, magic, cols,
                         BLOCK_M, BLOCK_N, NU, ACC_2D, QUADS, WAIT)
+    u = u0 + tl.arange(0, NU)
+    mask = n_mask[:, None] & (u < hi)[None, :]
+    d2, minimum2 = 0.0, 0.0
     if FORMAT == 8:
         w = _lanes(WI, row_words, 0, u0, hi, n_mask, BLOCK_N, NU, 8)
         d = _f16(WH, row // 2, nblocks * 16 + u, mask)
@@ -611,14 +616,7 @@ def _q6_run(X, XQ, row_x, cols, n0, n1, n2, n3, t0, t1, t2, t3, c0: tl.constexpr
     """A Q6_K run's ``sum (code - 32) * x`` over a unit's 16 lanes [BLOCK_N, NU] from its nibble floats
     n_b and top floats t_b (byte b of each word), ``c_b`` the 2^e of both plus 32."""
     x0, x1, x2, x3 = _x_quad(X, XQ, row_x, cols, 0, QUADS)
-    s = n0 * x0[None]
-    s += t0 * x0[None]
-    s += n1 * x1[None]
-    s += t1 * x1[None]
-    s += n2 * x2[None]
-    s += t2 * x2[None]
-    s += n3 * x3[None]
-    s += t3 * x3[None]
+    s = _more_products(_products(n0, x0, t0, x0, n1, x1, t1, x1), n2, x2, t2, x2, n3, x3, t3, x3)
     offsets = c0 * tl.sum(x0, 1) + c1 * tl.sum(x1, 1) + c2 * tl.sum(x2, 1) + c3 * tl.sum(x3, 1)
     return tl.sum(s, 2) - offsets[None]
 
