@@ -125,3 +125,28 @@ def test_prompt_that_does_not_fit_is_rejected(llm):
     with pytest.raises(ValueError, match="1000 prompt tokens plus 100"):
         llm.generate([5] * 1000, greedy(100))
     llm.check_integrity()
+
+
+def test_stop_token_text_is_kept_only_with_include_stop_str_in_output(llm):
+    """As vLLM: a stop token id's text is left out of the output unless include_stop_str_in_output."""
+    prompt = prompts(1, seed=9)[0]
+    ids = llm.generate(prompt, greedy(12))[0].outputs[0].token_ids
+    at = next(i for i in range(3, 12) if ids[i] not in ids[:i])
+    before, through = (llm.generate(prompt, greedy(n))[0].outputs[0].text for n in (at, at + 1))
+    for include, text in ((False, before), (True, through)):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[ids[at]],
+                                include_stop_str_in_output=include)
+        out = llm.generate(prompt, params)[0].outputs[0]
+        assert (out.text, out.token_ids, out.stop_reason) == (text, ids[:at + 1], ids[at])
+
+
+def test_stop_strings_end_the_output_only_after_min_tokens(llm):
+    """As vLLM (and as eos and stop token ids): the tokens up to min_tokens can't complete a stop string."""
+    prompt = prompts(1, seed=9)[0]
+    first_three = llm.generate(prompt, greedy(3))[0].outputs[0]
+    stop = first_three.text[-2:]
+    assert stop not in first_three.text[:-1], "the stop string should first be completed by the third token"
+    early = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=[stop], min_tokens=2)
+    assert llm.generate(prompt, early)[0].outputs[0].token_ids == first_three.token_ids
+    late = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=[stop], min_tokens=3)
+    assert len(llm.generate(prompt, late)[0].outputs[0].token_ids) == 4

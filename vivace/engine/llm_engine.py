@@ -590,8 +590,11 @@ class LLMEngine:
         if token_id in params.stop_token_ids or is_eos:
             request.finish_reason = FinishReason.STOP
             request.stop_reason = token_id if token_id in params.stop_token_ids else None
+            if params.include_stop_str_in_output:  # the stop token's text too, as vLLM
+                detokenizer.add_token(token_id, match_stop=False)
         else:
-            stop = detokenizer.add_token(token_id, match_stop=request.num_output_tokens >= params.min_tokens)
+            # As eos and stop token ids, a stop string ends the output only after min_tokens tokens (as vLLM).
+            stop = detokenizer.add_token(token_id, match_stop=request.num_output_tokens > params.min_tokens)
             if stop is not None:
                 request.finish_reason, request.stop_reason = FinishReason.STOP, stop
             elif request.matcher is not None and advance(request.matcher, token_id):
