@@ -5,15 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vivace.engine.sampling_params import SamplingParams
+from vivace.engine.sampling_params import ParamError, SamplingParams
 
 
-class LimitError(ValueError):
+class LimitError(ParamError):
     """A request these limits can never serve; ``param`` names the request field at fault, if one is."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)

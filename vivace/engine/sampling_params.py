@@ -37,9 +37,17 @@ MAX_LOGPROBS = 20  # top alternatives a request may ask for, per generated or pr
 LOGIT_BIAS_RANGE = 100.0  # a bias lies in [-100, 100] (OpenAI's range)
 
 
+class ParamError(ValueError):
+    """A request the engine can't take; ``param`` names the request field at fault, if one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
-    """What to sample and when to stop. Validated on construction (raises ValueError).
+    """What to sample and when to stop. Validated on construction (raises ParamError, a ValueError).
 
     ``temperature < SAMPLING_EPS`` (0 included) means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``logprobs`` is None (none) or the number of top alternatives to return
@@ -81,32 +89,33 @@ class SamplingParams:
         try:  # token ids as ints, whatever the caller keyed them by ("50256", as JSON has them)
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
         except (TypeError, ValueError):
-            raise ValueError("logit_bias maps token ids to numbers") from None
+            raise ParamError("logit_bias maps token ids to numbers", "logit_bias") from None
         bias = self.logit_bias or {}
         checks = [
-            (self.n >= 1, "n must be >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must be >= 0"),
-            (self.min_tokens >= 0, "min_tokens must be >= 0"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            (self.n >= 1, "n", "n must be >= 1"),
+            (self.temperature >= 0, "temperature", "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "top_k must be -1, 0 (disabled) or positive"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "max_tokens must be >= 0"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must be <= max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
-            (len(bias) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens"),
-            (all(t >= 0 for t in bias), "logit_bias token ids must be >= 0"),
-            (all(-LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE for b in bias.values()),
+            (len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens"),
+            (all(t >= 0 for t in bias), "logit_bias", "logit_bias token ids must be >= 0"),
+            (all(-LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE for b in bias.values()), "logit_bias",
              f"logit_bias values must be in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise ParamError(message, param)
 
     @property
     def greedy(self) -> bool:

@@ -137,4 +137,4 @@ def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None
     try:
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs, defaults)
     except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from None
+        raise APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_value") from None
