@@ -43,6 +43,15 @@ def test_null_means_the_default_as_in_openai(server: RunningServer) -> None:
     assert {"type": "null"} in schema["properties"]["temperature"]["anyOf"]  # the contract says so
 
 
+
+def test_stream_obfuscation_option_is_accepted(server: RunningServer) -> None:
+    """OpenAI's ``stream_options.include_obfuscation`` (which OpenAI suggests turning off) changes
+    nothing here: vivace's events carry no padding."""
+    chunks = list(server.client().chat.completions.create(
+        model="tiny", messages=HI, max_tokens=1, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage.completion_tokens == 1 and not any("obfuscation" in c.model_extra for c in chunks)
+
 def test_tokenize_renders_tools_as_chat_does(server: RunningServer) -> None:
     """``/tokenize`` of messages with tools gives the prompt chat completions feeds the engine, for
     every tool_choice ("none" leaves the tools out of the template)."""

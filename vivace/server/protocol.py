@@ -109,6 +109,8 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
     # vLLM's extra: every chunk carries the usage so far (with include_usage only)
     continuous_usage_stats: bool | None = False
+    # OpenAI's padding of stream events against size side channels: vivace adds none, either way
+    include_obfuscation: bool | None = None
 
     @field_validator("continuous_usage_stats")
     @classmethod
