@@ -5,7 +5,10 @@ output) and proposes what followed. Verification keeps the target's distribution
 exactly: at temperature 0 a proposal survives only if it is the target's argmax; above
 it, a proposal x drawn from a draft distribution q is accepted with probability
 min(1, p(x) / q(x)), and on rejection the token comes from the residual max(0, p - q)
-renormalized (an n-gram proposal is a point mass, so q(x) = 1).
+renormalized. A proposal without a distribution (n-gram, a prediction: a point mass) survives
+only if the target's own draw, made from the request's generator as a step without proposals
+makes it, is that token: the same tokens in the same order, so a seeded request's output does
+not depend on whether (or how far) it speculated.
 """
 
 from __future__ import annotations
@@ -110,15 +113,15 @@ def verify(probs_or_logits: torch.Tensor, proposal: list[int], greedy: bool,
             accepted += 1
         return proposal[:accepted] + [targets[accepted]]
     probs = probs_or_logits
+    if draft_probs is None:
+        emitted = []
+        for j, row in enumerate(probs):
+            emitted.append(int(torch.multinomial(row, 1, generator=generator)))
+            if j == len(proposal) or emitted[j] != proposal[j]:
+                return emitted
     for j, token in enumerate(proposal):
-        q = 1.0 if draft_probs is None else float(draft_probs[j, token])
-        p = float(probs[j, token])
-        if torch.rand((), generator=generator).item() * q < p:
+        if torch.rand((), generator=generator).item() * float(draft_probs[j, token]) < float(probs[j, token]):
             continue
-        residual = probs[j].clone()
-        if draft_probs is None:
-            residual[token] = 0.0
-        else:
-            residual = (residual - draft_probs[j]).clamp_min(0.0)
+        residual = (probs[j] - draft_probs[j]).clamp_min(0.0)
         return proposal[:j] + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
     return proposal + [int(torch.multinomial(probs[-1], 1, generator=generator))]
