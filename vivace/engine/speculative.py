@@ -16,18 +16,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
 def propose_ngram(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
-    suffix (``max_n`` down to ``min_n`` tokens) of ``token_ids``; [] when none recurs."""
+    suffix (``max_n`` down to ``min_n`` tokens) of ``token_ids``; [] when none recurs.
+
+    The search runs over the ids as 4-byte words with ``bytes.rfind`` (C speed): this runs on the
+    engine's thread for every speculating request every step, and a Python scan of a long context
+    (tens of milliseconds at 32k tokens) would cost more than the step it speeds up."""
     length = len(token_ids)
+    words = np.asarray(token_ids, dtype=np.int32).tobytes()
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = token_ids[length - n:]
-        for start in range(length - n - 1, -1, -1):
-            if token_ids[start:start + n] == suffix:
+        suffix = words[4 * (length - n):]
+        end = 4 * (length - 1)  # a match ends before the last token
+        while (found := words.rfind(suffix, 0, end)) >= 0:
+            if found % 4 == 0:
+                start = found // 4
                 return token_ids[start + n:start + n + k]
+            end = found + len(suffix) - 1  # straddles two words: look further back
     return []
 
 
