@@ -137,6 +137,24 @@ def test_admission_is_priority_ordered_and_preemption_takes_the_lowest_priority(
     kv.check_integrity()
 
 
+def test_proposals_that_do_not_fit_are_dropped_rather_than_preempting() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
+    older, newer = make_request("older", 6, 0, 0), make_request("newer", 5, 0, 1)
+    for request in (older, newer):
+        scheduler.add(request)
+    scheduler.schedule()
+    for request in (older, newer):  # prompts computed, one token sampled: each holds two blocks
+        request.num_computed_tokens = request.num_tokens
+        request.token_ids.append(0)
+    newer.spec_token_ids = [7, 8, 9]  # its next token fits its blocks; these would need a third
+    batch = scheduler.schedule()
+    assert not batch.preempted and scheduler.num_preemptions == 0
+    assert [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)] == [("older", 1), ("newer", 1)]
+    assert newer.spec_token_ids == [] and kv.num_free_blocks == 0
+    kv.check_integrity()
+
+
 def test_a_prefix_query_is_counted_once_per_admission() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)

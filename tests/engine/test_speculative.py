@@ -1,6 +1,7 @@
 """Speculative decoding: exact under greedy, distribution-preserving above it, leak-free."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -14,6 +15,36 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], k=3) == [7, 5, 1]
     assert propose_ngram([4, 5, 6, 4, 5], k=2) == [6, 4]
     assert propose_ngram([1, 2, 3], k=2) == []
+
+
+def scan_ngram(token_ids: list[int], k: int, max_n: int = 4) -> list[int]:
+    """propose_ngram's contract, written as the plain scan it stands for."""
+    for n in range(min(max_n, len(token_ids) - 1), 0, -1):
+        for start in range(len(token_ids) - n - 1, -1, -1):
+            if token_ids[start:start + n] == token_ids[-n:]:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
+def test_ngram_search_matches_the_plain_scan_and_stays_cheap_on_long_contexts():
+    rng = random.Random(5)
+    # Ids whose bytes repeat across word boundaries (256, 65536, ...), where a byte search could
+    # find a match that straddles two tokens.
+    alphabets = [[0, 1, 2], [1, 256, 65536, 257, 16777216], [0x01010101, 0x0101, 0x01010000, 1]]
+    for _ in range(2000):
+        alphabet = rng.choice(alphabets)
+        ids = [rng.choice(alphabet) for _ in range(rng.randrange(1, 30))]
+        k = rng.randrange(1, 6)
+        assert propose_ngram(ids, k) == scan_ngram(ids, k), (ids, k)
+    # A 200k-token context where nothing recurs: the plain scan takes some 200 ms here, a step's
+    # worth many times over; the search must not be anywhere near that.
+    context = list(range(200_000))
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        assert propose_ngram(context, 4) == []
+        seconds.append(time.perf_counter() - start)
+    assert min(seconds) < 0.05
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
@@ -110,14 +141,19 @@ def test_speculation_survives_preemption_and_aborts(tiny_model_dir):
     assert engine.kv.num_free_blocks == 36
 
 
-def test_sampled_output_with_speculation_is_valid_and_seeded(tiny_model_dir):
-    spec = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, speculative="ngram")
-    params = SamplingParams(temperature=0.7, seed=3, max_tokens=30, ignore_eos=True, logprobs=1)
-    prompt = repetitive_prompts(1)[0]
-    first = spec.generate(prompt, params)[0].outputs[0]
-    again = spec.generate(prompt, params)[0].outputs[0]
-    assert first.token_ids == again.token_ids and len(first.token_ids) == 30
-    assert [lp.token_id for lp in first.logprobs] == first.token_ids
+def test_seeded_sampling_is_the_same_with_and_without_speculation(tiny_model_dir):
+    """A seeded request's tokens do not depend on whether it speculated (which depends on what else
+    runs): n-gram proposals are kept only where the target's own seeded draw picks them."""
+    params = SamplingParams(temperature=0.05, seed=5, max_tokens=30, ignore_eos=True, logprobs=1)
+    prompts = repetitive_prompts(6)
+    plain = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4)
+    spec = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4, speculative="ngram", speculative_max_batch=8)
+    expected = [o.outputs[0] for o in plain.generate(prompts, params)]
+    got = [o.outputs[0] for o in spec.generate(prompts, params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert all([lp.token_id for lp in o.logprobs] == o.token_ids and len(o.token_ids) == 30 for o in got)
+    stats = spec.engine.spec_stats
+    assert stats.num_proposed > stats.num_accepted > 0  # proposals both kept and rejected
     spec.check_integrity()
 
 

@@ -9,7 +9,8 @@ prefill path), or at ``max_prefill_chunk`` when one is set; so a long prompt del
 streams' next tokens by one chunk's compute at most. A step without decodes may fill the whole
 budget with prompt.
 When the pool cannot grow a running request, the lowest-priority, newest running request
-is preempted by recompute: its blocks are freed and it waits to be computed again.
+is preempted by recompute: its blocks are freed and it waits to be computed again. Speculative
+proposals never cause a preemption: when their slots are not free, they are dropped.
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ class Scheduler:
                 room = budget - num_new if num_new == request.num_tokens - request.num_computed_tokens else 0
                 del request.spec_token_ids[max(room, 0):]
                 num_new += len(request.spec_token_ids)
+                if not self.kv.allocate_slots(request, num_new):  # proposals take free slots, never others'
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids, request.spec_draft_probs = [], None
             if not self._make_room(request, num_new, batch):
                 continue
             batch.requests.append(request)
