@@ -136,7 +136,9 @@ def test_yarn_serves_factor_times_the_original_context() -> None:
     config = ModelConfig.from_hf(tiny_config("qwen3", max_position_embeddings=32, **QWEN3_YARN))
     assert config.max_position_embeddings == 128
     assert config.served_with(64).max_position_embeddings == 64
-    assert config.served_with(1000) is config
+    assert config.served_with(128) is config
+    with pytest.raises(ValueError, match="--max-model-len 129 is more than the model's context length .128"):
+        config.served_with(129)
 
 
 @pytest.mark.parametrize("positions", [32, 128])

@@ -154,8 +154,12 @@ class ModelConfig:
     def served_with(self, max_model_len: int | None) -> ModelConfig:
         """This config serving at most ``max_model_len`` positions (None: as many as the model has):
         ``max_position_embeddings`` becomes the served context, which sizes the rotary tables and
-        picks LongRoPE's factors (long ones only when it exceeds the original context)."""
-        if max_model_len is None or max_model_len >= self.max_position_embeddings:
+        picks LongRoPE's factors (long ones only when it exceeds the original context). Raises
+        ValueError when ``max_model_len`` is more than the model's context, as vLLM refuses it."""
+        if max_model_len is not None and max_model_len > self.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_model_len} is more than the model's context length "
+                             f"({self.max_position_embeddings}, its max_position_embeddings or GGUF context_length)")
+        if max_model_len is None or max_model_len == self.max_position_embeddings:
             return self
         return dataclasses.replace(self, max_position_embeddings=max_model_len)
 
