@@ -88,7 +88,7 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     an engine given the loaded model serves at most that.
     """
     if load_format == "dummy":
-        return _load_dummy(model, dtype, tokenizer, device, quantization == "fp8", max_model_len)
+        return _load_dummy(model, dtype, tokenizer, device, quantization, max_model_len)
     tokenizer_dir = tokenizer
     fp8 = quantization == "fp8"
     stored: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -167,10 +167,11 @@ def _plan_packed(path: Path) -> dict[str, tuple[str, ...]]:
     return plan_packed(GGUFFile(path))
 
 
-def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str, fp8: bool,
+def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str, quantization: str,
                 max_model_len: int | None) -> LoadedModel:
     """Random weights at ``model``'s shape (see ``vivace.models.dummy``), drawn on ``device``; with
-    ``fp8``, the decoder projections quantized to FP8 from them (``install_fp8``)."""
+    ``quantization`` "fp8", "int8" or "int4", the decoder projections quantized from them
+    (``install_fp8``, ``quantize_model``)."""
     raw, directory = dummy_config(model)
     config = ModelConfig.from_hf(raw).served_with(max_model_len)
     check_device(config, device)
@@ -182,10 +183,12 @@ def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, devic
         module = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)(config, dtype)
     randomize_(module, device)
     module = module.to(device).eval()
-    if fp8:
+    if quantization == "fp8":
         from vivace.gpu.fp8_linear import install_fp8
 
         install_fp8(module, {}, quantize_float=True, device=device)
+    elif quantization in ("int8", "int4"):
+        quantize_model(module, quantization)
     weight_bytes = module_weight_bytes(module)
     name = model if directory is None else directory.resolve().name
     return LoadedModel(module, config, tokenizer, f"{name}-dummy", weight_bytes, directory or Path(model))
