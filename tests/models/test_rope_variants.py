@@ -312,3 +312,19 @@ def test_gguf_rope_refusals(tmp_path) -> None:
         model_config(metadata_only_gguf(tmp_path / "d.gguf", "llama", {"{arch}.rope.dimension_count": 8}, {}))
     with pytest.raises(ValueError, match="unsupported GGUF rope scaling 'dynamic'"):
         model_config(metadata_only_gguf(tmp_path / "e.gguf", "llama", {"{arch}.rope.scaling.type": "dynamic"}, {}))
+
+
+def test_linear_scaling_serves_factor_times_the_context_as_vllm(tiny, tmp_path) -> None:
+    """vLLM serves a linearly scaled model (vicuna-7b-v1.5-16k: 4096 positions, factor 4) its factor
+    times max_position_embeddings, from its directory or a GGUF, and matches transformers there;
+    Gemma 3's max_position_embeddings is already the scaled context (vLLM leaves it)."""
+    model = tiny("linear_rope")
+    served = int(model.hf.config.max_position_embeddings * model.hf.config.rope_parameters["factor"])
+    ids = prompt(served - 8, seed=5)
+    expected = hf_logits(model.hf, ids)
+    for path in (model.path, write_gguf(model.hf, tmp_path / "linear.gguf")):
+        loaded = load_model(str(path), torch.float32)
+        assert loaded.config.max_position_embeddings == served
+        assert_close(PagedRun(loaded.model, loaded.config).step({"a": ids})["a"], expected)
+    gemma3 = tiny("gemma3_linear_rope").hf.config
+    assert ModelConfig.from_hf(gemma3).max_position_embeddings == gemma3.max_position_embeddings

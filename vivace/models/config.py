@@ -220,7 +220,7 @@ class ModelConfig:
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=context_length(config.max_position_embeddings, scaling),
+            max_position_embeddings=context_length(config.max_position_embeddings, scaling, architecture),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
             attention_out_bias=architecture != "Qwen2ForCausalLM" and attention_bias,
@@ -392,11 +392,15 @@ def _resolve_factors(params: dict[str, Any], max_positions: int,
     return original, factor, float(attention_factor)
 
 
-def context_length(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
-    """The positions a model serves: ``max_position_embeddings``, or YaRN's ``factor`` times its
-    original context when longer (Qwen's long-context configs keep the original in
-    ``max_position_embeddings``; vLLM serves them likewise extended)."""
-    if (scaling or {}).get("rope_type") != "yarn":
+def context_length(max_position_embeddings: int, scaling: dict[str, Any] | None, architecture: str) -> int:
+    """The positions a model serves, as vLLM derives them: ``max_position_embeddings``, times linear
+    scaling's ``factor`` (the context it was tuned to; but Gemma 3's is already the scaled one), or
+    YaRN's ``factor`` times its original context when longer (Qwen's long-context configs keep the
+    original in ``max_position_embeddings``)."""
+    rope_type = (scaling or {}).get("rope_type")
+    if rope_type == "linear" and architecture != "Gemma3ForCausalLM":
+        return int(max_position_embeddings * scaling["factor"])
+    if rope_type != "yarn":
         return max_position_embeddings
     return max(max_position_embeddings, int(scaling["factor"] * scaling["original_max_position_embeddings"]))
 
