@@ -97,6 +97,16 @@ def test_checkpoint_missing_a_tensor_is_a_value_error(tiny, tmp_path) -> None:
         load_model(str(tmp_path), torch.float32)
 
 
+def test_a_checkpoint_quantized_by_another_method_is_refused_naming_it(tiny, tmp_path) -> None:
+    """An AWQ/GPTQ/bitsandbytes checkpoint (qweight, qzeros, ... tensors) is refused by its method
+    before any weight is read, not as a list of missing and unexpected tensors."""
+    save_hf_dir(tiny("llama").hf, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(ValueError, match="'awq' quantized checkpoint.*reads float and FP8"):
+        load_model(str(tmp_path), torch.float32)
+
+
 def test_default_model_missing_package_says_how_to_install(monkeypatch) -> None:
     def missing(name: str):
         raise importlib.metadata.PackageNotFoundError(name)

@@ -45,6 +45,9 @@ _FUSED = {
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM, "Qwen3MoeForCausalLM": MoeForCausalLM, "MixtralForCausalLM": MoeForCausalLM,
 }
+# The quant_method values of config.json's quantization_config whose checkpoints vivace reads
+# (vivace.models.fp8); another method's tensors (AWQ's qweight, GPTQ's, bitsandbytes') it cannot.
+_READ_QUANTIZATIONS = ("compressed-tensors", "fbgemm_fp8")
 logger = logging.getLogger(__name__)
 
 
@@ -287,6 +290,11 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokeni
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json, so it is not a Hugging Face model directory")
     raw = json.loads(config_file.read_text())
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method is not None and method not in _READ_QUANTIZATIONS:
+        raise ValueError(f"{path} is a {method!r} quantized checkpoint (config.json's quantization_config); "
+                         f"vivace reads float and FP8 ({', '.join(_READ_QUANTIZATIONS)}) checkpoints: serve the "
+                         "float model (with --quantization int8 or int4) or a GGUF of it")
     config = ModelConfig.from_hf(raw)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     processor_template = path / "chat_template.json"  # a multimodal processor's, which AutoTokenizer doesn't read
