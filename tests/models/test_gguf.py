@@ -112,3 +112,12 @@ def test_not_a_gguf_file(tmp_path) -> None:
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all, just text" * 4)
     with pytest.raises(ValueError, match="not a little-endian GGUF"):
         load_model(str(tmp_path / "junk.gguf"), torch.float32)
+
+
+def test_a_truncated_gguf_says_so(tiny, tmp_path) -> None:
+    """An incomplete download is refused as such, before the tokenizer or any weight is read."""
+    whole = write_gguf(tiny("llama").hf, tmp_path / "whole.gguf").read_bytes()
+    for size, where in ((len(whole) - 1, "its tensors take"), (64, "inside its GGUF header")):
+        (tmp_path / "cut.gguf").write_bytes(whole[:size])
+        with pytest.raises(ValueError, match=f"cut.gguf is truncated: .*{where}"):
+            load_model(str(tmp_path / "cut.gguf"), torch.float32)
