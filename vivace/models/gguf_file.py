@@ -117,7 +117,13 @@ class GGUFFile:
         (num_dims,) = self._unpack("<I")
         dims = self._unpack(f"<{num_dims}Q")
         kind, offset = self._unpack("<IQ")
-        return name, tuple(reversed(dims)), gguf.GGMLQuantizationType(kind), offset
+        try:
+            ggml_type = gguf.GGMLQuantizationType(kind)
+        except ValueError:
+            known = ", ".join(t.name for t in gguf.GGMLQuantizationType)
+            raise ValueError(f"tensor {name} has ggml type {kind}, which the gguf package does not know "
+                             f"(a newer llama.cpp format?); known: {known}") from None
+        return name, tuple(reversed(dims)), ggml_type, offset
 
 
 def _nbytes(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType) -> int:
