@@ -246,7 +246,10 @@ def _to_transformers_config(config: dict[str, Any]) -> transformers.PretrainedCo
     model_type = config.pop("model_type", None)
     architecture = _architecture(config.get("architectures"), model_type)
     model_type = model_type or next(t for t, a in _CONFIG_TYPES.items() if a == architecture)
-    return transformers.AutoConfig.for_model(model_type, **config)
+    try:
+        return transformers.AutoConfig.for_model(model_type, **config)
+    except KeyError as exc:  # transformers' check of the rope parameters a rope type needs
+        raise ValueError(f"invalid config: {exc.args[0]}") from None
 
 
 def _architecture(architectures: list[str] | None, model_type: str | None) -> str:
