@@ -27,6 +27,20 @@ def test_sharded_safetensors_with_index(tiny, tmp_path) -> None:
     assert_close(PagedRun(loaded.model, loaded.config).step({"a": ids})["a"], hf_logits(model.hf, ids))
 
 
+def test_mistrals_consolidated_copy_is_not_read(tiny, tmp_path) -> None:
+    """Mistral's repositories also hold the weights in their own format and names
+    (consolidated.safetensors); without an index, only the Hugging Face files are the model."""
+    from safetensors.torch import save_file
+
+    model = tiny("llama")
+    save_hf_dir(model.hf, tmp_path)
+    save_file({"layers.0.attention.wq.weight": model.hf.model.layers[0].self_attn.q_proj.weight.detach()},
+              tmp_path / "consolidated.safetensors")
+    loaded = load_model(str(tmp_path), torch.float32)
+    ids = prompt(10, seed=8)
+    assert_close(PagedRun(loaded.model, loaded.config).step({"a": ids})["a"], hf_logits(model.hf, ids))
+
+
 def test_loaded_model_fields(tiny) -> None:
     model = tiny("llama_tied")
     loaded = load_model(str(model.path), torch.bfloat16)

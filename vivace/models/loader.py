@@ -322,13 +322,16 @@ def _eos_token_ids(path: Path, config: ModelConfig, tokenizer_eos: int | None) -
 
 def safetensors_files(path: Path) -> list[Path]:
     """The safetensors files of the model directory ``path`` (those its index lists, when it has
-    one); FileNotFoundError when there are none, or a listed one is missing."""
+    one; else all but Mistral's ``consolidated*.safetensors`` copy, which transformers never reads);
+    FileNotFoundError when there are none, or a listed one is missing."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [path / name for name in names]
     else:
         files = sorted(path.glob("*.safetensors"))
+        # Mistral's repositories hold the weights twice: also in their own format, under other names.
+        files = [file for file in files if not file.name.startswith("consolidated")] or files
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights (other formats are not supported)")
     for file in files:
