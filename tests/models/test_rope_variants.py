@@ -131,6 +131,16 @@ def test_reads_phi4_mini_config_json() -> None:
     assert ModelConfig.from_hf(hf.to_dict()) == ModelConfig.from_hf(hf)
 
 
+def test_longropes_first_name_su_reads_as_longrope() -> None:
+    """Phi-3-mini-128k's and Phi-3-medium-128k's first config.json name it "su" (vLLM reads both)."""
+    raw = tiny_config("phi3", **PHI3_LONGROPE).to_dict()
+    raw.pop("rope_parameters", None)
+    longrope = {**raw, "rope_scaling": PHI3_LONGROPE["rope_scaling"]}
+    su = {**raw, "rope_scaling": {**PHI3_LONGROPE["rope_scaling"], "rope_type": "su"}}
+    assert ModelConfig.from_hf(su) == ModelConfig.from_hf(longrope)
+    assert ModelConfig.from_hf(su).rope_scaling["rope_type"] == "longrope"
+
+
 def test_yarn_serves_factor_times_the_original_context() -> None:
     """Qwen's long-context recipe keeps max_position_embeddings at the original context."""
     config = ModelConfig.from_hf(tiny_config("qwen3", max_position_embeddings=32, **QWEN3_YARN))

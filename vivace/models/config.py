@@ -246,6 +246,9 @@ def _to_transformers_config(config: dict[str, Any]) -> transformers.PretrainedCo
     model_type = config.pop("model_type", None)
     architecture = _architecture(config.get("architectures"), model_type)
     model_type = model_type or next(t for t, a in _CONFIG_TYPES.items() if a == architecture)
+    rope = config.get("rope_scaling")
+    if isinstance(rope, dict) and "su" in (rope.get("type"), rope.get("rope_type")):  # LongRoPE's first name
+        config["rope_scaling"] = {**rope, "type": "longrope", "rope_type": "longrope"}
     try:
         return transformers.AutoConfig.for_model(model_type, **config)
     except KeyError as exc:  # transformers' check of the rope parameters a rope type needs
