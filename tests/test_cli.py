@@ -120,6 +120,17 @@ def test_generate_takes_the_models_defaults_for_flags_not_given(tiny_model_dir: 
     assert reply() != greedy
 
 
+def test_max_model_len_outside_the_models_context_exits_2(tiny_model_dir: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """As vLLM, a context longer than the model's (1024 positions) is refused at start, not
+    silently cut to the model's; so is one below a token."""
+    assert main(["generate", "hi", "--model", str(tiny_model_dir), "--max-model-len", "1025", "--eager"]) == 2
+    assert "--max-model-len 1025 is more than the model's context length (1024" in capsys.readouterr().err
+    for length in ("0", "-1"):  # were a context of 0 tokens, and a crash building the rotary tables
+        assert main(["generate", "hi", "--model", str(tiny_model_dir), "--max-model-len", length]) == 2
+        assert f"max_model_len must be >= 1, got {length}" in capsys.readouterr().err
+
+
 def test_chat_keeps_the_history(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nand then?\n/exit\n"))

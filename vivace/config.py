@@ -135,7 +135,7 @@ class EngineConfig:
         if self.kv_cache_dtype in FP8_KV_DTYPES and self.device != "cuda" and resolve_device(self.device) == "cpu":
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs on the CUDA backend only (the CPU "
                              "attention reads float32, bfloat16 or float16 caches); here the device is cpu")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("itl_target_ms", "ttft_target_ms"):

@@ -162,6 +162,14 @@ def draft_dir(make_tiny_llama):
     return make_tiny_llama(seed=1, num_hidden_layers=1)
 
 
+def test_a_draft_with_a_shorter_context_is_refused_at_start_naming_it(tiny_model_dir, make_tiny_llama):
+    """It used to start, then fail with an IndexError in the draft's rotary tables once a sequence
+    grew past the draft's context."""
+    short = make_tiny_llama(seed=1, num_hidden_layers=1, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=f"the draft model {short}: .* more than the model's context length .64"):
+        LLM(str(tiny_model_dir), num_kv_blocks=16, block_size=4, speculative=f"draft:{short}")
+
+
 @pytest.mark.parametrize("draft", ["same", "other"])
 def test_greedy_output_is_identical_with_a_draft_model(tiny_model_dir, draft_dir, draft):
     draft_path = tiny_model_dir if draft == "same" else draft_dir

@@ -112,3 +112,23 @@ def test_not_a_gguf_file(tmp_path) -> None:
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all, just text" * 4)
     with pytest.raises(ValueError, match="not a little-endian GGUF"):
         load_model(str(tmp_path / "junk.gguf"), torch.float32)
+
+
+def test_a_truncated_gguf_says_so(tiny, tmp_path) -> None:
+    """An incomplete download is refused as such, before the tokenizer or any weight is read."""
+    whole = write_gguf(tiny("llama").hf, tmp_path / "whole.gguf").read_bytes()
+    for size, where in ((len(whole) - 1, "its tensors take"), (64, "inside its GGUF header")):
+        (tmp_path / "cut.gguf").write_bytes(whole[:size])
+        with pytest.raises(ValueError, match=f"cut.gguf is truncated: .*{where}"):
+            load_model(str(tmp_path / "cut.gguf"), torch.float32)
+
+
+def test_a_tensor_type_gguf_does_not_know_is_refused_naming_it(tiny, tmp_path) -> None:
+    data = bytearray(write_gguf(tiny("llama").hf, tmp_path / "m.gguf").read_bytes())
+    name = b"blk.0.attn_q.weight"
+    entry = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)  # then n_dims, dims, type
+    type_at = entry + 4 + 8 * int.from_bytes(data[entry:entry + 4], "little")
+    data[type_at:type_at + 4] = (999).to_bytes(4, "little")
+    (tmp_path / "m.gguf").write_bytes(data)
+    with pytest.raises(ValueError, match="tensor blk.0.attn_q.weight has ggml type 999, which the gguf package"):
+        load_model(str(tmp_path / "m.gguf"), torch.float32)

@@ -27,6 +27,20 @@ def test_sharded_safetensors_with_index(tiny, tmp_path) -> None:
     assert_close(PagedRun(loaded.model, loaded.config).step({"a": ids})["a"], hf_logits(model.hf, ids))
 
 
+def test_mistrals_consolidated_copy_is_not_read(tiny, tmp_path) -> None:
+    """Mistral's repositories also hold the weights in their own format and names
+    (consolidated.safetensors); without an index, only the Hugging Face files are the model."""
+    from safetensors.torch import save_file
+
+    model = tiny("llama")
+    save_hf_dir(model.hf, tmp_path)
+    save_file({"layers.0.attention.wq.weight": model.hf.model.layers[0].self_attn.q_proj.weight.detach()},
+              tmp_path / "consolidated.safetensors")
+    loaded = load_model(str(tmp_path), torch.float32)
+    ids = prompt(10, seed=8)
+    assert_close(PagedRun(loaded.model, loaded.config).step({"a": ids})["a"], hf_logits(model.hf, ids))
+
+
 def test_loaded_model_fields(tiny) -> None:
     model = tiny("llama_tied")
     loaded = load_model(str(model.path), torch.bfloat16)
@@ -94,6 +108,16 @@ def test_checkpoint_missing_a_tensor_is_a_value_error(tiny, tmp_path) -> None:
     state = {k: v for k, v in model.hf.state_dict().items() if k != "model.layers.1.self_attn.k_proj.weight"}
     save_hf_dir(model.hf, tmp_path, state_dict=state)
     with pytest.raises(ValueError, match="layers.1.self_attn.qkv_proj.weight"):
+        load_model(str(tmp_path), torch.float32)
+
+
+def test_a_checkpoint_quantized_by_another_method_is_refused_naming_it(tiny, tmp_path) -> None:
+    """An AWQ/GPTQ/bitsandbytes checkpoint (qweight, qzeros, ... tensors) is refused by its method
+    before any weight is read, not as a list of missing and unexpected tensors."""
+    save_hf_dir(tiny("llama").hf, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(ValueError, match="'awq' quantized checkpoint.*reads float and FP8"):
         load_model(str(tmp_path), torch.float32)
 
 

@@ -93,6 +93,12 @@ def test_dynamic_rope_is_refused_with_the_reason() -> None:
         ModelConfig.from_hf(tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
 
 
+def test_rope_scaling_without_its_parameters_is_a_value_error() -> None:
+    """transformers raises KeyError for them; the command line reports a ValueError and exits 2."""
+    with pytest.raises(ValueError, match="invalid config: .*'llama3'.*high_freq_factor"):
+        ModelConfig.from_hf(tiny_config("llama").to_dict() | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
 def test_other_unsupported_features() -> None:
     with pytest.raises(ValueError, match="activation 'gelu'"):
         ModelConfig.from_hf(tiny_config("llama", hidden_act="gelu"))

@@ -50,6 +50,18 @@ def test_gguf_codes_are_taken_as_stored(tiny, tmp_path, kind: str, ggml_type, mo
             torch.testing.assert_close(module.dequantize(), reference.get_submodule(name).weight, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4", "gguf"])
+def test_an_untied_logits_layer_is_its_own_whatever_the_embeddings_format(tiny, tmp_path, mode: str) -> None:
+    """The embeddings in Q8_0, the output in float (llama-quantize --leave-output-tensor): the logits
+    layer is the output's, quantized to int8, never the embeddings' codes taken in its place."""
+    model = tiny("llama")  # untied
+    path = write_gguf(model.hf, tmp_path / "model.gguf", types={"token_embd": gguf.GGMLQuantizationType.Q8_0})
+    output = load_model(str(path), torch.float32).model.lm_head.weight
+    logits_layer = load_model(str(path), torch.float32, mode).model.lm_head
+    step = output.abs().amax() / 127  # int8's rounding at most half a step of the largest scale
+    assert (logits_layer.dequantize() - output).abs().max() <= step / 2
+
+
 def test_rejects_unknown_mode(tiny) -> None:
     model = load_model(str(tiny("llama").path), torch.float32).model
     with pytest.raises(ValueError, match="quantization"):

@@ -131,12 +131,24 @@ def test_reads_phi4_mini_config_json() -> None:
     assert ModelConfig.from_hf(hf.to_dict()) == ModelConfig.from_hf(hf)
 
 
+def test_longropes_first_name_su_reads_as_longrope() -> None:
+    """Phi-3-mini-128k's and Phi-3-medium-128k's first config.json name it "su" (vLLM reads both)."""
+    raw = tiny_config("phi3", **PHI3_LONGROPE).to_dict()
+    raw.pop("rope_parameters", None)
+    longrope = {**raw, "rope_scaling": PHI3_LONGROPE["rope_scaling"]}
+    su = {**raw, "rope_scaling": {**PHI3_LONGROPE["rope_scaling"], "rope_type": "su"}}
+    assert ModelConfig.from_hf(su) == ModelConfig.from_hf(longrope)
+    assert ModelConfig.from_hf(su).rope_scaling["rope_type"] == "longrope"
+
+
 def test_yarn_serves_factor_times_the_original_context() -> None:
     """Qwen's long-context recipe keeps max_position_embeddings at the original context."""
     config = ModelConfig.from_hf(tiny_config("qwen3", max_position_embeddings=32, **QWEN3_YARN))
     assert config.max_position_embeddings == 128
     assert config.served_with(64).max_position_embeddings == 64
-    assert config.served_with(1000) is config
+    assert config.served_with(128) is config
+    with pytest.raises(ValueError, match="--max-model-len 129 is more than the model's context length .128"):
+        config.served_with(129)
 
 
 @pytest.mark.parametrize("positions", [32, 128])
@@ -310,3 +322,19 @@ def test_gguf_rope_refusals(tmp_path) -> None:
         model_config(metadata_only_gguf(tmp_path / "d.gguf", "llama", {"{arch}.rope.dimension_count": 8}, {}))
     with pytest.raises(ValueError, match="unsupported GGUF rope scaling 'dynamic'"):
         model_config(metadata_only_gguf(tmp_path / "e.gguf", "llama", {"{arch}.rope.scaling.type": "dynamic"}, {}))
+
+
+def test_linear_scaling_serves_factor_times_the_context_as_vllm(tiny, tmp_path) -> None:
+    """vLLM serves a linearly scaled model (vicuna-7b-v1.5-16k: 4096 positions, factor 4) its factor
+    times max_position_embeddings, from its directory or a GGUF, and matches transformers there;
+    Gemma 3's max_position_embeddings is already the scaled context (vLLM leaves it)."""
+    model = tiny("linear_rope")
+    served = int(model.hf.config.max_position_embeddings * model.hf.config.rope_parameters["factor"])
+    ids = prompt(served - 8, seed=5)
+    expected = hf_logits(model.hf, ids)
+    for path in (model.path, write_gguf(model.hf, tmp_path / "linear.gguf")):
+        loaded = load_model(str(path), torch.float32)
+        assert loaded.config.max_position_embeddings == served
+        assert_close(PagedRun(loaded.model, loaded.config).step({"a": ids})["a"], expected)
+    gemma3 = tiny("gemma3_linear_rope").hf.config
+    assert ModelConfig.from_hf(gemma3).max_position_embeddings == gemma3.max_position_embeddings

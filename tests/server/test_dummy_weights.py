@@ -56,3 +56,17 @@ def test_dummy_weights_from_a_config_json_serve_with_the_default_tokenizer(tmp_p
 def test_a_missing_dummy_shape_names_the_presets() -> None:
     with pytest.raises(FileNotFoundError, match="llama-3.1-8b"):
         load_model("no-such-model", __import__("torch").float32, load_format="dummy")
+
+
+
+def test_dummy_weights_take_the_quantization_asked_for(tiny_model_dir: Path) -> None:
+    """``--load-format dummy --quantization int4`` measures a quantized model of that shape, not a
+    float one: every decoder projection quantized, the logits layer too (int8, as from real weights)."""
+    from vivace.layers.linear import QuantizedLinear
+
+    for quantization in ("int8", "int4"):
+        loaded = load_model(str(tiny_model_dir), __import__("torch").float32, quantization, load_format="dummy")
+        layer = loaded.model.layers[0]
+        projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        assert all(isinstance(p, QuantizedLinear) and p.bits == int(quantization[3:]) for p in projections)
+        assert isinstance(loaded.model.lm_head, QuantizedLinear) and loaded.model.lm_head.bits == 8

@@ -96,8 +96,12 @@ class LLMEngine:
         self.prediction_totals = [0, 0]  # tokens proposed from predictions: accepted (emitted), rejected
         self.draft: DraftProposer | None = None
         if config.speculative and config.speculative.startswith("draft:"):
-            draft_model = load_model(config.speculative.removeprefix("draft:"), config.torch_dtype,
-                                     config.quantization, max_model_len=self.max_model_len)
+            draft_path = config.speculative.removeprefix("draft:")
+            try:
+                draft_model = load_model(draft_path, config.torch_dtype, config.quantization,
+                                         max_model_len=self.max_model_len)
+            except ValueError as exc:  # e.g. a shorter context than the target's
+                raise ValueError(f"the draft model {draft_path}: {exc}") from None
             prepack_linears(draft_model.model)
             self.draft = DraftProposer(draft_model, num_blocks, config.block_size, config.torch_dtype,
                                        self.loaded.config.vocab_size)

@@ -154,8 +154,12 @@ class ModelConfig:
     def served_with(self, max_model_len: int | None) -> ModelConfig:
         """This config serving at most ``max_model_len`` positions (None: as many as the model has):
         ``max_position_embeddings`` becomes the served context, which sizes the rotary tables and
-        picks LongRoPE's factors (long ones only when it exceeds the original context)."""
-        if max_model_len is None or max_model_len >= self.max_position_embeddings:
+        picks LongRoPE's factors (long ones only when it exceeds the original context). Raises
+        ValueError when ``max_model_len`` is more than the model's context, as vLLM refuses it."""
+        if max_model_len is not None and max_model_len > self.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_model_len} is more than the model's context length "
+                             f"({self.max_position_embeddings}, its max_position_embeddings or GGUF context_length)")
+        if max_model_len is None or max_model_len == self.max_position_embeddings:
             return self
         return dataclasses.replace(self, max_position_embeddings=max_model_len)
 
@@ -216,7 +220,7 @@ class ModelConfig:
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=context_length(config.max_position_embeddings, scaling),
+            max_position_embeddings=context_length(config.max_position_embeddings, scaling, architecture),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
             attention_out_bias=architecture != "Qwen2ForCausalLM" and attention_bias,
@@ -242,7 +246,13 @@ def _to_transformers_config(config: dict[str, Any]) -> transformers.PretrainedCo
     model_type = config.pop("model_type", None)
     architecture = _architecture(config.get("architectures"), model_type)
     model_type = model_type or next(t for t, a in _CONFIG_TYPES.items() if a == architecture)
-    return transformers.AutoConfig.for_model(model_type, **config)
+    rope = config.get("rope_scaling")
+    if isinstance(rope, dict) and "su" in (rope.get("type"), rope.get("rope_type")):  # LongRoPE's first name
+        config["rope_scaling"] = {**rope, "type": "longrope", "rope_type": "longrope"}
+    try:
+        return transformers.AutoConfig.for_model(model_type, **config)
+    except KeyError as exc:  # transformers' check of the rope parameters a rope type needs
+        raise ValueError(f"invalid config: {exc.args[0]}") from None
 
 
 def _architecture(architectures: list[str] | None, model_type: str | None) -> str:
@@ -388,11 +398,15 @@ def _resolve_factors(params: dict[str, Any], max_positions: int,
     return original, factor, float(attention_factor)
 
 
-def context_length(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
-    """The positions a model serves: ``max_position_embeddings``, or YaRN's ``factor`` times its
-    original context when longer (Qwen's long-context configs keep the original in
-    ``max_position_embeddings``; vLLM serves them likewise extended)."""
-    if (scaling or {}).get("rope_type") != "yarn":
+def context_length(max_position_embeddings: int, scaling: dict[str, Any] | None, architecture: str) -> int:
+    """The positions a model serves, as vLLM derives them: ``max_position_embeddings``, times linear
+    scaling's ``factor`` (the context it was tuned to; but Gemma 3's is already the scaled one), or
+    YaRN's ``factor`` times its original context when longer (Qwen's long-context configs keep the
+    original in ``max_position_embeddings``)."""
+    rope_type = (scaling or {}).get("rope_type")
+    if rope_type == "linear" and architecture != "Gemma3ForCausalLM":
+        return int(max_position_embeddings * scaling["factor"])
+    if rope_type != "yarn":
         return max_position_embeddings
     return max(max_position_embeddings, int(scaling["factor"] * scaling["original_max_position_embeddings"]))
 

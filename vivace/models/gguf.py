@@ -120,8 +120,9 @@ def model_config(file: GGUFFile) -> ModelConfig:
     scaling = _rope_scaling(file, arch, context)
     eos = [file.metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]
     moe = _moe(file, arch, layers)
+    architecture = "MixtralForCausalLM" if arch == "llama" and moe else _ARCHITECTURES[arch]
     config = ModelConfig(
-        architecture="MixtralForCausalLM" if arch == "llama" and moe else _ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=file.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=get("{arch}.feed_forward_length"),
@@ -132,7 +133,7 @@ def model_config(file: GGUFFile) -> ModelConfig:
         rms_norm_eps=get("{arch}.attention.layer_norm_rms_epsilon"),
         rope_theta=float(get("{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        max_position_embeddings=context_length(context, scaling),
+        max_position_embeddings=context_length(context, scaling, architecture),
         tie_word_embeddings="output.weight" not in file.tensors,
         attention_bias="blk.0.attn_q.bias" in file.tensors,
         attention_out_bias="blk.0.attn_output.bias" in file.tensors,

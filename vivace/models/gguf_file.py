@@ -40,13 +40,30 @@ class GGUFFile:
 
     ``metadata`` maps keys to values; an array of strings is kept as its length only.
     ``tensors`` maps names to ``TensorInfo``, in file order. Raises ValueError for a file
-    that is not GGUF or holds a tensor type ``gguf`` cannot size.
+    that is not GGUF, is cut short (an incomplete download), or holds a tensor type ``gguf``
+    cannot size.
     """
 
     def __init__(self, path: Path) -> None:
         with open(path, "rb") as file:
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         self._pos = 0
+        try:
+            table = self._header(path)
+        except struct.error:
+            raise ValueError(f"{path} is truncated: it ends ({len(self._map)} bytes) inside its GGUF header "
+                             "(an incomplete download?)") from None
+        alignment = self.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+        data_start = -(-self._pos // alignment) * alignment
+        self.tensors = {name: TensorInfo(name, shape, kind, data_start + offset, _nbytes(name, shape, kind))
+                        for name, shape, kind, offset in table}
+        end = max((info.offset + info.nbytes for info in self.tensors.values()), default=0)
+        if end > len(self._map):
+            raise ValueError(f"{path} is truncated: its tensors take {end} bytes, the file has {len(self._map)} "
+                             "(an incomplete download?)")
+
+    def _header(self, path: Path) -> list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]]:
+        """Read the metadata into ``self.metadata``; return the tensor table's entries."""
         magic, version, tensor_count, kv_count = self._unpack("<IIQQ")
         if magic != gguf.GGUF_MAGIC or version not in (2, 3):
             raise ValueError(f"{path} is not a little-endian GGUF v2/v3 file")
@@ -54,11 +71,7 @@ class GGUFFile:
         for _ in range(kv_count):
             key = self._string()
             self.metadata[key] = self._value(gguf.GGUFValueType(self._unpack("<I")[0]))
-        table = [self._tensor_entry() for _ in range(tensor_count)]
-        alignment = self.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
-        data_start = -(-self._pos // alignment) * alignment
-        self.tensors = {name: TensorInfo(name, shape, kind, data_start + offset, _nbytes(name, shape, kind))
-                        for name, shape, kind, offset in table}
+        return [self._tensor_entry() for _ in range(tensor_count)]
 
     def blocks(self, info: TensorInfo) -> np.ndarray:
         """The tensor's raw bytes, a read-only view of the map: ``[*shape[:-1], bytes per row]`` uint8."""
@@ -104,7 +117,13 @@ class GGUFFile:
         (num_dims,) = self._unpack("<I")
         dims = self._unpack(f"<{num_dims}Q")
         kind, offset = self._unpack("<IQ")
-        return name, tuple(reversed(dims)), gguf.GGMLQuantizationType(kind), offset
+        try:
+            ggml_type = gguf.GGMLQuantizationType(kind)
+        except ValueError:
+            known = ", ".join(t.name for t in gguf.GGMLQuantizationType)
+            raise ValueError(f"tensor {name} has ggml type {kind}, which the gguf package does not know "
+                             f"(a newer llama.cpp format?); known: {known}") from None
+        return name, tuple(reversed(dims)), ggml_type, offset
 
 
 def _nbytes(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType) -> int:

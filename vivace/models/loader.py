@@ -45,6 +45,9 @@ _FUSED = {
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM, "Qwen3MoeForCausalLM": MoeForCausalLM, "MixtralForCausalLM": MoeForCausalLM,
 }
+# The quant_method values of config.json's quantization_config whose checkpoints vivace reads
+# (vivace.models.fp8); another method's tensors (AWQ's qweight, GPTQ's, bitsandbytes') it cannot.
+_READ_QUANTIZATIONS = ("compressed-tensors", "fbgemm_fp8")
 logger = logging.getLogger(__name__)
 
 
@@ -88,7 +91,7 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     an engine given the loaded model serves at most that.
     """
     if load_format == "dummy":
-        return _load_dummy(model, dtype, tokenizer, device, quantization == "fp8", max_model_len)
+        return _load_dummy(model, dtype, tokenizer, device, quantization, max_model_len)
     tokenizer_dir = tokenizer
     fp8 = quantization == "fp8"
     stored: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -167,10 +170,11 @@ def _plan_packed(path: Path) -> dict[str, tuple[str, ...]]:
     return plan_packed(GGUFFile(path))
 
 
-def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str, fp8: bool,
+def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, device: str, quantization: str,
                 max_model_len: int | None) -> LoadedModel:
     """Random weights at ``model``'s shape (see ``vivace.models.dummy``), drawn on ``device``; with
-    ``fp8``, the decoder projections quantized to FP8 from them (``install_fp8``)."""
+    ``quantization`` "fp8", "int8" or "int4", the decoder projections quantized from them
+    (``install_fp8``, ``quantize_model``)."""
     raw, directory = dummy_config(model)
     config = ModelConfig.from_hf(raw).served_with(max_model_len)
     check_device(config, device)
@@ -182,10 +186,12 @@ def _load_dummy(model: str, dtype: torch.dtype, tokenizer_dir: str | None, devic
         module = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)(config, dtype)
     randomize_(module, device)
     module = module.to(device).eval()
-    if fp8:
+    if quantization == "fp8":
         from vivace.gpu.fp8_linear import install_fp8
 
         install_fp8(module, {}, quantize_float=True, device=device)
+    elif quantization in ("int8", "int4"):
+        quantize_model(module, quantization)
     weight_bytes = module_weight_bytes(module)
     name = model if directory is None else directory.resolve().name
     return LoadedModel(module, config, tokenizer, f"{name}-dummy", weight_bytes, directory or Path(model))
@@ -284,6 +290,11 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, transformers.PreTrainedTokeni
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json, so it is not a Hugging Face model directory")
     raw = json.loads(config_file.read_text())
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method is not None and method not in _READ_QUANTIZATIONS:
+        raise ValueError(f"{path} is a {method!r} quantized checkpoint (config.json's quantization_config); "
+                         f"vivace reads float and FP8 ({', '.join(_READ_QUANTIZATIONS)}) checkpoints: serve the "
+                         "float model (with --quantization int8 or int4) or a GGUF of it")
     config = ModelConfig.from_hf(raw)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     processor_template = path / "chat_template.json"  # a multimodal processor's, which AutoTokenizer doesn't read
@@ -311,13 +322,16 @@ def _eos_token_ids(path: Path, config: ModelConfig, tokenizer_eos: int | None) -
 
 def safetensors_files(path: Path) -> list[Path]:
     """The safetensors files of the model directory ``path`` (those its index lists, when it has
-    one); FileNotFoundError when there are none, or a listed one is missing."""
+    one; else all but Mistral's ``consolidated*.safetensors`` copy, which transformers never reads);
+    FileNotFoundError when there are none, or a listed one is missing."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [path / name for name in names]
     else:
         files = sorted(path.glob("*.safetensors"))
+        # Mistral's repositories hold the weights twice: also in their own format, under other names.
+        files = [file for file in files if not file.name.startswith("consolidated")] or files
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights (other formats are not supported)")
     for file in files:

@@ -62,8 +62,9 @@ def quantize_model(model: LlamaForCausalLM, mode: str, gguf_path: Path | None = 
                     direct = _fused_weight(stored, hf_prefix, name)
                     if direct is not None or mode != "gguf":
                         setattr(parent, name, _quantized(child.weight, child.bias, mode, direct))
-    logits_weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    read = stored.get("lm_head.weight", stored.get("model.embed_tokens.weight"))
+    tied = model.lm_head is None
+    logits_weight = model.embed_tokens.weight if tied else model.lm_head.weight
+    read = stored.get("model.embed_tokens.weight" if tied else "lm_head.weight")
     direct = None if read is None else read()
     model.lm_head = _quantized(logits_weight, None, "int8", direct if direct is None or direct.bits >= 6 else None)
     return model
