@@ -99,7 +99,7 @@ _BUILD_IN_A_NEW_PROCESS = """
 import sys
 from pathlib import Path
 from vivace.layers import native
-assert native._build_and_load(Path(sys.argv[1]), (), Path(sys.argv[2]), "tiny")
+assert native._build_and_load(Path(sys.argv[1]), native.Target(()), Path(sys.argv[2]), "tiny")
 """
 
 

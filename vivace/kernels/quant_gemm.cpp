@@ -115,6 +115,16 @@ inline __m512 load_half16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// acc + VPDPBUSD of codes below 64 (int4, int5, int6) against int8 activations: on AVX2 (the
+// SIMDe build, layers/simde_avx512.h) one VPMADDUBSW a half, where a code of any size takes two.
+inline __m512i dot_small(__m512i acc, __m512i codes, __m512i x) {
+#ifdef VIVACE_SIMDE
+  return vivace_simde::dpbusd_small(acc, codes, x);
+#else
+  return _mm512_dpbusd_epi32(acc, codes, x);
+#endif
+}
+
 inline __m512i bcast4(const int8_t* p) {
   int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v);
 }
@@ -157,8 +167,8 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
           __m512i lo = _mm512_or_si512(_mm512_and_si512(w, nibble), top_lo);
           __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), nibble), top_hi);
           for (int i = 0; i < MB; ++i) {
-            into[i][t] = _mm512_dpbusd_epi32(into[i][t], lo, bcast4(xg + i * p.k + 8 * j));
-            into[i][t] = _mm512_dpbusd_epi32(into[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+            into[i][t] = dot_small(into[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            into[i][t] = dot_small(into[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
           }
         };
         nibbles(0, top_bits<0>(plane0), top_bits<1>(plane0), acc);
@@ -177,8 +187,8 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
           lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(1 << (2 * j))), lo, sixteen);
           hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(2 << (2 * j))), hi, sixteen);
           for (int i = 0; i < MB; ++i) {
-            acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
-            acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+            acc[i][t] = dot_small(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            acc[i][t] = dot_small(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
           }
         }
       }
@@ -195,8 +205,8 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
           __m512i w = _mm512_loadu_si512(p.codes + (tile0 + t) * tile_bytes + (g * 4 + j) * 64);
           __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
           for (int i = 0; i < MB; ++i) {
-            acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
-            acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+            acc[i][t] = dot_small(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            acc[i][t] = dot_small(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
           }
         }
       }

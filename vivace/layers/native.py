@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import threading
@@ -35,6 +36,12 @@ FORCE_FALLBACK_ENV = "VIVACE_KERNELS"  # "torch": use no native library
 # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without it an op runs on one thread.
 AVX512_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma", "-fopenmp")
 AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c", "fma")
+# A CPU with AVX2 but not the AVX-512 a library asks for builds the same source against SIMDe's
+# AVX-512 intrinsics (the simde-py package's headers), which run on pairs of 256-bit registers:
+# SIMDE_HEADER, force-included, takes SIMDe's aliases and adds the few it lacks.
+SIMDE_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+SIMDE_CPU_FLAGS = ("avx2", "fma", "f16c")
+SIMDE_HEADER = Path(__file__).resolve().with_name("simde_avx512.h")
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,43 @@ LIBRARIES = {
 # This process's build (or load) of each build directory: done once, shared by every caller.
 _builds: dict[Path, Future[bool]] = {}
 _builds_lock = threading.Lock()
+
+
+@functools.cache
+def simde_include() -> str | None:
+    """The directory of SIMDe's headers, or None without the simde-py package."""
+    try:
+        import simde_py
+    except ModuleNotFoundError:
+        return None
+    return str(simde_py.get_include())
+
+
+@functools.cache
+def _simde_version() -> str:
+    return importlib.metadata.version("simde-py")
+
+
+@dataclass(frozen=True)
+class Target:
+    """How a library is compiled on this CPU: its flags, and for SIMDe the headers that come
+    with it (``includes``: directories, ``extra``: files copied beside the source)."""
+
+    cflags: tuple[str, ...]
+    includes: tuple[str, ...] = ()
+    extra: tuple[Path, ...] = ()
+
+
+def target(cflags: tuple[str, ...], cpu_flags: tuple[str, ...]) -> Target | None:
+    """``cflags`` where the CPU has ``cpu_flags``; for an AVX-512 library on an AVX2 CPU, the
+    SIMDe build; else None (the PyTorch fallback)."""
+    if cpu_has(cpu_flags):
+        return Target(cflags)
+    if (any(flag.startswith("avx512") for flag in cpu_flags) and cpu_has(SIMDE_CPU_FLAGS)
+            and (include := simde_include()) is not None):
+        return Target((*SIMDE_CFLAGS, "-include", SIMDE_HEADER.name, f"-DVIVACE_SIMDE={_simde_version()}"),
+                      (include,), (SIMDE_HEADER,))
+    return None
 
 
 @functools.cache
@@ -135,11 +179,12 @@ def _claim(source: Path, cflags: tuple[str, ...], cpu_flags: tuple[str, ...]
            ) -> tuple[Future[bool], Callable[[], None] | None] | None:
     """None when the library is not to be used here; else the future of this process's build of
     it and, for the first caller only, the function that runs that build."""
-    if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" or not cpu_has(cpu_flags):
+    built = None if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" else target(cflags, cpu_flags)
+    if built is None:
         return None
-    # The headers beside the source are part of what is built.
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = source.read_bytes() + headers + " ".join(cflags).encode() + torch.__version__.encode()
+    # The headers beside the source (and SIMDe's force-included one) are part of what is built.
+    headers = b"".join(h.read_bytes() for h in _headers(source, built))
+    key = source.read_bytes() + headers + " ".join(built.cflags).encode() + torch.__version__.encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     # Resolved: ninja's build file names the build directory, so the same cache reached through
     # a symlink would otherwise build everything again (and again for the other path after).
@@ -151,7 +196,7 @@ def _claim(source: Path, cflags: tuple[str, ...], cpu_flags: tuple[str, ...]
 
     def run() -> None:
         try:
-            build.set_result(_build_and_load(source, cflags, build_dir, digest))
+            build.set_result(_build_and_load(source, built, build_dir, digest))
         except BaseException as exc:  # the waiting callers raise it too
             build.set_exception(exc)
             raise
@@ -159,7 +204,11 @@ def _claim(source: Path, cflags: tuple[str, ...], cpu_flags: tuple[str, ...]
     return build, run
 
 
-def _build_and_load(source: Path, cflags: tuple[str, ...], build_dir: Path, digest: str) -> bool:
+def _headers(source: Path, built: Target) -> list[Path]:
+    return sorted({*source.parent.glob("*.h"), *built.extra})
+
+
+def _build_and_load(source: Path, built: Target, build_dir: Path, digest: str) -> bool:
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if not any(build_dir.glob("*.so")):
@@ -167,8 +216,9 @@ def _build_and_load(source: Path, cflags: tuple[str, ...], build_dir: Path, dige
     try:
         from torch.utils.cpp_extension import load
         with _building(build_dir):
-            copy = _source_copy(source, build_dir)
-            load(name=f"vivace_{source.stem}_{digest}", sources=[str(copy)], extra_cflags=list(cflags),
+            copy = _source_copy(source, _headers(source, built), build_dir)
+            load(name=f"vivace_{source.stem}_{digest}", sources=[str(copy)], extra_cflags=list(built.cflags),
+                 extra_include_paths=[str(copy.parent), *built.includes],
                  build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as exc:  # any build or load failure means: use the PyTorch fallback
         logger.warning("vivace: native %s failed to build or load (%s); using PyTorch code", source.name, exc)
@@ -178,14 +228,14 @@ def _build_and_load(source: Path, cflags: tuple[str, ...], build_dir: Path, dige
     return True
 
 
-def _source_copy(source: Path, build_dir: Path) -> Path:
-    """``source`` and the headers beside it, copied into ``build_dir/src`` (a file rewritten only
+def _source_copy(source: Path, headers: list[Path], build_dir: Path) -> Path:
+    """``source`` and its ``headers``, copied into ``build_dir/src`` (a file rewritten only
     when its bytes differ), and the copy's path. The build reads the copy: ninja's build file names
     the sources' paths, so building from the checkout itself would rebuild the same bytes for every
     checkout of the repository (a fresh clone, a worktree, CI)."""
     src = build_dir / "src"
     src.mkdir(exist_ok=True)
-    for original in (source, *sorted(source.parent.glob("*.h"))):
+    for original in (source, *headers):
         copy = src / original.name
         data = original.read_bytes()
         if not copy.exists() or copy.read_bytes() != data:
