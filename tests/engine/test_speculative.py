@@ -1,7 +1,6 @@
 """Speculative decoding: exact under greedy, distribution-preserving above it, leak-free."""
 
 import random
-import time
 
 import pytest
 import torch
