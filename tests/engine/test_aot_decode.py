@@ -13,6 +13,11 @@ from vivace.engine.runner import ModelRunner
 from vivace.models import load_model
 
 MAX_BATCH = 4
+# The int8 layers quantize their activations per group of 32: where the compiled graph's floats
+# differ from eager's in the last bits (another summation order in a norm), a value on a rounding
+# boundary takes the next code, moving the logits by up to ~1% of their scale (seen on an AVX2
+# CPU's build). Far below what a wrong weight or cache row gives (the logits' own scale).
+LOGITS = dict(rtol=0, atol=5e-2)
 
 
 def quantized_runner(model_dir, mode: str = "int8", num_blocks: int = 16, block_size: int = 4,
@@ -46,8 +51,9 @@ def package_dir(runner, tmp_path_factory):
 
 def decode_both(runner: ModelRunner, decoder: AOTDecoder) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of the same decode batch from ``decoder`` and eagerly, from the same caches."""
+    generator = torch.Generator().manual_seed(0)
     for cache in runner.kv_caches:
-        cache.copy_(torch.randn_like(cache))
+        cache.copy_(torch.randn(cache.shape, generator=generator).to(cache.dtype))
     before = [cache.clone() for cache in runner.kv_caches]
     ids, positions, tables = [11, 12, 13], [9, 6, 2], [[0, 1, 2], [4, 5], [6]]
     with torch.inference_mode():
@@ -87,7 +93,7 @@ def test_package_runs_on_the_weights_it_is_loaded_with(package_dir, other_weight
     assert decoder.path.parent == package_dir  # the same package, no new compile
     assert len(list(package_dir.iterdir())) == 1
     compiled, eager = decode_both(other_weights, decoder)
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled, eager, **LOGITS)
 
 
 def test_vivace_runner_runs_the_package_as_torchs_loader_does(runner, package_dir, monkeypatch):
@@ -100,8 +106,8 @@ def test_vivace_runner_runs_the_package_as_torchs_loader_does(runner, package_di
     torch_loader = AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH, package_dir)
     assert not isinstance(torch_loader._loader, int)
     theirs, theirs_eager = decode_both(runner, torch_loader)  # fresh random caches: its own eager reference
-    torch.testing.assert_close(native, eager, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(theirs, theirs_eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(native, eager, **LOGITS)
+    torch.testing.assert_close(theirs, theirs_eager, **LOGITS)
 
 
 def test_a_corrupt_package_is_rebuilt(runner, package_dir, tmp_path, monkeypatch, caplog):
@@ -115,7 +121,7 @@ def test_a_corrupt_package_is_rebuilt(runner, package_dir, tmp_path, monkeypatch
         decoder = AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH, tmp_path)
     assert rebuilt == [broken] and "did not load" in caplog.text
     compiled, eager = decode_both(runner, decoder)
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled, eager, **LOGITS)
 
 
 def test_a_package_that_cannot_be_built_raises(runner, tmp_path, monkeypatch):
