@@ -265,6 +265,14 @@ void rows_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0) {
   for (int64_t t = tile0; t < tile1; ++t) tile_block<BITS, S, MB, 1>(p, t, m0);
 }
 
+// Activation rows a pass over a block's weights: 8 rows' accumulators take 8 of AVX-512's 32
+// registers; on AVX2 (the SIMDe build) each is two of 16, so 4 rows, or they spill.
+#ifdef VIVACE_SIMDE
+constexpr int kRowsPerPass = 4;
+#else
+constexpr int kRowsPerPass = 8;
+#endif
+
 template <int BITS, Scheme S>
 void run(const Problem& p) {
   const int64_t tiles = p.n / kTile;
@@ -281,7 +289,7 @@ void run(const Problem& p) {
     for (int64_t t0 = first; t0 < last; t0 += 4) {  // blocks outer: a block's weights stay in L1 across rows
       const int64_t t1 = std::min(last, t0 + 4);
       int64_t m0 = 0;
-      for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, S, 8>(p, t0, t1, m0);
+      for (; m0 + kRowsPerPass <= p.m; m0 += kRowsPerPass) rows_block<BITS, S, kRowsPerPass>(p, t0, t1, m0);
       // The other rows in one pass over the weights (a verify step's k + 1 = 5 rows took as
       // long as 8 when split into 4 + 1).
       switch (p.m - m0) {

@@ -55,12 +55,18 @@ class Library:
     cpu_flags: tuple[str, ...] = ()
     # Not needed before the server is ready (prebuild starts it after the others).
     late: bool = False
+    # Built through SIMDe where the CPU lacks the AVX-512 of ``cpu_flags``; False where the
+    # PyTorch fallback is faster there.
+    simde: bool = True
 
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 LIBRARIES = {
     "decode_attention": Library(_PACKAGE / "layers" / "decode_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
-    "prefill_attention": Library(_PACKAGE / "layers" / "prefill_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
+    # Through SIMDe its 512-token prompt took 944 ms of the default model's 3.1 s step; PyTorch's
+    # attention (the fallback) far less.
+    "prefill_attention": Library(_PACKAGE / "layers" / "prefill_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS,
+                                 simde=False),
     "fused": Library(_PACKAGE / "layers" / "fused.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
     "packed_linear": Library(_PACKAGE / "layers" / "packed_linear.cpp", ("-O2",)),
     "quant_gemm": Library(_PACKAGE / "kernels" / "quant_gemm.cpp", (*AVX512_CFLAGS, "-mavx512vnni"),
@@ -100,12 +106,12 @@ class Target:
     extra: tuple[Path, ...] = ()
 
 
-def target(cflags: tuple[str, ...], cpu_flags: tuple[str, ...]) -> Target | None:
+def target(cflags: tuple[str, ...], cpu_flags: tuple[str, ...], simde: bool = True) -> Target | None:
     """``cflags`` where the CPU has ``cpu_flags``; for an AVX-512 library on an AVX2 CPU, the
-    SIMDe build; else None (the PyTorch fallback)."""
+    SIMDe build (where ``simde``); else None (the PyTorch fallback)."""
     if cpu_has(cpu_flags):
         return Target(cflags)
-    if (any(flag.startswith("avx512") for flag in cpu_flags) and cpu_has(SIMDE_CPU_FLAGS)
+    if (simde and any(flag.startswith("avx512") for flag in cpu_flags) and cpu_has(SIMDE_CPU_FLAGS)
             and (include := simde_include()) is not None):
         return Target((*SIMDE_CFLAGS, "-include", SIMDE_HEADER.name, f"-DVIVACE_SIMDE={_simde_version()}"),
                       (include,), (SIMDE_HEADER,))
@@ -131,7 +137,7 @@ def cpu_has(flags: tuple[str, ...]) -> bool:
 def load(name: str) -> bool:
     """``load_library`` of ``LIBRARIES[name]``."""
     lib = LIBRARIES[name]
-    return load_library(lib.source, lib.cflags, lib.cpu_flags)
+    return load_library(lib.source, lib.cflags, lib.cpu_flags, lib.simde)
 
 
 def prebuild(names: tuple[str, ...] | None = None, workers: int | None = None) -> list[threading.Thread]:
@@ -142,7 +148,7 @@ def prebuild(names: tuple[str, ...] | None = None, workers: int | None = None) -
     waits for its build here."""
     libraries = sorted((LIBRARIES[name] for name in names or LIBRARIES),
                        key=lambda lib: (lib.late, -lib.source.stat().st_size))
-    queue = collections.deque(run for claimed in (_claim(lib.source, lib.cflags, lib.cpu_flags) for lib in libraries)
+    queue = collections.deque(run for claimed in (_claim(lib.source, lib.cflags, lib.cpu_flags, lib.simde) for lib in libraries)
                               if claimed is not None and (run := claimed[1]) is not None)
 
     def work() -> None:
@@ -161,12 +167,13 @@ def prebuild(names: tuple[str, ...] | None = None, workers: int | None = None) -
     return threads
 
 
-def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[str, ...] = ()) -> bool:
+def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[str, ...] = (),
+                 simde: bool = True) -> bool:
     """Build ``source`` (or reuse its cached build) and load it into this process, which runs its
     op registrations. False, and nothing loaded, when ``VIVACE_KERNELS=torch``, the CPU lacks one
     of ``cpu_flags``, or the build or load fails (logged). Once per process and build: a second
     call, from any thread, waits for the first one's result."""
-    claimed = _claim(source, cflags, cpu_flags)
+    claimed = _claim(source, cflags, cpu_flags, simde)
     if claimed is None:
         return False
     build, run = claimed
@@ -175,11 +182,11 @@ def load_library(source: Path, cflags: tuple[str, ...] = (), cpu_flags: tuple[st
     return build.result()
 
 
-def _claim(source: Path, cflags: tuple[str, ...], cpu_flags: tuple[str, ...]
+def _claim(source: Path, cflags: tuple[str, ...], cpu_flags: tuple[str, ...], simde: bool = True
            ) -> tuple[Future[bool], Callable[[], None] | None] | None:
     """None when the library is not to be used here; else the future of this process's build of
     it and, for the first caller only, the function that runs that build."""
-    built = None if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" else target(cflags, cpu_flags)
+    built = None if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch" else target(cflags, cpu_flags, simde)
     if built is None:
         return None
     # The headers beside the source (and SIMDe's force-included one) are part of what is built.
