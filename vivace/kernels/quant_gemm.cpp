@@ -265,12 +265,6 @@ void rows_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0) {
   for (int64_t t = tile0; t < tile1; ++t) tile_block<BITS, S, MB, 1>(p, t, m0);
 }
 
-// Activation rows a pass over a block's weights. On AVX2 (the SIMDe build) 8 rows' accumulators
-// fill all 16 registers and spill, but 4 rows a pass measured no faster for a 512-token prompt
-// (3.13 s either way) and slower served at 16 streams (86.5 -> 69.2 tok/s): the weights are read
-// twice as often.
-constexpr int kRowsPerPass = 8;
-
 template <int BITS, Scheme S>
 void run(const Problem& p) {
   const int64_t tiles = p.n / kTile;
@@ -287,7 +281,9 @@ void run(const Problem& p) {
     for (int64_t t0 = first; t0 < last; t0 += 4) {  // blocks outer: a block's weights stay in L1 across rows
       const int64_t t1 = std::min(last, t0 + 4);
       int64_t m0 = 0;
-      for (; m0 + kRowsPerPass <= p.m; m0 += kRowsPerPass) rows_block<BITS, S, kRowsPerPass>(p, t0, t1, m0);
+      // 8 rows on AVX2 too (the SIMDe build), where their accumulators spill: 4 rows a pass read
+      // the weights twice as often (16 streams served 86.5 -> 69.2 tok/s, a 512-token prompt no faster).
+      for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, S, 8>(p, t0, t1, m0);
       // The other rows in one pass over the weights (a verify step's k + 1 = 5 rows took as
       // long as 8 when split into 4 + 1).
       switch (p.m - m0) {

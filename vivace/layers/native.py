@@ -111,11 +111,18 @@ def target(cflags: tuple[str, ...], cpu_flags: tuple[str, ...], simde: bool = Tr
     SIMDe build (where ``simde``); else None (the PyTorch fallback)."""
     if cpu_has(cpu_flags):
         return Target(cflags)
-    if (simde and any(flag.startswith("avx512") for flag in cpu_flags) and cpu_has(SIMDE_CPU_FLAGS)
-            and (include := simde_include()) is not None):
-        return Target((*SIMDE_CFLAGS, "-include", SIMDE_HEADER.name, f"-DVIVACE_SIMDE={_simde_version()}"),
-                      (include,), (SIMDE_HEADER,))
+    if simde and any(flag.startswith("avx512") for flag in cpu_flags):
+        return simde_target()
     return None
+
+
+def simde_target() -> Target | None:
+    """The SIMDe build's flags and headers; None on a CPU without AVX2, FMA and F16C, or
+    without the simde-py package."""
+    if not cpu_has(SIMDE_CPU_FLAGS) or (include := simde_include()) is None:
+        return None
+    return Target((*SIMDE_CFLAGS, "-include", SIMDE_HEADER.name, f"-DVIVACE_SIMDE={_simde_version()}"),
+                  (include,), (SIMDE_HEADER,))
 
 
 @functools.cache

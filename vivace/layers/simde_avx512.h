@@ -54,24 +54,6 @@ inline int reduce_add_epi32(simde__m512i a) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// VREDUCEPS with 0 fraction bits kept: x minus x rounded by imm's mode (imm & 3: nearest, down,
-// up, toward zero); the only form vivace uses.
-inline simde__m512 reduce_ps(simde__m512 a, const int imm) {
-  simde__m512_private a_ = simde__m512_to_private(a), r;
-  for (int h = 0; h < 2; ++h) {
-    const __m256 x = a_.m256[h];
-    __m256 rounded;
-    switch (imm & 3) {
-      case 0: rounded = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); break;
-      case 1: rounded = _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); break;
-      case 2: rounded = _mm256_round_ps(x, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); break;
-      default: rounded = _mm256_round_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC); break;
-    }
-    r.m256[h] = _mm256_sub_ps(x, rounded);
-  }
-  return simde__m512_from_private(r);
-}
-
 // VPDPBUSD: acc + the sums of four u8 x s8 products a lane. SIMDe's runs lane by lane; here
 // VPMADDUBSW on the codes' nibbles (a pair of products of a nibble fits int16 unsaturated) and
 // VPMADDWD to int32, the high nibbles' sums weighted by 16: exact for any u8.
@@ -154,8 +136,6 @@ inline void mask_storeu_epi16(void* p, simde__mmask16 k, simde__m256i a) {
 #define _mm512_reduce_add_ps(a) vivace_simde::reduce_add_ps(a)
 #undef _mm512_reduce_add_epi32
 #define _mm512_reduce_add_epi32(a) vivace_simde::reduce_add_epi32(a)
-#undef _mm512_reduce_ps
-#define _mm512_reduce_ps(a, imm) vivace_simde::reduce_ps(a, imm)
 #undef _mm512_maskz_loadu_ps
 #define _mm512_maskz_loadu_ps(k, p) vivace_simde::maskz_loadu_ps(k, p)
 #undef _mm512_mask_storeu_ps
