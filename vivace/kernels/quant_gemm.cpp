@@ -22,13 +22,21 @@
 // one dot per sub-block, dot0 and dot1, and the code sums s0, s1 of the activation's halves:
 //   y += dx * ((d * sc0) * (dot0 - z * s0) + (d * sc1) * (dot1 - z * s1)),
 // each factor exact in fp32 (the dot differences are integers below 2^17).
+//
+// Without VPDPBUSD (the AVX2 build through SIMDe, layers/simde_avx512.h) an integer dot costs
+// about what a float FMA does, and these loops, written for 32 vector registers, spill on 16: there
+// a product of kFloatRows or more activation rows (a prompt) dequantizes the weight to fp32 a
+// block of columns at a time and multiplies through ATen's GEMM (oneDNN), the activations in fp32.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -36,6 +44,16 @@ namespace {
 constexpr int kTile = 16;   // output rows per vector
 constexpr int kGroup = 32;  // activation quantization group
 constexpr int64_t kMinWorkPerThread = 128 * 1024;
+#ifdef VIVACE_SIMDE
+// A 576 x 3072 int4 weight at M = 32: 2.8 ms in the integer loops, 1.4 ms in fp32 F.linear
+// (benchmarks/kernels.py); the dequantization costs what a few rows' GEMM does.
+constexpr int64_t kFloatRows = 32;
+#else
+constexpr int64_t kFloatRows = 0;  // never: VPDPBUSD's integer dots are the faster
+#endif
+// The fp32 weight block of the float path: columns enough for this many bytes, so that a
+// block is still in the last-level cache when the GEMM reads it.
+constexpr int64_t kFloatBlockBytes = 8 << 20;
 
 // Per-thread scratch for the quantized activations, reused across calls (no allocation).
 struct QuantizedActivations {
@@ -299,6 +317,117 @@ void run(const Problem& p) {
   });
 }
 
+// The 16 codes (one a row) at byte i of each 32-bit lane of v.
+inline __m512i lane_byte(__m512i v, int i) {
+  return _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(8 * i)), _mm512_set1_epi32(0xFF));
+}
+
+// Bits 2f, 2f + 1 (or, with WIDTH 1, bit f) of each byte of a plane, moved to bits 4 (and 5).
+template <int WIDTH>
+inline __m512i plane_bits(__m512i plane, int shift) {
+  const __m512i mask = _mm512_set1_epi8(WIDTH == 1 ? 0x01 : 0x03);
+  return _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(plane, _mm512_set1_epi32(shift)), mask), 4);
+}
+
+// Tile ``tile``'s weights (16 output rows, all of K) as fp32 into out[k * ld + r], r < 16: the
+// transposed weight, so that 16 rows of one k are one store.
+template <int BITS, Scheme S>
+void dequantize_tile(const Problem& p, int64_t tile, float* out, int64_t ld) {
+  constexpr bool HAS_MIN = S == kMin || S == kSubMin;
+  const int64_t groups = p.k / kGroup, wgroups = p.k / p.weight_group;
+  const int64_t per_wgroup = p.weight_group / kGroup;
+  const int64_t tile_bytes = p.k * kTile * BITS / 8;
+  const uint8_t* codes = p.codes + tile * tile_bytes;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi32(static_cast<int32_t>(p.zero_point));
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t sidx = (tile * wgroups + g / per_wgroup) * kTile;
+    __m512 d0 = load_half16(p.scales + sidx), d1 = d0;
+    __m512 mn = HAS_MIN ? load_half16(p.mins + sidx) : _mm512_setzero_ps();
+    if constexpr (S == kSubMin) {
+      const int64_t sub = (tile * groups + g) * kTile;
+      d0 = d1 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(load_int8x16(p.sub_scales + sub)));
+      mn = _mm512_mul_ps(mn, _mm512_cvtepi32_ps(load_int8x16(p.sub_mins + sub)));
+    } else if constexpr (S == kSub16ZeroPoint) {
+      const int8_t* sc = p.sub_scales + (tile * groups * 2 + 2 * g) * kTile;
+      d0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(load_int8x16(sc)));
+      d1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(load_int8x16(sc + kTile)));
+    }
+    float* og = out + g * kGroup * ld;
+    auto put = [&](int kk, __m512i q) {
+      const __m512 d = kk < 16 ? d0 : d1;
+      const __m512 w = HAS_MIN ? _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), mn)
+                               : _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, z)));
+      _mm512_storeu_ps(og + kk * ld, w);
+    };
+    if constexpr (BITS == 8) {
+      for (int j = 0; j < kGroup / 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(codes + (g * 8 + j) * 64);
+        for (int i = 0; i < 4; ++i) put(4 * j + i, lane_byte(v, i));
+      }
+    } else {
+      const uint8_t* group = codes + g * (kGroup * kTile * BITS / 8);
+      for (int j = 0; j < kGroup / 8; ++j) {
+        const __m512i v = _mm512_loadu_si512(group + j * 64);
+        __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        if constexpr (BITS == 5) {  // bit 2j (2j + 1) of the fifth-bits plane: the low (high) nibble's
+          const __m512i fifth = _mm512_loadu_si512(group + 256);
+          lo = _mm512_or_si512(lo, plane_bits<1>(fifth, 2 * j));
+          hi = _mm512_or_si512(hi, plane_bits<1>(fifth, 2 * j + 1));
+        } else if constexpr (BITS == 6) {  // plane j / 2, bits 2f, 2f + 1 with f = 2 (j % 2) + h
+          const __m512i plane = _mm512_loadu_si512(group + 256 + 64 * (j / 2));
+          lo = _mm512_or_si512(lo, plane_bits<2>(plane, 4 * (j % 2)));
+          hi = _mm512_or_si512(hi, plane_bits<2>(plane, 4 * (j % 2) + 2));
+        }
+        for (int i = 0; i < 4; ++i) {
+          put(8 * j + i, lane_byte(lo, i));
+          put(8 * j + 4 + i, lane_byte(hi, i));
+        }
+      }
+    }
+  }
+}
+
+// Calls f(bits, scheme) with both as compile-time constants, for the pairs quant_linear accepts.
+template <typename F>
+void dispatch(int64_t bits, Scheme scheme, F&& f) {
+  using I4 = std::integral_constant<int, 4>; using I5 = std::integral_constant<int, 5>;
+  using I6 = std::integral_constant<int, 6>; using I8 = std::integral_constant<int, 8>;
+  auto one_level = [&](auto s) { if (bits == 8) f(I8{}, s); else if (bits == 5) f(I5{}, s); else f(I4{}, s); };
+  switch (scheme) {
+    case kSub16ZeroPoint: f(I6{}, std::integral_constant<Scheme, kSub16ZeroPoint>{}); break;
+    case kSubMin:
+      if (bits == 5) f(I5{}, std::integral_constant<Scheme, kSubMin>{});
+      else f(I4{}, std::integral_constant<Scheme, kSubMin>{});
+      break;
+    case kMin: one_level(std::integral_constant<Scheme, kMin>{}); break;
+    case kZeroPoint: one_level(std::integral_constant<Scheme, kZeroPoint>{}); break;
+  }
+}
+
+// Tiles [tile0, tile1) dequantized into out (row stride ld), the tiles split across threads.
+void dequantize_tiles(const Problem& p, int64_t bits, Scheme scheme, int64_t tile0, int64_t tile1, float* out,
+                      int64_t ld) {
+  dispatch(bits, scheme, [&](auto b, auto s) {
+    at::parallel_for(tile0, tile1, 1, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t)
+        dequantize_tile<decltype(b)::value, decltype(s)::value>(p, t, out + (t - tile0) * kTile, ld);
+    });
+  });
+}
+
+// y [M, N] = x [M, K] (fp32) @ W^T through fp32 blocks of W^T and ATen's GEMM (bias not added).
+void float_linear(const Problem& p, int64_t bits, Scheme scheme, const at::Tensor& x, at::Tensor& y) {
+  const int64_t tiles = p.n / kTile;
+  const int64_t block = std::min(tiles, std::max<int64_t>(1, kFloatBlockBytes / (p.k * kTile * 4)));
+  at::Tensor w = at::empty({p.k, block * kTile}, x.options());
+  for (int64_t t0 = 0; t0 < tiles; t0 += block) {
+    const int64_t t1 = std::min(tiles, t0 + block), cols = (t1 - t0) * kTile;
+    dequantize_tiles(p, bits, scheme, t0, t1, w.data_ptr<float>(), w.size(1));
+    at::Tensor out = y.narrow(1, t0 * kTile, cols);
+    at::mm_out(out, x, w.narrow(1, 0, cols));
+  }
+}
+
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                         int64_t bits, int64_t out_features, int64_t weight_group, int64_t zero_point,
@@ -329,23 +458,24 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
     TORCH_CHECK(has_min == sub_mins.has_value() && (!has_min || (sub_mins->scalar_type() == at::kChar &&
                 sub_mins->numel() == sub_scales->numel())), "sub-block mins: like the sub-block scales, with mins");
   }
-  const QuantizedActivations& xa = quantize_activations(x, has_min ? 1.0f : -static_cast<float>(zero_point));
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   const at::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const bool by_float = kFloatRows > 0 && m >= kFloatRows;
+  const QuantizedActivations* xa =
+      by_float ? nullptr : &quantize_activations(x, has_min ? 1.0f : -static_cast<float>(zero_point));
   Problem p{codes.data_ptr<uint8_t>(), reinterpret_cast<const at::Half*>(scales.data_ptr<int16_t>()),
             has_min ? reinterpret_cast<const at::Half*>(mins->data_ptr<int16_t>()) : nullptr,
             bias32.defined() ? bias32.data_ptr<float>() : nullptr,
             two_level ? sub_scales->data_ptr<int8_t>() : nullptr,
             two_level && has_min ? sub_mins->data_ptr<int8_t>() : nullptr,
-            xa.codes.data(), xa.scales.data(), xa.offsets.data(), xa.sums.data(),
+            xa ? xa->codes.data() : nullptr, xa ? xa->scales.data() : nullptr,
+            xa ? xa->offsets.data() : nullptr, xa ? xa->sums.data() : nullptr,
             y.data_ptr<float>(), m, n, k, weight_group, zero_point};
-  switch (scheme) {
-    case kSub16ZeroPoint: run<6, kSub16ZeroPoint>(p); break;
-    case kSubMin: if (bits == 5) run<5, kSubMin>(p); else run<4, kSubMin>(p); break;
-    case kMin: if (bits == 8) run<8, kMin>(p); else if (bits == 5) run<5, kMin>(p); else run<4, kMin>(p); break;
-    case kZeroPoint:
-      if (bits == 8) run<8, kZeroPoint>(p); else if (bits == 5) run<5, kZeroPoint>(p); else run<4, kZeroPoint>(p);
-      break;
+  if (by_float) {
+    float_linear(p, bits, scheme, x.to(at::kFloat), y);
+    if (bias32.defined()) y.add_(bias32);
+  } else {
+    dispatch(bits, scheme, [&](auto b, auto s) { run<decltype(b)::value, decltype(s)::value>(p); });
   }
   if (out_features != n) y = y.narrow(1, 0, out_features).contiguous();
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
@@ -363,3 +493,8 @@ TORCH_LIBRARY(vivace_kernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(vivace_kernels, CPU, m) { m.impl("quant_linear", &quant_linear); }
+
+// The number of activation rows from which quant_linear takes the float path (0: never).
+TORCH_LIBRARY_FRAGMENT(vivace_kernels, m) {
+  m.def("quant_linear_float_rows() -> int", []() -> int64_t { return kFloatRows; });
+}
