@@ -1,11 +1,9 @@
 """Native CPU kernels for weight-only quantized linear layers (built by ``vivace.layers.native``).
 
 ``quant_linear_kernel()`` returns the op ``torch.ops.vivace_kernels.quant_linear`` (schema in
-``quant_gemm.cpp``), or None when it cannot be used: the CPU has neither AVX-512 VNNI nor the
-AVX2 of the SIMDe build, the build fails (no compiler, no ninja), or ``VIVACE_KERNELS=torch``
-forces the pure-PyTorch fallback. Callers must work either way. ``quant_linear_float_rows()``:
-from how many activation rows the op dequantizes to fp32 and multiplies through ATen's GEMM (the
-SIMDe build, where that is faster for a prompt than its integer dots), 0 when it never does.
+``quant_gemm.cpp``), or None when it cannot be used: the CPU lacks AVX-512 VNNI, the build
+fails (no compiler, no ninja), or ``VIVACE_KERNELS=torch`` forces the pure-PyTorch fallback.
+Callers must work either way.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import torch
 
 from vivace.layers import native
 from vivace.layers.native import FORCE_FALLBACK_ENV
+
 
 
 @functools.cache
@@ -41,10 +40,3 @@ def quant_linear_kernel() -> Callable[..., torch.Tensor] | None:
     if os.environ.get(FORCE_FALLBACK_ENV, "").lower() == "torch":
         return None
     return _load()
-
-
-def quant_linear_float_rows() -> int:
-    """The activation rows from which the op takes its float path; 0: never, or no native op."""
-    if quant_linear_kernel() is None:
-        return 0
-    return torch.ops.vivace_kernels.quant_linear_float_rows()

@@ -22,14 +22,8 @@
 // one dot per sub-block, dot0 and dot1, and the code sums s0, s1 of the activation's halves:
 //   y += dx * ((d * sc0) * (dot0 - z * s0) + (d * sc1) * (dot1 - z * s1)),
 // each factor exact in fp32 (the dot differences are integers below 2^17).
-//
-// Without VPDPBUSD (the AVX2 build through SIMDe, layers/simde_avx512.h) an integer dot costs
-// about what a float FMA does, and these loops, written for 32 vector registers, spill on 16: there
-// a product of kFloatRows or more activation rows (a prompt) dequantizes the weight to fp32 a
-// block of columns at a time and multiplies through ATen's GEMM (oneDNN), the activations in fp32.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -44,16 +38,6 @@ namespace {
 constexpr int kTile = 16;   // output rows per vector
 constexpr int kGroup = 32;  // activation quantization group
 constexpr int64_t kMinWorkPerThread = 128 * 1024;
-#ifdef VIVACE_SIMDE
-// A 576 x 3072 int4 weight at M = 32: 2.8 ms in the integer loops, 1.4 ms in fp32 F.linear
-// (benchmarks/kernels.py); the dequantization costs what a few rows' GEMM does.
-constexpr int64_t kFloatRows = 32;
-#else
-constexpr int64_t kFloatRows = 0;  // never: VPDPBUSD's integer dots are the faster
-#endif
-// The fp32 weight block of the float path: columns enough for this many bytes, so that a
-// block is still in the last-level cache when the GEMM reads it.
-constexpr int64_t kFloatBlockBytes = 8 << 20;
 
 // Per-thread scratch for the quantized activations, reused across calls (no allocation).
 struct QuantizedActivations {
@@ -275,12 +259,159 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
   }
 }
 
+#ifdef VIVACE_SIMDE
+// AVX2 (the SIMDe build). tile_block's __m512 values live in pairs of the 16 ymm registers, so
+// its 8-row passes spill, and SIMDe's wrappers go through memory too: here the same sums in
+// native 256-bit code, a tile as two halves of 8 rows (the first and second 32 bytes of each
+// 64-byte weight vector, the rows' scales 8 a half), kAvx2Rows activation rows a pass.
+constexpr int kAvx2Rows = 4;
+
+inline __m256i bcast4_256(const int8_t* p) {
+  int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v);
+}
+
+// acc + the sums of four products a lane of codes below 64 (lo, hi) against int8 activations
+// (xlo, xhi): the two VPMADDUBSW results added in int16 (each at most 2 * 63 * 128 = 16,128 in
+// magnitude, so the sum fits), then one VPMADDWD.
+inline __m256i dot2_small(__m256i acc, __m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// Bits `shift` .. `shift` + WIDTH - 1 of each byte of a plane of fifth (WIDTH 1) or top (WIDTH
+// 2) bits, moved to bit 4 and up.
+template <int WIDTH>
+inline __m256i plane_bits256(__m256i plane, int shift) {
+  const __m256i mask = _mm256_set1_epi8(WIDTH == 1 ? 0x01 : 0x03);
+  return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(plane, _mm256_set1_epi32(shift)), mask), 4);
+}
+
+inline __m256 load_half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 load_int8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Rows 8 * half .. 8 * half + 7 of tile `tile` against MB activation rows from m0.
+template <int BITS, Scheme S, int MB>
+void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
+  constexpr bool HAS_MIN = S == kMin || S == kSubMin;
+  const int64_t groups = p.k / kGroup, wgroups = p.k / p.weight_group;
+  const int64_t per_wgroup = p.weight_group / kGroup;
+  const int64_t tile_bytes = p.k * kTile * BITS / 8;
+  const uint8_t* codes = p.codes + tile * tile_bytes + 32 * half;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 accf[MB];
+  for (int i = 0; i < MB; ++i) accf[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[MB], acc_hi[MB];  // acc_hi: int6's second 16-k sub-block
+    for (int i = 0; i < MB; ++i) acc[i] = acc_hi[i] = _mm256_setzero_si256();
+    const int8_t* xg = p.xq + m0 * p.k + g * kGroup;
+    if constexpr (BITS == 8) {
+      // Codes q - 128 (signed), as in llama.cpp's AVX2 dots: VPMADDUBSW of |q - 128| (at most 128)
+      // against x signed like q - 128 (|x| <= 127: no overflow in the negation, and a pair of
+      // products at most 2 * 128 * 127 = 32,512), then 128 * sum(x) added back, exact.
+      for (int j = 0; j < kGroup / 4; ++j) {
+        const __m256i w = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (g * 8 + j) * 64)), _mm256_set1_epi8(-128));
+        const __m256i magnitude = _mm256_abs_epi8(w);
+        for (int i = 0; i < MB; ++i) {
+          const __m256i x = _mm256_sign_epi8(bcast4_256(xg + i * p.k + 4 * j), w);
+          acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), _mm256_set1_epi16(1)));
+        }
+      }
+      for (int i = 0; i < MB; ++i) {
+        const int32_t* s = p.sums + 2 * ((m0 + i) * groups + g);
+        acc[i] = _mm256_add_epi32(acc[i], _mm256_set1_epi32(128 * (s[0] + s[1])));
+      }
+    } else {
+      const uint8_t* group = codes + g * (kGroup * kTile * BITS / 8);
+      for (int j = 0; j < kGroup / 8; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j * 64));
+        __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        if constexpr (BITS == 5) {  // bit 2j (2j + 1) of the fifth-bits plane: the low (high) nibble's
+          const __m256i fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 256));
+          lo = _mm256_or_si256(lo, plane_bits256<1>(fifth, 2 * j));
+          hi = _mm256_or_si256(hi, plane_bits256<1>(fifth, 2 * j + 1));
+        } else if constexpr (BITS == 6) {  // plane j / 2, bits 2f, 2f + 1 with f = 2 (j % 2) + h
+          const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 256 + 64 * (j / 2)));
+          lo = _mm256_or_si256(lo, plane_bits256<2>(plane, 4 * (j % 2)));
+          hi = _mm256_or_si256(hi, plane_bits256<2>(plane, 4 * (j % 2) + 2));
+        }
+        __m256i (&into)[MB] = BITS == 6 && j >= 2 ? acc_hi : acc;
+        for (int i = 0; i < MB; ++i) {
+          const int8_t* xr = xg + i * p.k + 8 * j;
+          into[i] = dot2_small(into[i], lo, bcast4_256(xr), hi, bcast4_256(xr + 4));
+        }
+      }
+    }
+    const int64_t sidx = (tile * wgroups + g / per_wgroup) * kTile + 8 * half;
+    __m256 d = load_half8(p.scales + sidx);
+    __m256 mn = HAS_MIN ? load_half8(p.mins + sidx) : d;
+    if constexpr (S == kSub16ZeroPoint) {
+      const int8_t* sc = p.sub_scales + (tile * groups * 2 + 2 * g) * kTile + 8 * half;
+      const __m256 dsc0 = _mm256_mul_ps(d, load_int8x8(sc)), dsc1 = _mm256_mul_ps(d, load_int8x8(sc + kTile));
+      for (int i = 0; i < MB; ++i) {
+        const int64_t xi = (m0 + i) * groups + g;
+        const int32_t* s = p.sums + 2 * xi;
+        const __m256i lo = _mm256_sub_epi32(acc[i], _mm256_set1_epi32(static_cast<int32_t>(p.zero_point) * s[0]));
+        const __m256i hi = _mm256_sub_epi32(acc_hi[i], _mm256_set1_epi32(static_cast<int32_t>(p.zero_point) * s[1]));
+        const __m256 dot = _mm256_fmadd_ps(dsc0, _mm256_cvtepi32_ps(lo), _mm256_mul_ps(dsc1, _mm256_cvtepi32_ps(hi)));
+        accf[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(p.dx[xi]), accf[i]);
+      }
+      continue;
+    }
+    if constexpr (S == kSubMin) {
+      const int64_t sub = (tile * groups + g) * kTile + 8 * half;
+      d = _mm256_mul_ps(d, load_int8x8(p.sub_scales + sub));
+      mn = _mm256_mul_ps(mn, load_int8x8(p.sub_mins + sub));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const int64_t xi = (m0 + i) * groups + g;
+      const __m256 dot = _mm256_cvtepi32_ps(acc[i]), off = _mm256_set1_ps(p.off[xi]);
+      if constexpr (HAS_MIN) {
+        accf[i] = _mm256_fmadd_ps(d, _mm256_mul_ps(dot, _mm256_set1_ps(p.dx[xi])), accf[i]);
+        accf[i] = _mm256_fmadd_ps(mn, off, accf[i]);
+      } else {
+        accf[i] = _mm256_fmadd_ps(d, _mm256_fmadd_ps(dot, _mm256_set1_ps(p.dx[xi]), off), accf[i]);
+      }
+    }
+  }
+  const int64_t col = tile * kTile + 8 * half;
+  const __m256 b = p.bias ? _mm256_loadu_ps(p.bias + col) : _mm256_setzero_ps();
+  for (int i = 0; i < MB; ++i) _mm256_storeu_ps(p.y + (m0 + i) * p.n + col, _mm256_add_ps(accf[i], b));
+}
+
+constexpr int kRowsPerPass = kAvx2Rows;
+#else
+constexpr int kRowsPerPass = 8;
+#endif
+
 template <int BITS, Scheme S, int MB>
 void rows_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0) {
+#ifdef VIVACE_SIMDE
+  for (int64_t t = tile0; t < tile1; ++t) {
+    half_tile_block<BITS, S, MB>(p, t, 0, m0);
+    half_tile_block<BITS, S, MB>(p, t, 1, m0);
+  }
+#else
   // One tile at a time: its weights are one sequential stream. Interleaving 2 or 4 tiles'
   // streams measured slower for every M (lm_head M=1 1048 -> 865 us, M=4 1796 -> 1017 us,
   // benchmarks/kernels.py --threads 1 --clock cpu).
   for (int64_t t = tile0; t < tile1; ++t) tile_block<BITS, S, MB, 1>(p, t, m0);
+#endif
+}
+
+// The last `rows` (< kRowsPerPass) activation rows from m0 in one pass over the weights (a
+// verify step's k + 1 = 5 rows took as long as 8 when split into 4 + 1).
+template <int BITS, Scheme S, int R>
+void rest_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) rows_block<BITS, S, R>(p, tile0, tile1, m0);
+    else rest_block<BITS, S, R - 1>(p, tile0, tile1, m0, rows);
+  }
 }
 
 template <int BITS, Scheme S>
@@ -299,92 +430,10 @@ void run(const Problem& p) {
     for (int64_t t0 = first; t0 < last; t0 += 4) {  // blocks outer: a block's weights stay in L1 across rows
       const int64_t t1 = std::min(last, t0 + 4);
       int64_t m0 = 0;
-      // 8 rows on AVX2 too (the SIMDe build), where their accumulators spill: 4 rows a pass read
-      // the weights twice as often (16 streams served 86.5 -> 69.2 tok/s, a 512-token prompt no faster).
-      for (; m0 + 8 <= p.m; m0 += 8) rows_block<BITS, S, 8>(p, t0, t1, m0);
-      // The other rows in one pass over the weights (a verify step's k + 1 = 5 rows took as
-      // long as 8 when split into 4 + 1).
-      switch (p.m - m0) {
-        case 7: rows_block<BITS, S, 7>(p, t0, t1, m0); break;
-        case 6: rows_block<BITS, S, 6>(p, t0, t1, m0); break;
-        case 5: rows_block<BITS, S, 5>(p, t0, t1, m0); break;
-        case 4: rows_block<BITS, S, 4>(p, t0, t1, m0); break;
-        case 3: rows_block<BITS, S, 3>(p, t0, t1, m0); break;
-        case 2: rows_block<BITS, S, 2>(p, t0, t1, m0); break;
-        case 1: rows_block<BITS, S, 1>(p, t0, t1, m0); break;
-      }
+      for (; m0 + kRowsPerPass <= p.m; m0 += kRowsPerPass) rows_block<BITS, S, kRowsPerPass>(p, t0, t1, m0);
+      rest_block<BITS, S, kRowsPerPass - 1>(p, t0, t1, m0, p.m - m0);
     }
   });
-}
-
-// The 16 codes (one a row) at byte i of each 32-bit lane of v.
-inline __m512i lane_byte(__m512i v, int i) {
-  return _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(8 * i)), _mm512_set1_epi32(0xFF));
-}
-
-// Bits 2f, 2f + 1 (or, with WIDTH 1, bit f) of each byte of a plane, moved to bits 4 (and 5).
-template <int WIDTH>
-inline __m512i plane_bits(__m512i plane, int shift) {
-  const __m512i mask = _mm512_set1_epi8(WIDTH == 1 ? 0x01 : 0x03);
-  return _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(plane, _mm512_set1_epi32(shift)), mask), 4);
-}
-
-// Tile ``tile``'s weights (16 output rows, all of K) as fp32 into out[k * ld + r], r < 16: the
-// transposed weight, so that 16 rows of one k are one store.
-template <int BITS, Scheme S>
-void dequantize_tile(const Problem& p, int64_t tile, float* out, int64_t ld) {
-  constexpr bool HAS_MIN = S == kMin || S == kSubMin;
-  const int64_t groups = p.k / kGroup, wgroups = p.k / p.weight_group;
-  const int64_t per_wgroup = p.weight_group / kGroup;
-  const int64_t tile_bytes = p.k * kTile * BITS / 8;
-  const uint8_t* codes = p.codes + tile * tile_bytes;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi32(static_cast<int32_t>(p.zero_point));
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t sidx = (tile * wgroups + g / per_wgroup) * kTile;
-    __m512 d0 = load_half16(p.scales + sidx), d1 = d0;
-    __m512 mn = HAS_MIN ? load_half16(p.mins + sidx) : _mm512_setzero_ps();
-    if constexpr (S == kSubMin) {
-      const int64_t sub = (tile * groups + g) * kTile;
-      d0 = d1 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(load_int8x16(p.sub_scales + sub)));
-      mn = _mm512_mul_ps(mn, _mm512_cvtepi32_ps(load_int8x16(p.sub_mins + sub)));
-    } else if constexpr (S == kSub16ZeroPoint) {
-      const int8_t* sc = p.sub_scales + (tile * groups * 2 + 2 * g) * kTile;
-      d0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(load_int8x16(sc)));
-      d1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(load_int8x16(sc + kTile)));
-    }
-    float* og = out + g * kGroup * ld;
-    auto put = [&](int kk, __m512i q) {
-      const __m512 d = kk < 16 ? d0 : d1;
-      const __m512 w = HAS_MIN ? _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), mn)
-                               : _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, z)));
-      _mm512_storeu_ps(og + kk * ld, w);
-    };
-    if constexpr (BITS == 8) {
-      for (int j = 0; j < kGroup / 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(codes + (g * 8 + j) * 64);
-        for (int i = 0; i < 4; ++i) put(4 * j + i, lane_byte(v, i));
-      }
-    } else {
-      const uint8_t* group = codes + g * (kGroup * kTile * BITS / 8);
-      for (int j = 0; j < kGroup / 8; ++j) {
-        const __m512i v = _mm512_loadu_si512(group + j * 64);
-        __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        if constexpr (BITS == 5) {  // bit 2j (2j + 1) of the fifth-bits plane: the low (high) nibble's
-          const __m512i fifth = _mm512_loadu_si512(group + 256);
-          lo = _mm512_or_si512(lo, plane_bits<1>(fifth, 2 * j));
-          hi = _mm512_or_si512(hi, plane_bits<1>(fifth, 2 * j + 1));
-        } else if constexpr (BITS == 6) {  // plane j / 2, bits 2f, 2f + 1 with f = 2 (j % 2) + h
-          const __m512i plane = _mm512_loadu_si512(group + 256 + 64 * (j / 2));
-          lo = _mm512_or_si512(lo, plane_bits<2>(plane, 4 * (j % 2)));
-          hi = _mm512_or_si512(hi, plane_bits<2>(plane, 4 * (j % 2) + 2));
-        }
-        for (int i = 0; i < 4; ++i) {
-          put(8 * j + i, lane_byte(lo, i));
-          put(8 * j + 4 + i, lane_byte(hi, i));
-        }
-      }
-    }
-  }
 }
 
 // Calls f(bits, scheme) with both as compile-time constants, for the pairs quant_linear accepts.
@@ -401,30 +450,6 @@ void dispatch(int64_t bits, Scheme scheme, F&& f) {
       break;
     case kMin: one_level(std::integral_constant<Scheme, kMin>{}); break;
     case kZeroPoint: one_level(std::integral_constant<Scheme, kZeroPoint>{}); break;
-  }
-}
-
-// Tiles [tile0, tile1) dequantized into out (row stride ld), the tiles split across threads.
-void dequantize_tiles(const Problem& p, int64_t bits, Scheme scheme, int64_t tile0, int64_t tile1, float* out,
-                      int64_t ld) {
-  dispatch(bits, scheme, [&](auto b, auto s) {
-    at::parallel_for(tile0, tile1, 1, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t)
-        dequantize_tile<decltype(b)::value, decltype(s)::value>(p, t, out + (t - tile0) * kTile, ld);
-    });
-  });
-}
-
-// y [M, N] = x [M, K] (fp32) @ W^T through fp32 blocks of W^T and ATen's GEMM (bias not added).
-void float_linear(const Problem& p, int64_t bits, Scheme scheme, const at::Tensor& x, at::Tensor& y) {
-  const int64_t tiles = p.n / kTile;
-  const int64_t block = std::min(tiles, std::max<int64_t>(1, kFloatBlockBytes / (p.k * kTile * 4)));
-  at::Tensor w = at::empty({p.k, block * kTile}, x.options());
-  for (int64_t t0 = 0; t0 < tiles; t0 += block) {
-    const int64_t t1 = std::min(tiles, t0 + block), cols = (t1 - t0) * kTile;
-    dequantize_tiles(p, bits, scheme, t0, t1, w.data_ptr<float>(), w.size(1));
-    at::Tensor out = y.narrow(1, t0 * kTile, cols);
-    at::mm_out(out, x, w.narrow(1, 0, cols));
   }
 }
 
@@ -460,23 +485,15 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   }
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   const at::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const bool by_float = kFloatRows > 0 && m >= kFloatRows;
-  const QuantizedActivations* xa =
-      by_float ? nullptr : &quantize_activations(x, has_min ? 1.0f : -static_cast<float>(zero_point));
+  const QuantizedActivations& xa = quantize_activations(x, has_min ? 1.0f : -static_cast<float>(zero_point));
   Problem p{codes.data_ptr<uint8_t>(), reinterpret_cast<const at::Half*>(scales.data_ptr<int16_t>()),
             has_min ? reinterpret_cast<const at::Half*>(mins->data_ptr<int16_t>()) : nullptr,
             bias32.defined() ? bias32.data_ptr<float>() : nullptr,
             two_level ? sub_scales->data_ptr<int8_t>() : nullptr,
             two_level && has_min ? sub_mins->data_ptr<int8_t>() : nullptr,
-            xa ? xa->codes.data() : nullptr, xa ? xa->scales.data() : nullptr,
-            xa ? xa->offsets.data() : nullptr, xa ? xa->sums.data() : nullptr,
+            xa.codes.data(), xa.scales.data(), xa.offsets.data(), xa.sums.data(),
             y.data_ptr<float>(), m, n, k, weight_group, zero_point};
-  if (by_float) {
-    float_linear(p, bits, scheme, x.to(at::kFloat), y);
-    if (bias32.defined()) y.add_(bias32);
-  } else {
-    dispatch(bits, scheme, [&](auto b, auto s) { run<decltype(b)::value, decltype(s)::value>(p); });
-  }
+  dispatch(bits, scheme, [&](auto b, auto s) { run<decltype(b)::value, decltype(s)::value>(p); });
   if (out_features != n) y = y.narrow(1, 0, out_features).contiguous();
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = out_features;
@@ -493,8 +510,3 @@ TORCH_LIBRARY(vivace_kernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(vivace_kernels, CPU, m) { m.impl("quant_linear", &quant_linear); }
-
-// The number of activation rows from which quant_linear takes the float path (0: never).
-TORCH_LIBRARY_FRAGMENT(vivace_kernels, m) {
-  m.def("quant_linear_float_rows() -> int", []() -> int64_t { return kFloatRows; });
-}
