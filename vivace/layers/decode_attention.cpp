@@ -194,6 +194,174 @@ void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int
   }
 }
 
+#ifdef VIVACE_SIMDE
+// AVX2 (the SIMDe build): attend_queries's __m512 values live in pairs of the 16 ymm registers,
+// and its 16-token score passes hold 64 of them: they spill, and the default model's decode
+// attention took ~70 us a layer at 128 tokens. Here the same attention in native 256-bit code,
+// sized for 16 registers: scores 8 tokens of one head at a time (the queries, scaled, in a float
+// buffer; the keys re-read from L1 per head), the values one head and up to 8 vectors at a time.
+// Every (query, token) score is the same sum in the same order whatever else the task holds, so
+// a verify step's rows equal the one-row steps they stand for, as above.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(at::BFloat16* p, __m256 x) {  // round to nearest even, as store16
+  __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void store8(at::Half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// Lane u: the sum of v[u]'s 8 lanes, by the same tree for every u.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hadd8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp_ps's polynomial on 8 lanes, 2^n built in the exponent bits (n in [-126, 127] after the clamp).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+// The scores of tokens t .. t + rest - 1 (rest <= 8) of `base` (rows `stride` apart) against the
+// scaled float query q, into sc[t ..]; missing tokens are zero in the tree and not stored.
+template <typename C, int N8, bool FULL>
+inline void score8(const float* q, const C* base, int64_t t, int rest, int64_t stride, float* sc) {
+  __m256 dot[8];
+  for (int u = 0; u < 8; ++u) dot[u] = _mm256_setzero_ps();
+  for (int i = 0; i < N8; ++i) {
+    const __m256 qi = _mm256_loadu_ps(q + 8 * i);
+    for (int u = 0; u < 8; ++u)
+      if (FULL || u < rest) dot[u] = _mm256_fmadd_ps(qi, load8(base + (t + u) * stride + 8 * i), dot[u]);
+  }
+  const __m256 sums = hsum8(dot);
+  if (FULL) {
+    _mm256_storeu_ps(sc + t, sums);
+  } else {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sums);
+    std::copy(lanes, lanes + rest, sc + t);
+  }
+}
+
+// attend_queries on AVX2 (the same arguments and results); ND = head_dim / 16.
+template <typename T, typename C, int ND>
+void attend_queries_avx2(const T* const* qs, T* const* outs, const int64_t* lens, int gb, const C* keys,
+                         const C* values, const int64_t* table, int64_t start, int64_t kvh, float scale,
+                         const Layout& s, std::vector<float>& buf) {
+  constexpr int N8 = 2 * ND;
+  constexpr int64_t D = 16 * ND;
+  const int64_t seq_len = *std::max_element(lens, lens + gb);
+  const int64_t stride = s.token_stride(), bs = s.block_size, num_blocks = (seq_len + bs - 1) / bs;
+  const int64_t first_block = start / bs, width = seq_len + 8;
+  const auto head_rows = [&](const C* cache, int64_t j) { return cache + table[j] * bs * stride + kvh * D; };
+  const auto rows_in = [&](int64_t j) { return std::min(bs, seq_len - j * bs); };
+  buf.resize(gb * (width + D));
+  float* query = buf.data() + gb * width;  // [gb, D]: the queries times the scale, in float32
+  for (int g = 0; g < gb; ++g)
+    for (int i = 0; i < N8; ++i)
+      _mm256_storeu_ps(query + g * D + 8 * i, _mm256_mul_ps(load8(qs[g] + 8 * i), _mm256_set1_ps(scale)));
+  const auto scores = [&](int g) { return buf.data() + g * width; };
+  for (int64_t j = first_block; j < num_blocks; ++j) {
+    const C* base = head_rows(keys, j);
+    const int64_t n = rows_in(j), at = j * bs;
+    if (j + 1 < num_blocks)
+      prefetch_rows(head_rows(keys, j + 1), rows_in(j + 1), stride, D);
+    else
+      prefetch_rows(head_rows(values, first_block), rows_in(first_block), stride, D);
+    for (int64_t t = std::max<int64_t>(0, start - at); t < n; t += 8) {
+      const int rest = static_cast<int>(std::min<int64_t>(8, n - t));
+      for (int g = 0; g < gb; ++g) {
+        if (rest == 8) score8<C, N8, true>(query + g * D, base, t, rest, stride, scores(g) + at);
+        else score8<C, N8, false>(query + g * D, base, t, rest, stride, scores(g) + at);
+      }
+    }
+  }
+  // Softmax numerators over each query's own tokens; each sum divides its output once at the end.
+  float inv[4];
+  for (int g = 0; g < gb; ++g) {
+    float* sc = scores(g);
+    const int64_t len = lens[g];
+    __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = start;
+    for (; t + 8 <= len; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sc + t));
+    float peak = hmax8(top8);
+    for (; t < len; ++t) peak = std::max(peak, sc[t]);
+    std::fill(sc + len, sc + seq_len, 0.0f);
+    const __m256 top = _mm256_set1_ps(peak);
+    __m256 total8 = _mm256_setzero_ps();
+    for (t = start; t + 8 <= len; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), top));
+      total8 = _mm256_add_ps(total8, e);
+      _mm256_storeu_ps(sc + t, e);
+    }
+    float total = hadd8(total8);
+    for (; t < len; ++t) {
+      sc[t] = _mm256_cvtss_f32(exp8(_mm256_set1_ps(sc[t] - peak)));
+      total += sc[t];
+    }
+    inv[g] = 1.0f / total;
+  }
+  // Values weighted by the numerators, one head and up to 8 vectors of it at a time.
+  for (int g = 0; g < gb; ++g) {
+    const float* sc = scores(g);
+    for (int c = 0; c < N8; c += 8) {
+      const int cw = std::min(8, N8 - c);
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t j = first_block; j < num_blocks; ++j) {
+        const C* base = head_rows(values, j) + 8 * c;
+        const int64_t n = rows_in(j), at = j * bs;
+        if (g == 0 && c == 0 && j + 1 < num_blocks) prefetch_rows(head_rows(values, j + 1), rows_in(j + 1), stride, D);
+        for (int64_t u = std::max<int64_t>(0, start - at); u < n; ++u) {
+          const __m256 p = _mm256_set1_ps(sc[at + u]);
+          const C* v = base + u * stride;
+          for (int i = 0; i < 8; ++i)
+            if (i < cw) acc[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), acc[i]);
+        }
+      }
+      const __m256 w = _mm256_set1_ps(inv[g]);
+      for (int i = 0; i < cw; ++i) store8(outs[g] + 8 * (c + i), _mm256_mul_ps(acc[i], w));
+    }
+  }
+}
+#endif
+
 // Rows [n, stride] of T into cache rows of C (a plain copy when they match).
 template <typename T, typename C>
 void store_rows(C* dst, const T* src, int64_t len) {
@@ -281,7 +449,11 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   Attend attend = nullptr;
   int per_pass = 0;
   switch (s.head_dim / 16) {
+#ifdef VIVACE_SIMDE
+#define VIVACE_CASE(ND) case ND: attend = attend_queries_avx2<T, C, ND>; per_pass = heads_per_pass<1>(); break;
+#else
 #define VIVACE_CASE(ND) case ND: attend = attend_queries<T, C, ND>; per_pass = heads_per_pass<ND>(); break;
+#endif
     VIVACE_CASE(1) VIVACE_CASE(2) VIVACE_CASE(3) VIVACE_CASE(4) VIVACE_CASE(5) VIVACE_CASE(6) VIVACE_CASE(7)
     VIVACE_CASE(8) VIVACE_CASE(16)
 #undef VIVACE_CASE
