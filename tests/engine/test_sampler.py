@@ -28,7 +28,7 @@ def test_penalties_follow_their_definitions():
     sampler = Sampler(eos_token_ids=(0,))
     logits = torch.tensor([[1.0, 2.0, -1.0, 3.0, 0.5, 0.0, 0.0]])
     r = request(tokens=(2,), output=(3, 3, 4), repetition_penalty=2.0,
-                presence_penalty=0.5, frequency_penalty=0.25, logprobs=0)
+                presence_penalty=0.5, frequency_penalty=0.25, logprobs=0, temperature=0.0)
     out = sampler(logits.clone(), [r])
     expected = torch.tensor([1.0, 2.0, -2.0, 1.5 - 0.5 - 0.5, 0.25 - 0.25 - 0.5, 0.0, 0.0])
     assert out.token_ids == [1]
@@ -139,3 +139,14 @@ def test_verification_sees_the_logit_bias():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]] * 3)
     r = request(temperature=0, logit_bias={3: 100.0})
     assert sampler.verify(logits.clone(), r, [3, 1]).token_ids == [3, 3]  # the proposal's 1 is rejected
+
+
+def test_the_callers_logits_are_left_as_they_are():
+    """The engine hands the sampler a view of the step's logits: bias, penalties and the
+    min_tokens ban work on a copy."""
+    logits = torch.randn(2, 7)
+    before = logits.clone()
+    requests = [request(output=(3,), logit_bias={2: 50.0}, repetition_penalty=1.5, temperature=0.0),
+                request(min_tokens=4, temperature=0.0)]
+    out = Sampler(eos_token_ids=(0,))(logits, requests)
+    assert out.token_ids[0] == 2 and torch.equal(logits, before)

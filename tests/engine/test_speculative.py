@@ -7,7 +7,7 @@ import torch
 
 from vivace import LLM, SamplingParams
 from vivace.engine.request import Request
-from vivace.engine.speculative import AdaptiveK, propose_ngram, verify
+from vivace.engine.speculative import AdaptiveK, draw, propose_ngram, verify
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
@@ -38,6 +38,24 @@ def test_ngram_search_matches_the_plain_scan():
     # A long context where nothing recurs (the plain scan's slow case: ~170 ms at 200k tokens
     # against the search's ~6 ms; timed by hand, not here).
     assert propose_ngram(list(range(200_000)), 4) == []
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    """Chi-square over many draws from an unnormalized row with zeros (first and last too)."""
+    weights = torch.tensor([0.0, 2.0, 0.0, 5.0, 1.0, 2.0, 0.0])
+    generator = torch.Generator().manual_seed(1)
+    draws = 20000
+    counts = torch.bincount(torch.tensor([draw(weights, generator) for _ in range(draws)]), minlength=7).double()
+    assert counts[weights == 0].sum() == 0
+    expected = weights[weights > 0].double() / weights.sum() * draws
+    chi2 = float(((counts[weights > 0] - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27  # p = 0.001 with 3 degrees of freedom
+    assert {draw(torch.eye(5)[3], generator) for _ in range(50)} == {3}
+    # The same generator state, the same token.
+    state = generator.get_state()
+    first = [draw(weights, generator) for _ in range(20)]
+    generator.set_state(state)
+    assert [draw(weights, generator) for _ in range(20)] == first
 
 
 @pytest.mark.parametrize("with_draft", [False, True])

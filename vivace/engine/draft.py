@@ -15,6 +15,7 @@ from vivace.engine.runner import ModelRunner
 from vivace.engine.sampler import Sampler
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import ScheduledBatch
+from vivace.engine.speculative import draw
 from vivace.models import LoadedModel
 
 
@@ -86,7 +87,7 @@ class DraftProposer:
         if params.greedy:
             return int(logits.argmax()), None
         dist = sampler.probabilities(logits.float(), params)
-        return int(torch.multinomial(dist, 1, generator=request.generator or sampler.generator)), dist
+        return draw(dist, request.generator or sampler.generator), dist
 
     def release(self, request_id: str) -> None:
         shadow = self.shadows.pop(request_id, None)

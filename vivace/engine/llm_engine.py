@@ -474,8 +474,11 @@ class LLMEngine:
         if not plain:
             return []
         requests = [request for request, _ in plain]
+        rows = [row for _, row in plain]
+        # Consecutive rows (nearly always) as a view: an index copy of a row cost ~40 us on a CPU.
+        picked = logits[rows[0]:rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else logits[rows]
         try:
-            sampled = self.sampler(logits[[row for _, row in plain]], requests)
+            sampled = self.sampler(picked, requests)
         except Exception as exc:
             if len(plain) == 1:
                 return [(requests[0], exc)]

@@ -106,6 +106,20 @@ class AdaptiveK:
             request.spec_k = max(accepted, 1) if accepted else max(k // 2, 1)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from the distribution ``probs`` (1-D, non-negative, any positive sum): the first
+    whose cumulative probability passes a uniform draw (one double from ``generator``) times the
+    sum. A token of probability 0 is never drawn. ``torch.multinomial`` draws the same
+    distribution but took ~1.5 ms over a 49,152-token vocabulary on a CPU (the default model's
+    whole decode step is ~8 ms); this takes ~0.05 ms."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u, right=True))
+    if index >= len(cdf):  # u rounded up to the sum: the last token that has any probability
+        index = int(torch.nonzero(probs).max())
+    return index
+
+
 def verify(probs_or_logits: torch.Tensor, proposal: list[int], greedy: bool,
            generator: torch.Generator, draft_probs: torch.Tensor | None = None) -> list[int]:
     """Tokens to emit for one request: the accepted prefix of ``proposal`` then one token of
@@ -125,12 +139,12 @@ def verify(probs_or_logits: torch.Tensor, proposal: list[int], greedy: bool,
     if draft_probs is None:
         emitted = []
         for j, row in enumerate(probs):
-            emitted.append(int(torch.multinomial(row, 1, generator=generator)))
+            emitted.append(draw(row, generator))
             if j == len(proposal) or emitted[j] != proposal[j]:
                 return emitted
     for j, token in enumerate(proposal):
         if torch.rand((), generator=generator).item() * float(draft_probs[j, token]) < float(probs[j, token]):
             continue
         residual = (probs[j] - draft_probs[j]).clamp_min(0.0)
-        return proposal[:j] + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
-    return proposal + [int(torch.multinomial(probs[-1], 1, generator=generator))]
+        return proposal[:j] + [draw(residual, generator)]
+    return proposal + [draw(probs[-1], generator)]

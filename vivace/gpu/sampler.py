@@ -17,9 +17,9 @@ Draws are a Gumbel-max race: the argmax of the filtered, scaled logits plus ``-l
 with ``u`` from Philox keyed by the request's seed and counted by its output position and the token
 id. A seeded request so draws the same tokens alone, in any batch, and after a preemption; an
 unseeded one draws from the engine's seed, a per-step counter and its row. The numbers differ from
-the host sampler's ``torch.multinomial`` draws (the distribution is the same; the noise is capped at
-about 17.3, so a token more than that below the best in scaled logits, probability < 4e-8, is never
-drawn).
+the host sampler's draws (``vivace.engine.speculative.draw``; the distribution is the same; the
+noise is capped at about 17.3, so a token more than that below the best in scaled logits,
+probability < 4e-8, is never drawn).
 
 The engine samples on the host instead (from logits, as on CPU) when a batch holds a request the
 device cannot serve: a grammar-constrained one (its token masks are filled on the host), more
