@@ -1,8 +1,9 @@
 """Native CPU kernels for weight-only quantized linear layers (built by ``vivace.layers.native``).
 
 ``quant_linear_kernel()`` returns the op ``torch.ops.vivace_kernels.quant_linear`` (schema in
-``quant_gemm.cpp``), or None when it cannot be used: the CPU lacks AVX-512 VNNI, the build
-fails (no compiler, no ninja), or ``VIVACE_KERNELS=torch`` forces the pure-PyTorch fallback.
+``quant_gemm.cpp``), or None when it cannot be used: the CPU has neither AVX-512 VNNI nor the
+AVX2 of the SIMDe build (``vivace.layers.native``), the build fails (no compiler, no ninja), or
+``VIVACE_KERNELS=torch`` forces the pure-PyTorch fallback.
 Callers must work either way.
 """
 

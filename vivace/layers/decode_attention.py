@@ -4,7 +4,7 @@ One call per layer, a tensor-only signature (plus the constant scale) and a fake
 ``torch.compile`` captures a decode forward whole: the op is one opaque node, with no graph
 breaks and no recompiles per sequence length. Registered when this module is imported: the
 native AVX-512 kernel (``decode_attention.cpp``, built as ``vivace.layers.native`` says), or
-``reference_decode_attention`` when the CPU lacks AVX-512, the build fails, or
+``reference_decode_attention`` when the CPU has neither AVX-512 nor AVX2, the build fails, or
 ``VIVACE_KERNELS=torch``.
 """
 

@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers (int8 per output row, int4 per group, GGUF formats).
 
 ``QuantizedLinear`` keeps its weight in the tiled layout of ``vivace.layers.quant_format`` and
-runs the native AVX-512 VNNI kernel (activations quantized to int8 per group of 32 on the fly)
+runs the native kernel, AVX-512 VNNI or AVX2 (activations quantized to int8 per group of 32 on the fly)
 when it is available, else a pure-PyTorch fallback that dequantizes and calls ``F.linear``.
 """
 
