@@ -1,4 +1,5 @@
-// Weight-only int8/int6/int5/int4 GEMM for small and large M on AVX-512 VNNI.
+// Weight-only int8/int6/int5/int4 GEMM for small and large M on AVX-512 VNNI, and on AVX2 (the
+// SIMDe build: half_tile_block, the same sums in 256-bit code).
 //
 // Weights are tiled so that one 64-byte vector holds 16 output rows x 4 consecutive k
 // (int8) or 16 rows x 8 k as nibbles (int4: low nibbles k 0..3, high nibbles k 4..7).

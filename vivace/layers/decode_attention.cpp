@@ -1,4 +1,5 @@
-// Paged decode attention on AVX-512: one new query token per sequence, one op per layer.
+// Paged decode attention on AVX-512 (and on AVX2: attend_queries_avx2): one new query token per
+// sequence, one op per layer.
 //
 // Registers vivace::paged_decode_attention with the dispatcher, so eager calls and compiled
 // graphs (inductor's C++ wrapper included) reach it without Python. The cache is one tensor
