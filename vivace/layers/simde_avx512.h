@@ -85,7 +85,8 @@ inline simde__m512i dpbusd_small(simde__m512i acc, simde__m512i u, simde__m512i 
 }
 
 // SIMDe's masked loads and stores read and write all 16 lanes (a store writes zeros where the
-// mask is off): past the end of a row's tail. These touch only the lanes the mask keeps.
+// mask is off): past the end of a row's tail. These touch only the lanes the mask keeps; a full
+// mask (every chunk of a row but its tail) is a plain load or store (VMASKMOVPS is slow on AMD).
 inline __m256i lanes(unsigned bits) {
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), bit), bit);
@@ -93,6 +94,7 @@ inline __m256i lanes(unsigned bits) {
 
 inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
   const float* f = static_cast<const float*>(p);
+  if (k == 0xFFFF) return simde_mm512_loadu_ps(f);
   simde__m512_private r;
   r.m256[0] = _mm256_maskload_ps(f, lanes(k & 0xFF));
   r.m256[1] = _mm256_maskload_ps(f + 8, lanes(k >> 8));
@@ -101,12 +103,14 @@ inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
 
 inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
   float* f = static_cast<float*>(p);
+  if (k == 0xFFFF) return simde_mm512_storeu_ps(f, a);
   const simde__m512_private a_ = simde__m512_to_private(a);
   _mm256_maskstore_ps(f, lanes(k & 0xFF), a_.m256[0]);
   _mm256_maskstore_ps(f + 8, lanes(k >> 8), a_.m256[1]);
 }
 
 inline simde__m256i maskz_loadu_epi16(simde__mmask16 k, const void* p) {
+  if (k == 0xFFFF) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
   alignas(32) uint16_t lane[16] = {};
   const uint16_t* h = static_cast<const uint16_t*>(p);
   for (int i = 0; i < 16; ++i) {
@@ -116,6 +120,7 @@ inline simde__m256i maskz_loadu_epi16(simde__mmask16 k, const void* p) {
 }
 
 inline void mask_storeu_epi16(void* p, simde__mmask16 k, simde__m256i a) {
+  if (k == 0xFFFF) return _mm256_storeu_si256(static_cast<__m256i*>(p), a);
   alignas(32) uint16_t lane[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lane), a);
   uint16_t* h = static_cast<uint16_t*>(p);
