@@ -2,7 +2,7 @@
 
     python benchmarks/decode_step.py [--dtypes float32 bfloat16] [--batch-sizes 1 16]
         [--context 128] [--rounds 20] [--threads N] [--variants default cpp_wrapper ...]
-        [--quantization none|int8|int4] [--profile] [--start]
+        [--quantization none|int8|int4|auto] [--profile] [--start]
 
 Every runner decodes the same batch (each sequence ``--context`` tokens long), interleaved
 step by step, round after round, so all of them see the same machine load. Prints the median
@@ -146,7 +146,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"],
+                        help="auto: the GGUF's own formats where the native kernels run them (as served)")
     parser.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--start", action="store_true", help="time cold and warm start instead")
