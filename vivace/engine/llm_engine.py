@@ -22,7 +22,7 @@ from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput,
 from vivace.engine.pacer import Pacer, PromptPath, pacer_for
 from vivace.engine.prediction import MATCH_TOKENS, Prediction, prediction_adaptive_k
 from vivace.engine.request import Request
-from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler, score_tokens
+from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler, before_min_tokens, score_tokens
 from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import ScheduledBatch, Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
@@ -527,8 +527,7 @@ class LLMEngine:
         chosen, ks = [], []
         for request in decoding:
             params = request.params
-            if (not self._may_speculate(request) or request.matcher is not None
-                    or request.num_output_tokens < params.min_tokens):
+            if not self._may_speculate(request) or request.matcher is not None or before_min_tokens(request):
                 continue
             room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
             if request.prediction is not None:

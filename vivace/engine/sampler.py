@@ -108,11 +108,16 @@ def saturate(logits: torch.Tensor) -> torch.Tensor:
                              neginf=float("-inf"))
 
 
+def before_min_tokens(request: Request) -> bool:
+    """Whether ``request`` has fewer output tokens than its min_tokens (its stop tokens banned)."""
+    return request.num_output_tokens < request.params.min_tokens
+
+
 def mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]) -> None:
     """Forbid eos and stop tokens until a request has its min_tokens."""
     for row, request in enumerate(requests):
         params = request.params
-        if request.num_output_tokens < params.min_tokens:
+        if before_min_tokens(request):
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
             if banned:
                 logits[row, banned] = float("-inf")
@@ -145,7 +150,7 @@ class Sampler:
         penalties or min_tokens call for it."""
         biased = any(r.params.logit_bias for r in requests)
         penalized = any(r.params.has_penalties for r in requests)
-        masked = any(r.num_output_tokens < r.params.min_tokens for r in requests)
+        masked = any(before_min_tokens(r) for r in requests)
         source, logits = logits, logits.float()
         if (biased or penalized or masked) and logits is source:
             logits = logits.clone()

@@ -31,7 +31,6 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -437,23 +436,6 @@ void run(const Problem& p) {
   });
 }
 
-// Calls f(bits, scheme) with both as compile-time constants, for the pairs quant_linear accepts.
-template <typename F>
-void dispatch(int64_t bits, Scheme scheme, F&& f) {
-  using I4 = std::integral_constant<int, 4>; using I5 = std::integral_constant<int, 5>;
-  using I6 = std::integral_constant<int, 6>; using I8 = std::integral_constant<int, 8>;
-  auto one_level = [&](auto s) { if (bits == 8) f(I8{}, s); else if (bits == 5) f(I5{}, s); else f(I4{}, s); };
-  switch (scheme) {
-    case kSub16ZeroPoint: f(I6{}, std::integral_constant<Scheme, kSub16ZeroPoint>{}); break;
-    case kSubMin:
-      if (bits == 5) f(I5{}, std::integral_constant<Scheme, kSubMin>{});
-      else f(I4{}, std::integral_constant<Scheme, kSubMin>{});
-      break;
-    case kMin: one_level(std::integral_constant<Scheme, kMin>{}); break;
-    case kZeroPoint: one_level(std::integral_constant<Scheme, kZeroPoint>{}); break;
-  }
-}
-
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                         int64_t bits, int64_t out_features, int64_t weight_group, int64_t zero_point,
@@ -494,7 +476,14 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
             two_level && has_min ? sub_mins->data_ptr<int8_t>() : nullptr,
             xa.codes.data(), xa.scales.data(), xa.offsets.data(), xa.sums.data(),
             y.data_ptr<float>(), m, n, k, weight_group, zero_point};
-  dispatch(bits, scheme, [&](auto b, auto s) { run<decltype(b)::value, decltype(s)::value>(p); });
+  switch (scheme) {
+    case kSub16ZeroPoint: run<6, kSub16ZeroPoint>(p); break;
+    case kSubMin: if (bits == 5) run<5, kSubMin>(p); else run<4, kSubMin>(p); break;
+    case kMin: if (bits == 8) run<8, kMin>(p); else if (bits == 5) run<5, kMin>(p); else run<4, kMin>(p); break;
+    case kZeroPoint:
+      if (bits == 8) run<8, kZeroPoint>(p); else if (bits == 5) run<5, kZeroPoint>(p); else run<4, kZeroPoint>(p);
+      break;
+  }
   if (out_features != n) y = y.narrow(1, 0, out_features).contiguous();
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = out_features;

@@ -235,12 +235,6 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-inline float hadd8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // The scores of tokens t .. t + rest - 1 (rest <= 8) of `base` (rows `stride` apart) against the
 // scaled float query q, into sc[t ..]; missing tokens are zero in the tree and not stored.
 template <typename C, int N8, bool FULL>
@@ -296,7 +290,7 @@ void attend_queries_avx2(const T* const* qs, T* const* outs, const int64_t* lens
     }
   }
   // Softmax numerators over each query's own tokens; each sum divides its output once at the end.
-  float inv[4];
+  float inv[heads_per_pass<1>()];  // gb is at most that (write_and_attend's tasks)
   for (int g = 0; g < gb; ++g) {
     float* sc = scores(g);
     const int64_t len = lens[g];
@@ -313,7 +307,7 @@ void attend_queries_avx2(const T* const* qs, T* const* outs, const int64_t* lens
       total8 = _mm256_add_ps(total8, e);
       _mm256_storeu_ps(sc + t, e);
     }
-    float total = hadd8(total8);
+    float total = vivace_simde::hsum(total8);
     for (; t < len; ++t) {
       sc[t] = _mm256_cvtss_f32(exp8(_mm256_set1_ps(sc[t] - peak)));
       total += sc[t];
