@@ -63,10 +63,7 @@ class Library:
 _PACKAGE = Path(__file__).resolve().parent.parent
 LIBRARIES = {
     "decode_attention": Library(_PACKAGE / "layers" / "decode_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
-    # Through SIMDe its 512-token prompt took 944 ms of the default model's 3.1 s step; PyTorch's
-    # attention (the fallback) far less.
-    "prefill_attention": Library(_PACKAGE / "layers" / "prefill_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS,
-                                 simde=False),
+    "prefill_attention": Library(_PACKAGE / "layers" / "prefill_attention.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
     "fused": Library(_PACKAGE / "layers" / "fused.cpp", AVX512_CFLAGS, AVX512_CPU_FLAGS),
     "packed_linear": Library(_PACKAGE / "layers" / "packed_linear.cpp", ("-O2",)),
     "quant_gemm": Library(_PACKAGE / "kernels" / "quant_gemm.cpp", (*AVX512_CFLAGS, "-mavx512vnni"),

@@ -1,4 +1,4 @@
-// Causal prefill attention on AVX-512, flash style, reading K/V straight from the paged cache.
+// Causal prefill attention on AVX-512 (or AVX2), flash style, reading K/V straight from the paged cache.
 //
 // Registers vivace::paged_prefill_attention(q, kv_cache, block_table, seq_len, scale): q is
 // [q_len, heads, head_dim], the last q_len positions of a seq_len-token sequence whose keys and
@@ -17,17 +17,21 @@
 // Scores, softmax and accumulators are float32 whatever the dtypes; the cache may be narrower
 // than q (float32 queries over a float16 cache; a bfloat16 cache under float32 queries is left
 // to the SDPA path, one dtype pair fewer to compile at start-up).
+// On a CPU with AVX2 only (the SIMDe build) the tiles, softmax and packing are their 256-bit
+// twins below (#else of VIVACE_SIMDE); the plan, tasks and results are the same.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -40,6 +44,40 @@ constexpr int BK = 64;           // keys per chunk
 constexpr int RS = 6;            // query rows per score tile (6 x 4 accumulators)
 constexpr int TARGET_ROWS = 48;  // query rows (positions x group) per task
 
+struct Problem {
+  int64_t q_len, seq_len, heads, kv_heads, group, block_size, num_chunks;
+  float scale;
+};
+
+struct Scratch {
+  std::vector<float> q, s, o, m, l, alpha;
+  std::vector<int64_t> pos;
+
+  // For the task (kv head h, positions [p0, p0 + np)): its query rows (row p * group + g) in
+  // float32, prescaled by scale * log2 e, with their positions; accumulators cleared (max -inf,
+  // sums 0).
+  template <typename T>
+  void start(const T* queries, int64_t q_stride, int64_t h, int64_t p0, int64_t np, const Problem& t, int64_t D) {
+    const int64_t G = t.group, rows = np * G, first = t.seq_len - t.q_len;
+    const float qscale = t.scale * 1.4426950408889634f;
+    q.resize(rows * D);
+    pos.resize(rows);
+    for (int64_t p = 0; p < np; ++p) {
+      const T* src = queries + (p0 + p) * q_stride + h * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        pos[p * G + g] = first + p0 + p;
+        for (int64_t i = 0; i < D; ++i) q[(p * G + g) * D + i] = static_cast<float>(src[g * D + i]) * qscale;
+      }
+    }
+    s.resize(rows * BK);
+    o.assign(rows * D, 0.0f);
+    m.assign(rows, -std::numeric_limits<float>::infinity());
+    l.assign(rows, 0.0f);
+    alpha.resize(rows);
+  }
+};
+
+#ifndef VIVACE_SIMDE
 // 2^x for x <= 0: x - floor(x) in one VREDUCEPS, a degree-5 fit of 2^r on [0, 1) (relative
 // error 1.6e-7), and 2^floor(x) applied by VSCALEFPS (which floors its second operand itself).
 inline __m512 exp2_ps(__m512 x) {
@@ -135,16 +173,6 @@ ValueTile value_tile_for(int r) {
   }
 }
 
-struct Problem {
-  int64_t q_len, seq_len, heads, kv_heads, group, block_size, num_chunks;
-  float scale;
-};
-
-struct Scratch {
-  std::vector<float> q, s, o, m, l, alpha;
-  std::vector<int64_t> pos;
-};
-
 // One task: kv head h, query positions [p0, p0 + np). Rows are position-major (row = p * group + g),
 // so a row's position never decreases with its index.
 template <typename T, int ND>
@@ -152,23 +180,8 @@ void attend_block(const T* q, int64_t q_stride, T* out, const float* kt_all, con
                   int64_t p0, int64_t np, const Problem& s, Scratch& w) {
   constexpr int D = 16 * ND;
   constexpr int RV = value_rows<ND>();
-  const int64_t G = s.group, rows = np * G, first = s.seq_len - s.q_len;
-  w.q.resize(rows * D);
-  w.s.resize(rows * BK);
-  w.o.assign(rows * D, 0.0f);
-  w.m.assign(rows, -std::numeric_limits<float>::infinity());
-  w.l.assign(rows, 0.0f);
-  w.alpha.resize(rows);
-  w.pos.resize(rows);
-  const __m512 qscale = _mm512_set1_ps(s.scale * 1.4426950408889634f);
-  for (int64_t p = 0; p < np; ++p) {
-    const T* src = q + (p0 + p) * q_stride + h * G * D;
-    for (int64_t g = 0; g < G; ++g) {
-      w.pos[p * G + g] = first + p0 + p;
-      for (int i = 0; i < ND; ++i)
-        _mm512_storeu_ps(w.q.data() + (p * G + g) * D + 16 * i, _mm512_mul_ps(load16(src + g * D + 16 * i), qscale));
-    }
-  }
+  const int64_t G = s.group, rows = np * G;
+  w.start(q, q_stride, h, p0, np, s, D);
   const int64_t* pos = w.pos.data();
   float *Q = w.q.data(), *S = w.s.data(), *O = w.o.data(), *M = w.m.data(), *L = w.l.data(), *A = w.alpha.data();
   const int64_t last_chunk = pos[rows - 1] / BK;
@@ -252,6 +265,222 @@ inline void transpose16(__m512* r) {
   }
 }
 
+// Keys ks[0 .. present) of kPackKeys, D values each, transposed into kt[d][0 .. kPackKeys)
+// (rows BK apart), zeros for the missing keys; and one row widened to float32.
+constexpr int64_t kPackKeys = 16;
+
+template <typename T>
+void transpose_keys(const T* const* ks, int64_t present, int64_t D, float* kt) {
+  for (int64_t i = 0; i < D / 16; ++i) {  // 16 keys x 16 dims at a time, transposed in registers
+    __m512 r[16];
+    for (int64_t u = 0; u < 16; ++u) r[u] = u < present ? load16(ks[u] + 16 * i) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(kt + (16 * i + j) * BK, r[j]);
+  }
+}
+
+template <typename T>
+void widen_row(const T* src, int64_t D, float* dst) {
+  for (int64_t i = 0; i < D / 16; ++i) _mm512_storeu_ps(dst + 16 * i, load16(src + 16 * i));
+}
+#else
+// AVX2 (the SIMDe build). The code above holds up to 24 __m512 accumulators, pairs of the 16 ymm
+// registers: through SIMDe it spilled and ran slower than PyTorch's attention. Here the same
+// plan in native 256-bit code, tiles sized for 16 registers: scores 6 rows x 16 keys (12
+// accumulators), values 6 rows x 16 dims, the softmax 8 lanes at a time.
+constexpr int RT = 6;  // query rows per score and value tile
+
+// 2^x for x <= 0: exp2_ps's reduction and polynomial on 8 lanes, 2^floor(x) built in the
+// exponent bits (floor(x) >= -126 after the clamp).
+inline __m256 exp2_8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+  const __m256 n = _mm256_floor_ps(x);
+  const __m256 r = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.8762329127639532e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.99258442223072e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.582360550761223e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4015453457832336e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.931529641151428e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.999999403953552e-1f));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+// Lanes [0, n) of 8 set (all of them for n >= 8).
+inline __m256 lanes8(int64_t n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+// s[r][0 .. 16) = q[r] . kt[:, 0 .. 16) for R rows; q rows of D floats, kt [D][BK], s rows of BK.
+// (Two arrays of R accumulators, not one of 2R: GCC keeps an array of up to 256 bytes in
+// registers, and stored a larger one to the stack on every iteration, at half the speed.)
+template <int R>
+void score_tile(const float* q, int64_t D, const float* kt, float* s) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * BK), k1 = _mm256_loadu_ps(kt + d * BK + 8);
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+      const __m256 b = _mm256_broadcast_ss(q + r * D + d);
+      lo[r] = _mm256_fmadd_ps(b, k0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(b, k1, hi[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(s + r * BK, lo[r]);
+    _mm256_storeu_ps(s + r * BK + 8, hi[r]);
+  }
+}
+
+// Columns [col, col + 16) of o: o[r] * alpha[r] + sum_{k < n} p[r][k] v[k] for R rows; p rows
+// of BK, o rows of D floats.
+template <int R>
+void value_tile(const float* p, const float* const* v, int64_t n, const float* alpha, float* o, int64_t D,
+                int64_t col) {
+  o += col;
+  __m256 lo[R], hi[R];  // two arrays, as in score_tile
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m256 a = _mm256_set1_ps(alpha[r]);
+    lo[r] = _mm256_mul_ps(_mm256_loadu_ps(o + r * D), a);
+    hi[r] = _mm256_mul_ps(_mm256_loadu_ps(o + r * D + 8), a);
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const __m256 x0 = _mm256_loadu_ps(v[k] + col), x1 = _mm256_loadu_ps(v[k] + col + 8);
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+      const __m256 w = _mm256_broadcast_ss(p + r * BK + k);
+      lo[r] = _mm256_fmadd_ps(w, x0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(w, x1, hi[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(o + r * D, lo[r]);
+    _mm256_storeu_ps(o + r * D + 8, hi[r]);
+  }
+}
+
+// The R-row tile functions for R = 1 .. RT, by R.
+template <template <int> class F, int... R>
+constexpr auto by_rows(std::integer_sequence<int, R...>) {
+  return std::array{F<R + 1>::fn...};
+}
+template <int R> struct ScoreFn { static constexpr auto fn = score_tile<R>; };
+template <int R> struct ValueFn { static constexpr auto fn = value_tile<R>; };
+constexpr auto kScoreTiles = by_rows<ScoreFn>(std::make_integer_sequence<int, RT>());
+constexpr auto kValueTiles = by_rows<ValueFn>(std::make_integer_sequence<int, RT>());
+
+// attend_block on AVX2 (the same task, arguments and results).
+template <typename T, int ND>
+void attend_block(const T* q, int64_t q_stride, T* out, const float* kt_all, const float* const* v_all, int64_t h,
+                  int64_t p0, int64_t np, const Problem& s, Scratch& w) {
+  constexpr int D = 16 * ND, N8 = 2 * ND;
+  const int64_t G = s.group, rows = np * G;
+  w.start(q, q_stride, h, p0, np, s, D);
+  const int64_t* pos = w.pos.data();
+  float *Q = w.q.data(), *S = w.s.data(), *O = w.o.data(), *M = w.m.data(), *L = w.l.data(), *A = w.alpha.data();
+  const int64_t last_chunk = pos[rows - 1] / BK;
+  for (int64_t c = 0; c <= last_chunk; ++c) {
+    const int64_t k0 = c * BK;
+    const float* kt = kt_all + (h * s.num_chunks + c) * D * BK;
+    const float* const* vv = v_all + (h * s.num_chunks + c) * BK;
+    for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+      const int64_t R = std::min<int64_t>(RT, rows - r0);
+      const int64_t n = std::min<int64_t>(BK, pos[r0 + R - 1] - k0 + 1);
+      for (int64_t k = 0; k < n; k += 16) kScoreTiles[R - 1](Q + r0 * D, D, kt + k, S + r0 * BK + k);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = std::min<int64_t>(BK, pos[r] - k0 + 1);
+      float* row = S + r * BK;
+      if (n <= 0) {  // sees none of this chunk: no rescale, and zeros for a value tile that spans it
+        A[r] = 1.0f;
+        for (int v = 0; v < BK / 8; ++v) _mm256_storeu_ps(row + 8 * v, _mm256_setzero_ps());
+        continue;
+      }
+      const int64_t nv = (n + 7) / 8;
+      const __m256 tail = lanes8(n - 8 * (nv - 1)), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256 mx = minus_inf;
+      for (int64_t v = 0; v < nv; ++v) {
+        const __m256 x = _mm256_loadu_ps(row + 8 * v);
+        mx = _mm256_max_ps(mx, v == nv - 1 ? _mm256_blendv_ps(minus_inf, x, tail) : x);
+      }
+      const float m_new = std::max(M[r], hmax8(mx));
+      const float alpha = std::exp2(M[r] - m_new);  // 0 on the first chunk (M = -inf)
+      const __m256 top = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t v = 0; v < BK / 8; ++v) {
+        __m256 e = _mm256_setzero_ps();
+        if (v < nv) {
+          e = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(row + 8 * v), top));
+          if (v == nv - 1) e = _mm256_and_ps(e, tail);
+          sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(row + 8 * v, e);
+      }
+      L[r] = L[r] * alpha + vivace_simde::hsum(sum);
+      M[r] = m_new;
+      A[r] = alpha;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+      const int64_t R = std::min<int64_t>(RT, rows - r0);
+      const int64_t n = std::min<int64_t>(BK, pos[r0 + R - 1] - k0 + 1);
+      if (n <= 0) continue;
+      for (int64_t d = 0; d < D; d += 16) kValueTiles[R - 1](S + r0 * BK, vv, n, A + r0, O + r0 * D, D, d);
+    }
+  }
+  for (int64_t p = 0; p < np; ++p) {
+    T* dst = out + (p0 + p) * s.heads * D + h * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = p * G + g;
+      const __m256 inv = _mm256_set1_ps(1.0f / L[r]);
+      for (int i = 0; i < N8; ++i) store8(dst + g * D + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(O + r * D + 8 * i), inv));
+    }
+  }
+}
+
+// Transpose 8 rows of 8 floats in registers: r[j] becomes column j.
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
+// As above, 8 keys at a time.
+constexpr int64_t kPackKeys = 8;
+
+template <typename T>
+void transpose_keys(const T* const* ks, int64_t present, int64_t D, float* kt) {
+  for (int64_t i = 0; i < D / 8; ++i) {
+    __m256 r[8];
+    for (int64_t u = 0; u < 8; ++u) r[u] = u < present ? load8(ks[u] + 8 * i) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(kt + (8 * i + j) * BK, r[j]);
+  }
+}
+
+template <typename T>
+void widen_row(const T* src, int64_t D, float* dst) {
+  for (int64_t i = 0; i < D / 8; ++i) _mm256_storeu_ps(dst + 8 * i, load8(src + 8 * i));
+}
+#endif
+
 // Keys of every kv head transposed into float32 chunks [kv_heads][num_chunks][D][BK] (zero past
 // seq_len), and a pointer to every key's float32 value row [kv_heads][num_chunks * BK]: straight
 // into the cache when `direct` (float32 only), else into rows copied (converted) into v_rows.
@@ -261,7 +490,6 @@ void pack_kv(const T* cache, int64_t num_slots, const int64_t* table, const Prob
              float* kt_all, const float** v_all, float* v_rows, bool direct) {
   const T* keys = cache;
   const T* values = cache + num_slots * s.kv_heads * D;
-  const int64_t nd = D / 16;
   at::parallel_for(0, s.kv_heads * s.num_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / s.num_chunks, c = task % s.num_chunks;
@@ -271,41 +499,35 @@ void pack_kv(const T* cache, int64_t num_slots, const int64_t* table, const Prob
       };
       float* kt = kt_all + task * D * BK;
       const float** vptr = v_all + task * BK;
-      for (int64_t t16 = 0; t16 < BK; t16 += 16) {
-        // The next 16 keys' and values' rows of this head, asked for while these are packed
-        // (a block ends every block_size keys, and the hardware prefetcher with it).
-        for (int64_t k = c * BK + t16 + 16; k < std::min(c * BK + t16 + 32, s.seq_len); ++k) {
+      for (int64_t t0 = 0; t0 < BK; t0 += kPackKeys) {
+        // The next keys' and values' rows of this head, asked for while these are packed (a
+        // block ends every block_size keys, and the hardware prefetcher with it).
+        for (int64_t k = c * BK + t0 + kPackKeys; k < std::min(c * BK + t0 + 2 * kPackKeys, s.seq_len); ++k) {
           const int64_t row = row_of(k);
           prefetch_rows(keys + row, 1, 0, D);
           prefetch_rows(values + row, 1, 0, D);
         }
-        const T* ks[16];
-        int64_t present = 0;  // keys of these 16 that exist
-        for (int64_t u = 0; u < 16; ++u) {
-          const int64_t k = c * BK + t16 + u;
+        const T* ks[kPackKeys];
+        int64_t present = 0;  // keys of these that exist
+        for (int64_t u = 0; u < kPackKeys; ++u) {
+          const int64_t k = c * BK + t0 + u;
           if (k >= s.seq_len) {
-            vptr[t16 + u] = nullptr;
+            vptr[t0 + u] = nullptr;
             continue;
           }
           const int64_t row = row_of(k);
           ks[u] = keys + row;
           const T* vs = values + row;
           if (direct) {
-            vptr[t16 + u] = reinterpret_cast<const float*>(vs);
+            vptr[t0 + u] = reinterpret_cast<const float*>(vs);
           } else {
-            float* row = v_rows + (task * BK + t16 + u) * D;
-            for (int64_t i = 0; i < nd; ++i) _mm512_storeu_ps(row + 16 * i, load16(vs + 16 * i));
-            vptr[t16 + u] = row;
+            float* row = v_rows + (task * BK + t0 + u) * D;
+            widen_row(vs, D, row);
+            vptr[t0 + u] = row;
           }
           ++present;
         }
-        // 16 keys x 16 dims at a time, transposed in registers into kt[d][t16 .. t16 + 16).
-        for (int64_t i = 0; i < nd; ++i) {
-          __m512 r[16];
-          for (int64_t u = 0; u < 16; ++u) r[u] = u < present ? load16(ks[u] + 16 * i) : _mm512_setzero_ps();
-          transpose16(r);
-          for (int j = 0; j < 16; ++j) _mm512_storeu_ps(kt + (16 * i + j) * BK + t16, r[j]);
-        }
+        transpose_keys(ks, present, D, kt + t0);
       }
     }
   });

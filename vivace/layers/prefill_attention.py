@@ -5,10 +5,10 @@ the last ``q_len`` positions of a ``seq_len``-token sequence whose keys and valu
 are the first ``seq_len`` slots of the blocks ``block_table`` lists; query ``j`` sits at position
 ``seq_len - q_len + j`` and sees keys up to there. Returns ``[q_len, heads, d]``.
 
-Registered when this module is imported: the native AVX-512 kernel (``prefill_attention.cpp``, a
-flash-style loop reading K/V straight from the cache through the block table), or
-``reference_prefill_attention`` (gather + SDPA) when the CPU lacks AVX-512, the build fails, or
-``VIVACE_KERNELS=torch``. ``native_supports`` says whether a call can go to the native kernel.
+Registered when this module is imported: the native kernel (``prefill_attention.cpp``, a
+flash-style loop reading K/V straight from the cache through the block table; AVX-512, or its
+256-bit twin on a CPU with AVX2 only), or ``reference_prefill_attention`` (gather + SDPA) when
+the CPU has neither, the build fails, or ``VIVACE_KERNELS=torch``. ``native_supports`` says whether a call can go to the native kernel.
 """
 
 from __future__ import annotations

@@ -63,6 +63,32 @@ inline void prefetch_rows(const C* first, int64_t rows, int64_t stride, int64_t 
 }
 
 #ifdef VIVACE_SIMDE
+// The AVX2 (SIMDe build) kernels' 8-lane loads and stores, as load16 and store16.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(at::BFloat16* p, __m256 x) {  // round to nearest even, as store16
+  __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void store8(at::Half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // exp_ps's polynomial on 8 lanes (AVX2), 2^n built in the exponent bits (n in [-126, 127] after
 // the clamp). SIMDe's VRNDSCALEPS and VSCALEFPS go lane by lane: through them silu_mul of a
 // 512-token prompt step's [512, 1536] took 4.2 ms a layer.
