@@ -263,10 +263,12 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
 // AVX2 (the SIMDe build). tile_block's __m512 values live in pairs of the 16 ymm registers, so
 // its 8-row passes spill, and SIMDe's wrappers go through memory too: here the same sums in
 // native 256-bit code, a tile as two halves of 8 rows (the first and second 32 bytes of each
-// 64-byte weight vector, the rows' scales 8 a half), kAvx2Rows activation rows a pass (6 against
-// 4, with the int16 sums below: 512-row GEMMs 5-15% faster for every code width, 16-row ones too;
-// a spill or two of the float accumulators a group costs less than the weights' unpacking saved).
-constexpr int kAvx2Rows = 6;
+// 64-byte weight vector, the rows' scales 8 a half), avx2_rows<BITS>() activation rows a pass:
+// 6 for 4- and 5-bit codes (against 4, with the int16 sums below: 512-row GEMMs 15-25% faster),
+// 4 for 6- and 8-bit ones, whose loops need more registers (at 6 they spilled, and their 16-row
+// GEMMs were ~10% slower).
+template <int BITS>
+constexpr int avx2_rows() { return BITS <= 5 ? 6 : 4; }
 
 inline __m256i bcast4_256(const int8_t* p) {
   int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v);
@@ -404,9 +406,11 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
   for (int i = 0; i < MB; ++i) _mm256_storeu_ps(p.y + (m0 + i) * p.n + col, _mm256_add_ps(accf[i], b));
 }
 
-constexpr int kRowsPerPass = kAvx2Rows;
+template <int BITS>
+constexpr int rows_per_pass() { return avx2_rows<BITS>(); }
 #else
-constexpr int kRowsPerPass = 8;
+template <int BITS>
+constexpr int rows_per_pass() { return 8; }
 #endif
 
 template <int BITS, Scheme S, int MB>
@@ -424,7 +428,7 @@ void rows_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0) {
 #endif
 }
 
-// The last `rows` (< kRowsPerPass) activation rows from m0 in one pass over the weights (a
+// The last `rows` (< rows_per_pass<BITS>()) activation rows from m0 in one pass over the weights (a
 // verify step's k + 1 = 5 rows took as long as 8 when split into 4 + 1).
 template <int BITS, Scheme S, int R>
 void rest_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0, int64_t rows) {
@@ -450,8 +454,9 @@ void run(const Problem& p) {
     for (int64_t t0 = first; t0 < last; t0 += 4) {  // blocks outer: a block's weights stay in L1 across rows
       const int64_t t1 = std::min(last, t0 + 4);
       int64_t m0 = 0;
-      for (; m0 + kRowsPerPass <= p.m; m0 += kRowsPerPass) rows_block<BITS, S, kRowsPerPass>(p, t0, t1, m0);
-      rest_block<BITS, S, kRowsPerPass - 1>(p, t0, t1, m0, p.m - m0);
+      constexpr int kRows = rows_per_pass<BITS>();
+      for (; m0 + kRows <= p.m; m0 += kRows) rows_block<BITS, S, kRows>(p, t0, t1, m0);
+      rest_block<BITS, S, kRows - 1>(p, t0, t1, m0, p.m - m0);
     }
   });
 }
