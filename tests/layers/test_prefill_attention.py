@@ -45,7 +45,7 @@ def test_float32_matches_sdpa(seq_len, chunk):
     torch.testing.assert_close(out, reference_prefill_attention(q, cache, table, seq_len, 0.125), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128, 256])
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32])
 @pytest.mark.parametrize("seq_len, q_len", [(100, 100), (130, 3), (200, 71)])
 def test_head_dims_and_block_sizes(head_dim, block_size, seq_len, q_len):

@@ -370,7 +370,7 @@ bool attend_run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& 
   // The dtype pairs the prefill kernel is built for: one dtype, or float32 over a float16 cache.
   const auto qt = q.scalar_type(), ct = cache.scalar_type();
   const bool pair = qt == ct || (qt == at::kFloat && ct == at::kHalf);
-  const auto prefill = pair && q.size(2) <= 128 ? native_prefill() : std::nullopt;
+  const auto prefill = pair && (q.size(2) <= 128 || q.size(2) == 256) ? native_prefill() : std::nullopt;
   if (!prefill) return false;
   out.narrow(0, b, e - b).copy_(prefill->call(q.narrow(0, b, e - b), cache, tables.select(0, b), lens[e - 1], scale));
   return true;

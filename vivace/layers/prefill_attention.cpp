@@ -595,7 +595,8 @@ void dispatch(const at::Tensor& q, const at::Tensor& cache, const int64_t* table
     case 6: run<T, C, 6>(q, cache, table, s, out); break;
     case 7: run<T, C, 7>(q, cache, table, s, out); break;
     case 8: run<T, C, 8>(q, cache, table, s, out); break;
-    default: TORCH_CHECK(false, "paged_prefill_attention: head_dim ", D, " is not a multiple of 16 up to 128");
+    case 16: run<T, C, 16>(q, cache, table, s, out); break;  // Gemma's 256
+    default: TORCH_CHECK(false, "paged_prefill_attention: head_dim ", D, " is not a multiple of 16 up to 128, or 256");
   }
 }
 
@@ -606,7 +607,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   TORCH_CHECK(block_table.scalar_type() == at::kLong, "block_table must be int64");
   const int64_t q_len = q.size(0), heads = q.size(1), D = q.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == D && D % 16 == 0 && D <= 128, "head_dim must match and be a multiple of 16 up to 128");
+  TORCH_CHECK(kv_cache.size(4) == D && D % 16 == 0 && (D <= 128 || D == 256),
+              "head_dim must match and be a multiple of 16 up to 128, or 256");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(q_len >= 1 && q_len <= seq_len, "need 1 <= q_len <= seq_len");
   const int64_t used = (seq_len + block_size - 1) / block_size;

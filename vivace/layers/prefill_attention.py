@@ -21,6 +21,7 @@ from vivace.layers import native
 
 # AVX512DQ's VREDUCEPS is in the exp; the flags already cover it.
 MAX_HEAD_DIM = 128
+WIDE_HEAD_DIM = 256  # Gemma's; the one head_dim above MAX_HEAD_DIM the kernel is built for
 
 
 def reference_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -78,4 +79,5 @@ def native_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     head_dim = q.shape[-1]
     return (USE_NATIVE and (q.dtype == kv_cache.dtype or (q.dtype, kv_cache.dtype) == (torch.float32, torch.float16))
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and kv_cache.is_contiguous())
+            and head_dim % 16 == 0 and (head_dim <= MAX_HEAD_DIM or head_dim == WIDE_HEAD_DIM)
+            and kv_cache.is_contiguous())
