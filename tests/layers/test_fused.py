@@ -32,6 +32,25 @@ def test_silu_mul_extremes():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width", [(1, 48), (37, 2048), (5, 13)])
+def test_gelu_tanh_mul(dtype, rows, width):
+    x = _wide(rows, 2 * width, dtype)
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.gelu(gate, approximate="tanh") * up
+    # 0.5 g (1 + tanh y) computed as g / (1 + exp(-2y)): the same function, rounded differently
+    # (a few float32 ulps, and ~1e-37 where PyTorch's tanh gives exactly -1).
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else TOLERANCES[dtype]
+    torch.testing.assert_close(torch.ops.vivace.gelu_tanh_mul(x), expected, **tolerance)
+    torch.testing.assert_close(fused.gelu_tanh_mul(x), expected, **tolerance)
+
+
+def test_gelu_tanh_mul_extremes():
+    x = torch.tensor([[-200.0, -30.0, -3.0, 0.0, 3.0, 30.0, 200.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(torch.ops.vivace.gelu_tanh_mul(x), F.gelu(gate, approximate="tanh") * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, hidden", [(1, 576), (33, 576), (3, 40)])
 def test_rms_norm_and_the_residual_add(dtype, rows, hidden):
     x, residual = _wide(rows, hidden, dtype, 1), _wide(rows, hidden, dtype, 2).contiguous()
@@ -64,6 +83,8 @@ def test_rotary_in_place_on_a_fused_projection_slice(dtype, heads, head_dim):
 def test_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="odd width"):
         torch.ops.vivace.silu_mul(torch.zeros(2, 7))
+    with pytest.raises(RuntimeError, match="odd width"):
+        torch.ops.vivace.gelu_tanh_mul(torch.zeros(2, 7))
     with pytest.raises(RuntimeError, match="weight"):
         torch.ops.vivace.rms_norm(torch.zeros(2, 8), torch.zeros(4), 1e-5)
     with pytest.raises(RuntimeError, match="cos and sin"):

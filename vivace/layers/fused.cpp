@@ -2,6 +2,7 @@
 // of PyTorch's chain of elementwise kernels and temporaries.
 //
 //   silu_mul(x [N, 2I]) -> [N, I]                 silu(x[:, :I]) * x[:, I:]
+//   gelu_tanh_mul(x [N, 2I]) -> [N, I]            gelu(x[:, :I], approximate="tanh") * x[:, I:]
 //   rms_norm(x [N, H], w [H], eps) -> [N, H]      as Hugging Face Llama: statistics in float32,
 //                                                  the normalized row rounded to x's dtype, then w *
 //   add_rms_norm(x, residual, w, eps) -> [N, H]   residual += x (in place), then rms_norm(residual)
@@ -31,8 +32,20 @@ void check_rows(const at::Tensor& x, int64_t dim, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 only");
 }
 
-template <typename T>
-void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
+// The gate's activation g * sigmoid(z(g)), z given by Z: SiLU's z = g, and the tanh GELU's
+// z = 2 sqrt(2 / pi) (g + 0.044715 g^3) (0.5 (1 + tanh(y)) = sigmoid(2y)).
+struct Silu {
+  static __m512 z(__m512 g) { return g; }
+};
+struct GeluTanh {
+  static __m512 z(__m512 g) {
+    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    return _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+  }
+};
+
+template <typename T, typename Z>
+void gated_rows(const at::Tensor& x, at::Tensor& out) {
   const int64_t n = out.size(1);
   at::parallel_for(0, x.size(0), kGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -42,21 +55,26 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
       for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = tail_mask(n - i);
         const __m512 g = maskload16(gate + i, m);
-        // silu rounded to T, then the product rounded: PyTorch's two kernels do the same.
-        const __m512 s = round_to(y, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        maskstore16(y + i, m, _mm512_mul_ps(s, maskload16(up + i, m)));
+        // The activation rounded to T, then the product rounded: PyTorch's two kernels do the same.
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), Z::z(g)));
+        const __m512 a = round_to(y, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        maskstore16(y + i, m, _mm512_mul_ps(a, maskload16(up + i, m)));
       }
     }
   });
 }
 
-at::Tensor silu_mul(const at::Tensor& x) {
-  check_rows(x, 2, "silu_mul input");
-  TORCH_CHECK(x.size(1) % 2 == 0, "silu_mul: odd width");
+template <typename Z>
+at::Tensor gated(const at::Tensor& x, const char* name) {
+  check_rows(x, 2, name);
+  TORCH_CHECK(x.size(1) % 2 == 0, name, ": odd width");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  if (x.scalar_type() == at::kFloat) silu_mul_rows<float>(x, out); else silu_mul_rows<at::BFloat16>(x, out);
+  if (x.scalar_type() == at::kFloat) gated_rows<float, Z>(x, out); else gated_rows<at::BFloat16, Z>(x, out);
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& x) { return gated<Silu>(x, "silu_mul input"); }
+at::Tensor gelu_tanh_mul(const at::Tensor& x) { return gated<GeluTanh>(x, "gelu_tanh_mul input"); }
 
 // out = w * rounded(row * rsqrt(mean(row^2) + eps)); with `residual`, row = residual += x first.
 template <typename T>
@@ -152,6 +170,7 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 
 TORCH_LIBRARY_FRAGMENT(vivace, m) {
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
@@ -159,6 +178,7 @@ TORCH_LIBRARY_FRAGMENT(vivace, m) {
 
 TORCH_LIBRARY_IMPL(vivace, CPU, m) {
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_", &rotary_);

@@ -1,4 +1,4 @@
-"""Fused elementwise steps of the Llama forward: SiLU-and-multiply, RMSNorm (with the residual
+"""Fused elementwise steps of the Llama forward: SiLU-and-multiply (GELU-and-multiply for Gemma), RMSNorm (with the residual
 add folded in) and the rotary rotation, each one native pass (``fused.cpp``) in eager mode.
 
 Every function here computes what its PyTorch formulation computes, and uses that formulation
@@ -20,7 +20,7 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _native(x: torch.Tensor) -> bool:
-    return NATIVE and x.dtype in _NATIVE_DTYPES and not torch.compiler.is_compiling()
+    return NATIVE and x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and not torch.compiler.is_compiling()
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -29,6 +29,15 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.vivace.silu_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` (Gemma's MLP) for ``x = [gate | up]``
+    ``[num_tokens, 2 * width]``."""
+    if _native(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return torch.ops.vivace.gelu_tanh_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -67,6 +76,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 if NATIVE:
     @torch.library.register_fake("vivace::silu_mul")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+    @torch.library.register_fake("vivace::gelu_tanh_mul")
     def _(x: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], x.shape[1] // 2)
 

@@ -14,10 +14,10 @@ all of them here:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vivace.layers.attention import AttentionMetadata, DecodeMetadata
+from vivace.layers.fused import gelu_tanh_mul
 from vivace.layers.norm import RMSNorm
 from vivace.models.config import ModelConfig
 from vivace.models.llama import MLP, Attention, LlamaForCausalLM, Rope
@@ -25,8 +25,7 @@ from vivace.models.llama import MLP, Attention, LlamaForCausalLM, Rope
 
 class GeluMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
