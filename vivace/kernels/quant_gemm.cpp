@@ -263,25 +263,21 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
 // AVX2 (the SIMDe build). tile_block's __m512 values live in pairs of the 16 ymm registers, so
 // its 8-row passes spill, and SIMDe's wrappers go through memory too: here the same sums in
 // native 256-bit code, a tile as two halves of 8 rows (the first and second 32 bytes of each
-// 64-byte weight vector, the rows' scales 8 a half), avx2_rows<BITS>() activation rows a pass:
-// 6 for 4- and 5-bit codes (against 4, with the int16 sums below: 512-row GEMMs 15-25% faster),
-// 4 for 6- and 8-bit ones, whose loops need more registers (at 6 they spilled, and their 16-row
-// GEMMs were ~10% slower).
-template <int BITS>
-constexpr int avx2_rows() { return BITS <= 5 ? 6 : 4; }
+// 64-byte weight vector, the rows' scales 8 a half), rows_per_pass<BITS>() activation rows a
+// pass (below).
 
 inline __m256i bcast4_256(const int8_t* p) {
   int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v);
 }
 
-// Codes below 64 (lo, hi) against int8 activations (xlo, xhi), four products a 32-bit lane
-// summed in its two int16 halves: the two VPMADDUBSW results added in int16 (each at most
-// 2 * 63 * 127 = 16,002 in magnitude, so the sum fits).
 // An empty asm that takes v and gives it back in a register: the compiler cannot see through
 // it, so it keeps running sums as written. Without it GCC reassociates a group's sums into a
 // tree over every product, all of them live at once: spilled to the stack (~2x slower).
 inline void keep(__m256i& v) { asm("" : "+x"(v)); }
 
+// Codes below 64 (lo, hi) against int8 activations (xlo, xhi), four products a 32-bit lane
+// summed in its two int16 halves: the two VPMADDUBSW results added in int16 (each at most
+// 2 * 63 * 127 = 16,002 in magnitude, so the sum fits).
 inline __m256i dot2_pairs(__m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
   return _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
 }
@@ -365,7 +361,8 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
         }
         if ((j + 1) % kRun == 0) {
           __m256i (&into)[MB] = BITS == 6 && j >= 2 ? acc_hi : acc;
-          for (int i = 0; i < MB; ++i) into[i] = _mm256_add_epi32(into[i], _mm256_madd_epi16(sum16[i], _mm256_set1_epi16(1)));
+          for (int i = 0; i < MB; ++i)
+            into[i] = _mm256_add_epi32(into[i], _mm256_madd_epi16(sum16[i], _mm256_set1_epi16(1)));
         }
       }
     }
@@ -406,8 +403,11 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
   for (int i = 0; i < MB; ++i) _mm256_storeu_ps(p.y + (m0 + i) * p.n + col, _mm256_add_ps(accf[i], b));
 }
 
+// 6 for 4- and 5-bit codes (against 4, with the int16 sums above: 512-row GEMMs 15-25% faster),
+// 4 for 6- and 8-bit ones, whose loops need more registers (at 6 they spilled, and their 16-row
+// GEMMs were ~10% slower).
 template <int BITS>
-constexpr int rows_per_pass() { return avx2_rows<BITS>(); }
+constexpr int rows_per_pass() { return BITS <= 5 ? 6 : 4; }
 #else
 template <int BITS>
 constexpr int rows_per_pass() { return 8; }

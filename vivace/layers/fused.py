@@ -1,5 +1,6 @@
-"""Fused elementwise steps of the Llama forward: SiLU-and-multiply (GELU-and-multiply for Gemma), RMSNorm (with the residual
-add folded in) and the rotary rotation, each one native pass (``fused.cpp``) in eager mode.
+"""Fused elementwise steps of the Llama forward: SiLU-and-multiply (GELU-and-multiply for
+Gemma), RMSNorm (with the residual add folded in) and the rotary rotation, each one native pass
+(``fused.cpp``) in eager mode.
 
 Every function here computes what its PyTorch formulation computes, and uses that formulation
 while ``torch.compile`` traces (inductor fuses it there itself), when the native library did
@@ -8,6 +9,8 @@ not build, or for dtypes the kernels don't take.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,21 +26,23 @@ def _native(x: torch.Tensor) -> bool:
     return NATIVE and x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and not torch.compiler.is_compiling()
 
 
+def _gated_mul(x: torch.Tensor, op: str, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``activation(gate) * up`` for ``x = [gate | up]`` ``[num_tokens, 2 * width]``: the native
+    ``torch.ops.vivace.<op>`` where it serves ``x``."""
+    if _native(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return getattr(torch.ops.vivace, op)(x)
+    gate, up = x.chunk(2, dim=-1)
+    return activation(gate) * up
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` ``[num_tokens, 2 * width]``."""
-    if _native(x) and x.dim() == 2 and x.stride(-1) == 1:
-        return torch.ops.vivace.silu_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return _gated_mul(x, "silu_mul", F.silu)
 
 
 def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
-    """``gelu(gate, approximate="tanh") * up`` (Gemma's MLP) for ``x = [gate | up]``
-    ``[num_tokens, 2 * width]``."""
-    if _native(x) and x.dim() == 2 and x.stride(-1) == 1:
-        return torch.ops.vivace.gelu_tanh_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    """``gelu(gate, approximate="tanh") * up`` (Gemma's MLP) for ``x = [gate | up]``."""
+    return _gated_mul(x, "gelu_tanh_mul", functools.partial(F.gelu, approximate="tanh"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -75,13 +80,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 if NATIVE:
-    @torch.library.register_fake("vivace::silu_mul")
-    def _(x: torch.Tensor) -> torch.Tensor:
+    def _half_width(x: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], x.shape[1] // 2)
 
-    @torch.library.register_fake("vivace::gelu_tanh_mul")
-    def _(x: torch.Tensor) -> torch.Tensor:
-        return x.new_empty(x.shape[0], x.shape[1] // 2)
+    for _op in ("silu_mul", "gelu_tanh_mul"):
+        torch.library.register_fake(f"vivace::{_op}")(_half_width)
 
     @torch.library.register_fake("vivace::rms_norm")
     def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

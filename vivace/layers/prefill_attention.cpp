@@ -1,4 +1,5 @@
-// Causal prefill attention on AVX-512 (or AVX2), flash style, reading K/V straight from the paged cache.
+// Causal prefill attention on AVX-512 (or AVX2), flash style, reading K/V straight from the
+// paged cache.
 //
 // Registers vivace::paged_prefill_attention(q, kv_cache, block_table, seq_len, scale): q is
 // [q_len, heads, head_dim], the last q_len positions of a seq_len-token sequence whose keys and
@@ -322,8 +323,8 @@ void score_tile(const float* q, int64_t D, const float* kt, float* s) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
     const __m256 k0 = _mm256_loadu_ps(kt + d * BK), k1 = _mm256_loadu_ps(kt + d * BK + 8);
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(q + r * D + d);
       lo[r] = _mm256_fmadd_ps(b, k0, lo[r]);
       hi[r] = _mm256_fmadd_ps(b, k1, hi[r]);
@@ -351,8 +352,8 @@ void value_tile(const float* p, const float* const* v, int64_t n, const float* a
   }
   for (int64_t k = 0; k < n; ++k) {
     const __m256 x0 = _mm256_loadu_ps(v[k] + col), x1 = _mm256_loadu_ps(v[k] + col + 8);
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
       const __m256 w = _mm256_broadcast_ss(p + r * BK + k);
       lo[r] = _mm256_fmadd_ps(w, x0, lo[r]);
       hi[r] = _mm256_fmadd_ps(w, x1, hi[r]);

@@ -8,7 +8,8 @@ are the first ``seq_len`` slots of the blocks ``block_table`` lists; query ``j``
 Registered when this module is imported: the native kernel (``prefill_attention.cpp``, a
 flash-style loop reading K/V straight from the cache through the block table; AVX-512, or its
 256-bit twin on a CPU with AVX2 only), or ``reference_prefill_attention`` (gather + SDPA) when
-the CPU has neither, the build fails, or ``VIVACE_KERNELS=torch``. ``native_supports`` says whether a call can go to the native kernel.
+the CPU has neither, the build fails, or ``VIVACE_KERNELS=torch``. ``native_supports`` says
+whether a call can go to the native kernel.
 """
 
 from __future__ import annotations
