@@ -1,9 +1,10 @@
 """A GGUF of random weights at a bigger model's shape, for ``benchmarks/peers.py --model PATH``: no
 model hub is reachable, and the bundled models are small. The file has the default model's
 tokenizer, vocabulary and chat template (every server then tokenizes the same prompts alike), the
-``llama`` architecture at the dimensions of a ``--load-format dummy`` preset or a ``config.json``
-(its vocabulary, biases and rope scaling are not kept), norms of 1 and normal(0, 0.02) matrices in F16, Q8_0 or Q4_0.
-llama.cpp's ``llama-quantize`` makes the K-quant mixes (Q4_K_M, ...) from the F16 file.
+``llama`` architecture (``qwen3``, q and k norms included, for a Qwen3 config) at the dimensions of
+a ``--load-format dummy`` preset or a ``config.json`` (its vocabulary, biases and rope scaling are
+not kept), norms of 1 and normal(0, 0.02) matrices in F16, Q8_0 or Q4_0. llama.cpp's
+``llama-quantize`` makes the K-quant mixes (Q4_K_M, ...) from the F16 file.
 
     python benchmarks/random_gguf.py OUT.gguf [--shape llama-3.2-1b|CONFIG.json] [--type F16|Q8_0|Q4_0]
 """
@@ -21,7 +22,7 @@ from vivace.models.dummy import PRESETS, dummy_config
 from vivace.models.loader import default_model_path
 
 T = gguf.GGMLQuantizationType
-ARCH = "llama"
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}  # model_type -> GGUF architecture
 LAYER_MATRICES = {  # GGUF name -> (rows, columns) as functions of the config
     "attn_q": lambda c, d: (c["num_attention_heads"] * d, c["hidden_size"]),
     "attn_k": lambda c, d: (c["num_key_value_heads"] * d, c["hidden_size"]),
@@ -55,9 +56,12 @@ def add_matrix(writer: gguf.GGUFWriter, name: str, rng: np.random.Generator, sha
 def write(path: Path, shape: str, ggml_type: T, seed: int = 0) -> Path:
     """Writes the file; ``shape`` is a preset's name or a config.json's path."""
     config, _ = dummy_config(shape)
+    if config.get("model_type") not in ARCHS:
+        raise ValueError(f"{shape}: model_type {config.get('model_type')!r} is none of {', '.join(ARCHS)}")
+    arch = ARCHS[config["model_type"]]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     source = gguf.GGUFReader(default_model_path())
-    writer = gguf.GGUFWriter(path, ARCH)
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"random {Path(shape).stem} shape")
     writer.add_file_type({T.F16: gguf.LlamaFileType.MOSTLY_F16, T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
                           T.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0}[ggml_type])
@@ -82,6 +86,9 @@ def write(path: Path, shape: str, ggml_type: T, seed: int = 0) -> Path:
     for layer in range(config["num_hidden_layers"]):
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", norm)
         writer.add_tensor(f"blk.{layer}.ffn_norm.weight", norm)
+        if arch == "qwen3":
+            writer.add_tensor(f"blk.{layer}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(f"blk.{layer}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
         for name, shape in LAYER_MATRICES.items():
             add_matrix(writer, f"blk.{layer}.{name}.weight", rng, shape(config, head_dim), ggml_type)
     writer.add_tensor("output_norm.weight", norm)

@@ -18,6 +18,7 @@ from vivace.models.gguf_file import GGUFFile
 from vivace.models.loader import default_model_path
 
 REPO = Path(__file__).resolve().parents[2]
+F16 = gguf.GGMLQuantizationType.F16
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=64,
               intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False)
@@ -29,6 +30,9 @@ def load(name: str):
     sys.modules[spec.name] = module  # peers.py's dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+QWEN3 = {**CONFIG, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,22 @@ def test_vivace_serves_it_with_the_default_tokenizer(random_file: Path) -> None:
     assert llm.tokenizer.encode(prompt) == default.tokenizer.encode(prompt)
     out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_a_qwen3_shape_keeps_its_head_dim_and_q_k_norms(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    path = load("random_gguf").write(tmp_path / "qwen3.gguf", str(tmp_path / "config.json"), F16)
+    config = model_config(GGUFFile(path))
+    assert config.architecture == "Qwen3ForCausalLM" and config.qk_norm and config.head_dim == 32
+    out = LLM(str(path), num_kv_blocks=32).generate("Once", SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_shape_it_cannot_write_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "model_type": "gemma3_text"}))
+    with pytest.raises(ValueError, match="gemma3_text"):
+        load("random_gguf").write(tmp_path / "gemma.gguf", str(tmp_path / "config.json"), F16)
 
 
 def test_peers_takes_a_gguf_path_as_its_model(random_file: Path) -> None:

@@ -34,6 +34,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
         use_sliding_window=False, sliding_window=131072, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=True, use_sliding_window=False, sliding_window=None, bos_token_id=151643,
+        eos_token_id=151645),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
