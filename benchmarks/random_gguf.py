@@ -1,9 +1,10 @@
 """A GGUF of random weights at a bigger model's shape, for ``benchmarks/peers.py --model PATH``: no
 model hub is reachable, and the bundled models are small. The file has the default model's
 tokenizer, vocabulary and chat template (every server then tokenizes the same prompts alike), the
-``llama`` architecture (``qwen3``, q and k norms included, for a Qwen3 config) at the dimensions of
-a ``--load-format dummy`` preset or a ``config.json`` (its vocabulary, biases and rope scaling are
-not kept), norms of 1 and normal(0, 0.02) matrices in F16, Q8_0 or Q4_0. llama.cpp's
+``llama`` architecture (``qwen3`` with its q and k norms for a Qwen3 config, ``gemma3`` with its four
+norms a layer and sliding window for a Gemma 3 one) at the dimensions of a ``--load-format dummy``
+preset, of ``gemma-3-1b`` or of a ``config.json`` (its vocabulary, biases and rope scaling are not
+kept), norms of 1 and normal(0, 0.02) matrices in F16, Q8_0 or Q4_0. llama.cpp's
 ``llama-quantize`` makes the K-quant mixes (Q4_K_M, ...) from the F16 file.
 
     python benchmarks/random_gguf.py OUT.gguf [--shape llama-3.2-1b|CONFIG.json] [--type F16|Q8_0|Q4_0]
@@ -22,7 +23,16 @@ from vivace.models.dummy import PRESETS, dummy_config
 from vivace.models.loader import default_model_path
 
 T = gguf.GGMLQuantizationType
-ARCHS = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}  # model_type -> GGUF architecture
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}  # model_type -> GGUF's
+# Shapes beside the dummy presets (which leave out sliding-window models): Gemma 3 1B's config.json.
+SHAPES = {**PRESETS, "gemma-3-1b": dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+    intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, sliding_window=512, max_position_embeddings=32768,
+    tie_word_embeddings=True)}
+# Norms a layer, by architecture (all ones: Gemma's files store 1 + w, so its weights are 0 as trained ones nearly are)
+LAYER_NORMS = {"llama": ("attn_norm", "ffn_norm"), "qwen3": ("attn_norm", "ffn_norm"),
+               "gemma3": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}
 LAYER_MATRICES = {  # GGUF name -> (rows, columns) as functions of the config
     "attn_q": lambda c, d: (c["num_attention_heads"] * d, c["hidden_size"]),
     "attn_k": lambda c, d: (c["num_key_value_heads"] * d, c["hidden_size"]),
@@ -54,8 +64,8 @@ def add_matrix(writer: gguf.GGUFWriter, name: str, rng: np.random.Generator, sha
 
 
 def write(path: Path, shape: str, ggml_type: T, seed: int = 0) -> Path:
-    """Writes the file; ``shape`` is a preset's name or a config.json's path."""
-    config, _ = dummy_config(shape)
+    """Writes the file; ``shape`` is a name of ``SHAPES`` or a config.json's path."""
+    config = dict(SHAPES[shape]) if shape in SHAPES else dummy_config(shape)[0]
     if config.get("model_type") not in ARCHS:
         raise ValueError(f"{shape}: model_type {config.get('model_type')!r} is none of {', '.join(ARCHS)}")
     arch = ARCHS[config["model_type"]]
@@ -79,18 +89,20 @@ def write(path: Path, shape: str, ggml_type: T, seed: int = 0) -> Path:
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
     rng = np.random.default_rng(seed)
     norm = np.ones(config["hidden_size"], dtype=np.float32)
     # llama.cpp's own files keep the token embedding in the file's type too.
     add_matrix(writer, "token_embd.weight", rng, (vocab, config["hidden_size"]), ggml_type)
     for layer in range(config["num_hidden_layers"]):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", norm)
-        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", norm)
-        if arch == "qwen3":
+        for name in LAYER_NORMS[arch]:
+            writer.add_tensor(f"blk.{layer}.{name}.weight", norm)
+        if arch in ("qwen3", "gemma3"):
             writer.add_tensor(f"blk.{layer}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
             writer.add_tensor(f"blk.{layer}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
-        for name, shape in LAYER_MATRICES.items():
-            add_matrix(writer, f"blk.{layer}.{name}.weight", rng, shape(config, head_dim), ggml_type)
+        for name, rows_columns in LAYER_MATRICES.items():
+            add_matrix(writer, f"blk.{layer}.{name}.weight", rng, rows_columns(config, head_dim), ggml_type)
     writer.add_tensor("output_norm.weight", norm)
     if not config.get("tie_word_embeddings", False):
         add_matrix(writer, "output.weight", rng, (vocab, config["hidden_size"]), ggml_type)
@@ -104,7 +116,7 @@ def write(path: Path, shape: str, ggml_type: T, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--shape", default="llama-3.2-1b", help=f"{', '.join(PRESETS)}, or a config.json")
+    parser.add_argument("--shape", default="llama-3.2-1b", help=f"{', '.join(SHAPES)}, or a config.json")
     parser.add_argument("--type", choices=["F16", "Q8_0", "Q4_0"], default="F16")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

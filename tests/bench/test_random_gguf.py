@@ -33,6 +33,8 @@ def load(name: str):
 
 
 QWEN3 = {**CONFIG, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32}
+GEMMA3 = {**CONFIG, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 32,
+          "num_hidden_layers": 6, "sliding_window": 8}
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +76,22 @@ def test_a_qwen3_shape_keeps_its_head_dim_and_q_k_norms(tmp_path: Path) -> None:
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_a_gemma3_shape_has_its_norms_and_sliding_window(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
+    path = load("random_gguf").write(tmp_path / "gemma3.gguf", str(tmp_path / "config.json"), F16)
+    config = model_config(GGUFFile(path))
+    assert config.architecture == "Gemma3ForCausalLM" and config.qk_norm and config.sliding_window == 8
+    assert config.layer_types.count("full_attention") == 1  # every sixth layer
+    prompt = "one two three four five six seven eight nine ten eleven twelve"  # past the window
+    out = LLM(str(path), num_kv_blocks=32).generate(prompt, SamplingParams(max_tokens=4, temperature=0.0,
+                                                                           ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
 def test_a_shape_it_cannot_write_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "model_type": "gemma3_text"}))
-    with pytest.raises(ValueError, match="gemma3_text"):
-        load("random_gguf").write(tmp_path / "gemma.gguf", str(tmp_path / "config.json"), F16)
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "model_type": "phi3"}))
+    with pytest.raises(ValueError, match="phi3"):
+        load("random_gguf").write(tmp_path / "phi3.gguf", str(tmp_path / "config.json"), F16)
 
 
 def test_peers_takes_a_gguf_path_as_its_model(random_file: Path) -> None:
