@@ -92,15 +92,15 @@ def write(path: Path, shape: str, ggml_type: T, seed: int = 0) -> Path:
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
     rng = np.random.default_rng(seed)
-    norm = np.ones(config["hidden_size"], dtype=np.float32)
+    norm, head_norm = np.ones(config["hidden_size"], dtype=np.float32), np.ones(head_dim, dtype=np.float32)
     # llama.cpp's own files keep the token embedding in the file's type too.
     add_matrix(writer, "token_embd.weight", rng, (vocab, config["hidden_size"]), ggml_type)
     for layer in range(config["num_hidden_layers"]):
         for name in LAYER_NORMS[arch]:
             writer.add_tensor(f"blk.{layer}.{name}.weight", norm)
         if arch in ("qwen3", "gemma3"):
-            writer.add_tensor(f"blk.{layer}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
-            writer.add_tensor(f"blk.{layer}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(f"blk.{layer}.attn_q_norm.weight", head_norm)
+            writer.add_tensor(f"blk.{layer}.attn_k_norm.weight", head_norm)
         for name, rows_columns in LAYER_MATRICES.items():
             add_matrix(writer, f"blk.{layer}.{name}.weight", rng, rows_columns(config, head_dim), ggml_type)
     writer.add_tensor("output_norm.weight", norm)

@@ -32,17 +32,33 @@ def load(name: str):
     return module
 
 
+random_gguf = load("random_gguf")
 QWEN3 = {**CONFIG, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32}
 GEMMA3 = {**CONFIG, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 32,
           "num_hidden_layers": 6, "sliding_window": 8}
+
+
+def written(directory: Path, config: dict, name: str) -> Path:
+    """The F16 file random_gguf.py writes for ``config`` (given as a config.json)."""
+    (directory / "config.json").write_text(json.dumps(config))
+    return random_gguf.write(directory / name, str(directory / "config.json"), F16)
+
+
+def served(path: Path) -> LLM:
+    return LLM(str(path), num_kv_blocks=32)
+
+
+def greedy_tokens(llm: LLM, prompt: str, count: int) -> list[int]:
+    params = SamplingParams(max_tokens=count, temperature=0.0, ignore_eos=True)
+    return llm.generate(prompt, params)[0].outputs[0].token_ids
 
 
 @pytest.fixture(scope="module")
 def random_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("random-gguf")
     (directory / "config.json").write_text(json.dumps(CONFIG))
-    assert load("random_gguf").main([str(directory / "tiny.gguf"), "--shape", str(directory / "config.json"),
-                                      "--type", "Q8_0"]) == 0
+    assert random_gguf.main([str(directory / "tiny.gguf"), "--shape", str(directory / "config.json"),
+                             "--type", "Q8_0"]) == 0
     return directory / "tiny.gguf"
 
 
@@ -58,40 +74,31 @@ def test_the_file_has_the_configs_shape_and_the_default_models_vocabulary(random
 
 
 def test_vivace_serves_it_with_the_default_tokenizer(random_file: Path) -> None:
-    llm = LLM(str(random_file), num_kv_blocks=32)
-    default = LLM("default", num_kv_blocks=32)
+    llm, default = served(random_file), LLM("default", num_kv_blocks=32)
     prompt = "The quick brown fox"
     assert llm.tokenizer.encode(prompt) == default.tokenizer.encode(prompt)
-    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
-    assert len(out.outputs[0].token_ids) == 8
+    assert len(greedy_tokens(llm, prompt, 8)) == 8
 
 
 def test_a_qwen3_shape_keeps_its_head_dim_and_q_k_norms(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
-    path = load("random_gguf").write(tmp_path / "qwen3.gguf", str(tmp_path / "config.json"), F16)
+    path = written(tmp_path, QWEN3, "qwen3.gguf")
     config = model_config(GGUFFile(path))
     assert config.architecture == "Qwen3ForCausalLM" and config.qk_norm and config.head_dim == 32
-    out = LLM(str(path), num_kv_blocks=32).generate("Once", SamplingParams(max_tokens=4, temperature=0.0,
-                                                                          ignore_eos=True))[0]
-    assert len(out.outputs[0].token_ids) == 4
+    assert len(greedy_tokens(served(path), "Once", 4)) == 4
 
 
 def test_a_gemma3_shape_has_its_norms_and_sliding_window(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
-    path = load("random_gguf").write(tmp_path / "gemma3.gguf", str(tmp_path / "config.json"), F16)
+    path = written(tmp_path, GEMMA3, "gemma3.gguf")
     config = model_config(GGUFFile(path))
     assert config.architecture == "Gemma3ForCausalLM" and config.qk_norm and config.sliding_window == 8
     assert config.layer_types.count("full_attention") == 1  # every sixth layer
     prompt = "one two three four five six seven eight nine ten eleven twelve"  # past the window
-    out = LLM(str(path), num_kv_blocks=32).generate(prompt, SamplingParams(max_tokens=4, temperature=0.0,
-                                                                           ignore_eos=True))[0]
-    assert len(out.outputs[0].token_ids) == 4
+    assert len(greedy_tokens(served(path), prompt, 4)) == 4
 
 
 def test_a_shape_it_cannot_write_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "model_type": "phi3"}))
     with pytest.raises(ValueError, match="phi3"):
-        load("random_gguf").write(tmp_path / "phi3.gguf", str(tmp_path / "config.json"), F16)
+        written(tmp_path, {**CONFIG, "model_type": "phi3"}, "phi3.gguf")
 
 
 def test_peers_takes_a_gguf_path_as_its_model(random_file: Path) -> None:
