@@ -155,7 +155,7 @@ def record(args: argparse.Namespace) -> list[dict]:
                     exercise(loaded, f"{preset} ({args.layers} layers) {weight_format}", kv_dtype, launches,
                              args.max_batch)
         for model in filter(None, args.models.split(",")):
-            loaded = load_model(model, torch.bfloat16, device="cpu")
+            loaded = load_model(model, torch.bfloat16, "auto", device="cpu", packed_gguf=True)  # as a GPU loads it
             for kv_dtype in kv_dtypes:
                 exercise(loaded, model, kv_dtype, launches, args.max_batch)
     return list(launches.values())

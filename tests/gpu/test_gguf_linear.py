@@ -27,6 +27,7 @@ from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, default_gemv_config, pla
 from vivace.gpu.forward import linear  # noqa: E402
 from vivace.gpu.gguf_linear import GgufLinear, randomize_packed  # noqa: E402
 from vivace.gpu.runner import CudaRunner  # noqa: E402
+from vivace.layers.linear import StackedLinear  # noqa: E402
 from vivace.models import load_model  # noqa: E402
 from vivace.models.dummy import random_gguf_blocks  # noqa: E402
 
@@ -36,7 +37,7 @@ T = gguf.GGMLQuantizationType
 REPO = Path(__file__).resolve().parents[2]
 # Per GGUF tensor part: every GPU type once. Q8_0/Q4_0/Q4_1 quantize the model's values; the
 # K-quants are random blocks (the gguf package cannot quantize to them). "mixed" gives q/k and v
-# different types: its fused q/k/v projection falls back to float.
+# different types: its fused q/k/v projection runs as two packed runs (a StackedLinear).
 TYPES = {
     "uniform": {"attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q4_0,
                 "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "output": T.Q4_1},
@@ -74,8 +75,12 @@ def test_projections_stay_packed_and_multiply_as_dequantized(gguf_model) -> None
                 mlp.down_proj: types["ffn_down"], packed.lm_head: types["output"]}
     if fused_qkv:
         expected[attn.qkv_proj] = types["attn_q"]
-    else:
-        assert type(attn.qkv_proj) is nn.Linear and attn.qkv_proj.weight.dtype == torch.float32
+    else:  # q and k of one type, v of another: two runs, each as stored (no float copy)
+        assert isinstance(attn.qkv_proj, StackedLinear)
+        q, v = attn.qkv_proj.parts
+        expected[q], expected[v] = types["attn_q"], types["attn_v"]
+        assert (q.out_features, v.out_features) == (attn.num_heads * attn.head_dim + attn.num_kv_heads * attn.head_dim,
+                                                    attn.num_kv_heads * attn.head_dim)
     for module, ggml_type in expected.items():
         assert isinstance(module, GgufLinear) and module.ggml_type == ggml_type
         assert module.blocks.dtype == torch.uint8 and tuple(module.blocks.shape) == expected_blocks(module, ggml_type)

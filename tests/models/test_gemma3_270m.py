@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from vivace.layers.linear import QuantizedLinear
+from vivace.layers.linear import QuantizedLinear, StackedLinear
 from vivace.models import LoadedModel, load_model
 from vivace.models.bundled import BUNDLED, bundled_model_path
 
@@ -69,8 +69,14 @@ def test_q4_k_m_in_its_own_formats_tracks_the_float_weights(float_gemma) -> None
     ids = float_gemma.tokenizer.encode(PROMPT)
     expected = PagedRun(float_gemma.model, float_gemma.config, block_size=16).step({"a": ids})["a"]
     loaded = load_model("gemma-3-270m", torch.float32, "gguf")  # what auto picks with native kernels
+    projections = [getattr(module, name) for layer in loaded.model.layers
+                   for module, names in ((layer.self_attn, ("qkv_proj", "o_proj")), (layer.mlp, ("gate_up_proj", "down_proj")))
+                   for name in names]
+    assert all(isinstance(p, (QuantizedLinear, StackedLinear)) for p in projections) and loaded.model.lm_head.bits == 8
+    # The 9 layers whose v is Q8_0 (q and k Q5_0) run q/k and v apart, each in its own format.
+    stacked = [p for p in projections if isinstance(p, StackedLinear)]
+    assert len(stacked) == 9 and all([part.bits for part in p.parts] == [5, 8] for p in stacked)
     layers = [m for m in loaded.model.layers.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) == 18 * 4 and loaded.model.lm_head.bits == 8
     assert {m.bits for m in layers} == {4, 5, 6, 8}  # Q4_K, Q5_0, Q6_K, Q8_0: 4-, 5-, 6-, 8-bit codes
     actual = PagedRun(loaded.model, loaded.config, block_size=16).step({"a": ids})["a"]
     assert ((actual - expected).norm() / expected.norm()).item() < 0.03

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vivace.kernels import quant_linear_kernel
-from vivace.layers.linear import QuantizedLinear
+from vivace.layers.linear import QuantizedLinear, StackedLinear
 from vivace.models import load_model
 from vivace.models.quantize import native_quantization, quantize_model
 
@@ -88,7 +88,7 @@ def test_auto_keeps_a_float_checkpoint_float(tiny) -> None:
 def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
     """A Q4_K_M-like file (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0 tensors) plus one Q3_K tensor: "gguf"
     (what "auto" picks where the native kernels run) takes each in its own form (q/k/v of three
-    formats stacked in a common 8-bit one; the Q6_K logits layer as it is), runs the
+    formats as three runs, none widened; the Q6_K logits layer as it is), runs the
     Q3_K one as float with a warning, and the logits stay those of the file's dequantized values."""
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -103,7 +103,12 @@ def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
         loaded = load_model(str(path), torch.float32, "gguf")
     assert not caplog.records
     layer = loaded.model.layers[0]
-    assert (layer.self_attn.qkv_proj.bits, layer.self_attn.qkv_proj.mins is not None) == (8, True)
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, StackedLinear)
+    assert [(part.bits, part.sub_group, part.out_features) for part in qkv.parts] == [(4, 32, 256), (5, 0, 128),
+                                                                                      (6, 16, 128)]
+    torch.testing.assert_close(qkv.dequantize(), reference.model.layers[0].self_attn.qkv_proj.weight,
+                               rtol=0, atol=1e-6)  # the file's numbers: none requantized
     assert (layer.mlp.gate_up_proj.bits, layer.self_attn.o_proj.bits, layer.mlp.down_proj.bits) == (4, 5, 6)
     assert (layer.mlp.gate_up_proj.sub_group, layer.self_attn.o_proj.sub_group, layer.mlp.down_proj.sub_group) == \
         (32, 32, 16)

@@ -252,11 +252,12 @@ def choose_gemv(model: LlamaForCausalLM, blocks: tuple[int, ...] = (4, 8, 16), s
         for role, module, norm in (("qkv", attn.qkv_proj, layer.input_layernorm.weight), ("o", attn.o_proj, None),
                                    ("gate_up", mlp.gate_up_proj, layer.post_attention_layernorm.weight if llama else None),
                                    ("down", mlp.down_proj, None)):
-            if type(module) is nn.Linear or hasattr(module, "gemv_candidates"):
-                ggml_type = getattr(module, "ggml_type", None)
-                key = (role, type(module).__name__, ggml_type.name if ggml_type is not None else "",
-                       module.out_features, module.in_features, module.bias is not None)
-                groups.setdefault(key, []).append((module, norm))
+            for member in getattr(module, "parts", (module,)):  # a StackedLinear: each run chosen apart
+                if type(member) is nn.Linear or hasattr(member, "gemv_candidates"):
+                    ggml_type = getattr(member, "ggml_type", None)
+                    key = (role, type(member).__name__, ggml_type.name if ggml_type is not None else "",
+                           member.out_features, member.in_features, member.bias is not None)
+                    groups.setdefault(key, []).append((member, norm))
     chosen = {}
     like = dict(dtype=model.norm.weight.dtype, device=model.norm.weight.device)  # the activations'
     for (role, kind, ggml_type, n, k, _), members in groups.items():

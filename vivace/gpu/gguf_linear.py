@@ -7,12 +7,14 @@ in); ``randomize_packed`` makes a dummy model's projections random blocks of one
 
 A projection stays packed when its GGUF type is one the kernels read (``GPU_TYPES``): the decoder's
 q/k/v, output, gate/up and down projections, and an untied LM head. A fused projection (q/k/v,
-gate/up) stacks its parts' rows, which only works when they share one type; when they do not, it
-is dequantized to float as before, as is every tensor of another type, the embedding and norms.
+gate/up) stacks its parts' rows when they share one type; parts of different types (a Q4_K_M file
+keeps some layers' v in Q6_K) run as a ``StackedLinear`` of one ``GgufLinear`` a type. Tensors
+of other types, the embedding and norms are dequantized to float.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from torch import nn
 
 from vivace.gpu import kernels
 from vivace.gpu.gguf_kernels import GPU_TYPES, LAYOUTS, gemv_candidates, gguf_matmul, planar
+from vivace.layers.linear import StackedLinear
 from vivace.models.config import ModelConfig
 from vivace.models.dummy import random_gguf_blocks
 from vivace.models.gguf import _hf_name, hf_rows
@@ -79,7 +82,7 @@ class GgufLinear(nn.Module):
 
 def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:
     """vivace module name (``layers.0.self_attn.qkv_proj``, ``lm_head``) -> the GGUF tensors whose
-    rows it stacks, in order, for every projection whose parts are all of one type in ``GPU_TYPES``."""
+    rows it stacks, in order, for every projection whose parts are all of types in ``GPU_TYPES``."""
     arch = file.metadata["general.architecture"]
     parts: dict[str, dict[int, str]] = defaultdict(dict)
     counts: dict[str, int] = {}
@@ -91,8 +94,7 @@ def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:
         parts[module][index], counts[module] = name, count
     plan = {}
     for module, names in parts.items():
-        types = {file.tensors[name].ggml_type for name in names.values()}
-        if len(names) == counts[module] and len(types) == 1 and types.pop() in GPU_TYPES:
+        if len(names) == counts[module] and all(file.tensors[name].ggml_type in GPU_TYPES for name in names.values()):
             plan[module] = tuple(names[i] for i in range(counts[module]))
     return plan
 
@@ -100,19 +102,25 @@ def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:
 def pack_linears(model: nn.Module, path: Path, config: ModelConfig, plan: dict[str, tuple[str, ...]]) -> None:
     """Replace each module of ``plan`` in ``model`` by a ``GgufLinear`` of its GGUF tensors' blocks
     (read from ``path``, rows in Hugging Face order, then vivace's for partial rotary), keeping the
-    module's bias."""
+    module's bias; parts of different types as a ``StackedLinear``, a ``GgufLinear`` for each run
+    of parts of one type."""
     file = GGUFFile(path)
     arch = file.metadata["general.architecture"]
     for module_name, names in plan.items():
-        infos = [file.tensors[name] for name in names]
-        blocks = np.concatenate([to_vivace_rows(_hf_name(info.name, arch),
-                                                hf_rows(file.blocks(info), info.name, config), config)
-                                 for info in infos])
+        runs = [list(run) for _, run in itertools.groupby((file.tensors[name] for name in names),
+                                                             key=lambda info: info.ggml_type)]
         parent_name, _, child_name = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        child = getattr(parent, child_name)
-        packed = GgufLinear(torch.from_numpy(blocks), infos[0].ggml_type, infos[0].shape[1], child.bias)
-        setattr(parent, child_name, packed)
+        bias = getattr(parent, child_name).bias
+        sizes = [sum(info.shape[0] for info in run) for run in runs]
+        biases = [None] * len(runs) if bias is None else bias.split(sizes)
+        packed = []
+        for run, run_bias in zip(runs, biases):
+            blocks = np.concatenate([to_vivace_rows(_hf_name(info.name, arch),
+                                                    hf_rows(file.blocks(info), info.name, config), config)
+                                     for info in run])
+            packed.append(GgufLinear(torch.from_numpy(blocks), run[0].ggml_type, run[0].shape[1], run_bias))
+        setattr(parent, child_name, packed[0] if len(packed) == 1 else StackedLinear(packed))
 
 
 def randomize_packed(model: nn.Module, ggml_type: gguf.GGMLQuantizationType, seed: int = 0) -> None:

@@ -120,6 +120,26 @@ class QuantizedLinear(nn.Module):
                 f"group_size={self.group_size}{sub}, bias={self.bias is not None}, backend={self.backend}")
 
 
+class StackedLinear(nn.Module):
+    """One projection whose output rows come in runs of different formats (a fused q/k/v whose v
+    a GGUF file stores in more bits): each run through its own layer (``QuantizedLinear`` on CPU,
+    ``vivace.gpu.gguf_linear.GgufLinear`` on a GPU), the outputs concatenated."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        if len({part.in_features for part in parts}) != 1:
+            raise ValueError("stacked parts must share in_features")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([part.dequantize(dtype) for part in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 def _pad_rows(weight: qf.QuantizedWeight) -> qf.QuantizedWeight:
     """Pad the output rows to a multiple of 16 with zero-scale rows (their outputs are dropped)."""
     n = weight.codes.shape[0]

@@ -81,7 +81,7 @@ class QuantizedWeight:
     def widened(self) -> QuantizedWeight:
         """The same weight as 8-bit codes with per-group-of-32 mins (``m = -z * d`` for a zero
         point, exact in float16 for the power-of-two zero points used here): a form every weight
-        of one group size shares, so weights of different formats can be stacked. Two-level
+        of one group size shares (benchmarks/kernels.py sets it against the native ones). Two-level
         weights lose a little: Q4_K/Q5_K as ``grouped``; Q6_K's 16-wide sub-groups are requantized
         to groups of 32 with scale ``s / 4`` of the pair's larger sub-group scale ``s``, so that
         sub-group maps exactly (``4 * (q - 32)``) and the other is rounded to the nearest

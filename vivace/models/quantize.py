@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from vivace.layers.gguf_blocks import NATIVE_TYPES, from_gguf_blocks
-from vivace.layers.linear import QuantizedLinear
+from vivace.layers.linear import QuantizedLinear, StackedLinear
 from vivace.layers.quant_format import QuantizedWeight
 from vivace.models.gguf import _hf_name, hf_rows
 from vivace.models.gguf_file import GGUFFile
@@ -66,7 +66,7 @@ def quantize_model(model: LlamaForCausalLM, mode: str, gguf_path: Path | None = 
     logits_weight = model.embed_tokens.weight if tied else model.lm_head.weight
     read = stored.get("model.embed_tokens.weight" if tied else "lm_head.weight")
     direct = None if read is None else read()
-    model.lm_head = _quantized(logits_weight, None, "int8", direct if direct is None or direct.bits >= 6 else None)
+    model.lm_head = _quantized(logits_weight, None, "int8", [direct] if direct is not None and direct.bits >= 6 else None)
     return model
 
 
@@ -82,8 +82,7 @@ def _projection_owners(layer: nn.Module, prefix: str) -> list[tuple[str, nn.Modu
 def experts_taken_as_stored(gguf_path: Path, mode: str) -> set[str]:
     """The GGUF expert tensors (``ffn_*_exps``) that ``quantize_model`` in ``mode`` takes code for
     code, which the loader need not dequantize (a 30B mixture's experts would take 120 GB as
-    float32): a down projection of a type ``mode`` takes, gate and up of one such type (fused
-    without widening)."""
+    float32): a down projection of a type ``mode`` takes, gate and up when both are of such types."""
     if mode not in _DIRECT_TYPES:
         return set()
     tensors = GGUFFile(gguf_path).tensors
@@ -94,7 +93,7 @@ def experts_taken_as_stored(gguf_path: Path, mode: str) -> set[str]:
         if name.endswith(".ffn_down_exps.weight"):
             taken.add(name)
         up = tensors.get(name.replace(".ffn_gate_exps.", ".ffn_up_exps."))
-        if name.endswith(".ffn_gate_exps.weight") and up is not None and up.ggml_type == info.ggml_type:
+        if name.endswith(".ffn_gate_exps.weight") and up is not None and up.ggml_type in _DIRECT_TYPES[mode]:
             taken |= {name, up.name}
     return taken
 
@@ -108,26 +107,42 @@ def native_quantization(gguf_path: Path) -> str:
 
 
 def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
-               direct: QuantizedWeight | None) -> QuantizedLinear:
-    if direct is not None and direct.codes.shape == weight.shape:
-        return QuantizedLinear(direct, bias)
-    return QuantizedLinear.from_float(weight, bias, "int8" if mode == "gguf" else mode)  # type: ignore[arg-type]
+               direct: list[QuantizedWeight] | None) -> QuantizedLinear | StackedLinear:
+    """The layer of float ``weight`` (and ``bias``): ``direct``'s runs of stored rows as they
+    are when they cover it, else ``weight`` quantized in ``mode`` (int8 for "gguf")."""
+    rows = None if direct is None else [run.codes.shape for run in direct]
+    if rows is None or sum(n for n, _ in rows) != weight.shape[0] or any(k != weight.shape[1] for _, k in rows):
+        return QuantizedLinear.from_float(weight, bias, "int8" if mode == "gguf" else mode)  # type: ignore[arg-type]
+    if len(direct) == 1:
+        return QuantizedLinear(direct[0], bias)
+    biases = [None] * len(direct) if bias is None else bias.split([n for n, _ in rows])
+    return StackedLinear([QuantizedLinear(run, b) for run, b in zip(direct, biases)])
 
 
-def _fused_weight(stored: dict[str, Reader], prefix: str, name: str) -> QuantizedWeight | None:
-    """The stored weight of ``prefix.name``, rows of fused parts concatenated (in a common
-    8-bit form when their formats differ)."""
+def _fused_weight(stored: dict[str, Reader], prefix: str, name: str) -> list[QuantizedWeight] | None:
+    """The stored weight of ``prefix.name`` as runs of rows: fused parts of one format
+    concatenated into one run, a part of another format in a run of its own (a Q4_K_M file keeps
+    some layers' v projection in Q6_K: their q and k run as one Q4_K weight and v apart, each
+    read in its own format rather than all three widened to 8 bits)."""
     if f"{prefix}.{name}.weight" in stored:  # stored fused (Phi-3)
-        return stored[f"{prefix}.{name}.weight"]()
+        return [stored[f"{prefix}.{name}.weight"]()]
     readers = [stored.get(f"{prefix}.{part}.weight") for part in _FUSED_PARTS.get(name, (name,))]
     if any(read is None for read in readers):
         return None
-    parts = [read() for read in readers]
-    if len({_form(p) for p in parts}) > 1:
-        parts = [part.widened() for part in parts]
-        if len({_form(p) for p in parts}) > 1:
-            return None
+    runs: list[list[QuantizedWeight]] = []
+    for part in (read() for read in readers):
+        if runs and _form(runs[-1][0]) == _form(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [_stacked(run) for run in runs]
+
+
+def _stacked(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one form, rows of each in turn."""
     first = parts[0]
+    if len(parts) == 1:
+        return first
 
     def cat(field: str) -> torch.Tensor | None:
         return None if getattr(first, field) is None else torch.cat([getattr(p, field) for p in parts])
