@@ -1,8 +1,8 @@
 """GGUF projections kept as their blocks on the CUDA backend, end to end: a tiny random Llama written
 as a GGUF file of quantized projections loads with them packed in ``GgufLinear`` (uint8 planar
-rows, in Hugging Face order), and the CUDA runner over it gives the greedy tokens of the CPU runner
-on the same file dequantized to float32 (on CPU under Triton's interpreter where there is no GPU),
-and so does a Granite's (its multipliers live outside the projections, which run as stored);
+rows, in Hugging Face order; a tied LM head from the embedding's blocks), and the CUDA runner over
+it gives the greedy tokens of the CPU runner on the same file dequantized to float32 (on CPU
+under Triton's interpreter where there is no GPU), and so does a Granite's (its multipliers live outside the projections, which run as stored);
 a module's chosen GEMV tiling gives its default's product."""
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ TYPES = {
                 "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "output": T.Q4_1},
     "mixed": {"attn_q": T.Q5_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.Q5_K,
               "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "output": T.Q6_K},
+    # Tied embeddings (no output tensor), as llama-quantize's Q4_K_M stores a Llama 3.2 or Qwen3:
+    # the LM head packs the embedding's Q6_K blocks.
+    "tied": {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q4_K, "attn_output": T.Q4_K,
+             "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q4_K, "token_embd": T.Q6_K},
 }
 PROMPTS = [[5, 90, 31, 242, 77, 12, 5, 90, 31, 242, 77, 12], [8, 100, 200, 7]]
 NEW = 3
@@ -53,7 +57,8 @@ CONFIG = dict(num_kv_blocks=16, block_size=4, max_model_len=32, device="cpu", qu
 def gguf_model(request, tmp_path_factory):
     """(GGUF path, its part types): 256 wide, K-quant rows of one super-block or more."""
     torch.manual_seed(0)
-    config = tiny_config("llama", hidden_size=256, intermediate_size=256, initializer_range=0.1)
+    config = tiny_config("llama", hidden_size=256, intermediate_size=256, initializer_range=0.1,
+                         tie_word_embeddings=request.param == "tied")
     hf = transformers.LlamaForCausalLM(config).eval()
     types = TYPES[request.param]
     return write_gguf(hf, tmp_path_factory.mktemp("gguf") / "tiny.gguf", types=types), types
@@ -71,8 +76,9 @@ def test_projections_stay_packed_and_multiply_as_dequantized(gguf_model) -> None
     assert not any(isinstance(m, GgufLinear) for m in dense.modules())
     attn, mlp = packed.layers[0].self_attn, packed.layers[0].mlp
     fused_qkv = len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1
+    tied = "output" not in types
     expected = {attn.o_proj: types["attn_output"], mlp.gate_up_proj: types["ffn_gate"],
-                mlp.down_proj: types["ffn_down"], packed.lm_head: types["output"]}
+                mlp.down_proj: types["ffn_down"], packed.lm_head: types["token_embd" if tied else "output"]}
     if fused_qkv:
         expected[attn.qkv_proj] = types["attn_q"]
     else:  # q and k of one type, v of another: two runs, each as stored (no float copy)
@@ -88,7 +94,11 @@ def test_projections_stay_packed_and_multiply_as_dequantized(gguf_model) -> None
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     dense_attn = dense.layers[0].self_attn
     # The GEMV of Q8_0/Q4 words keeps 2^15 (Q4: 2^11) in float32 sums (gguf_kernels): ~2e-4 of the scale.
-    for ours, theirs in ((attn.qkv_proj, dense_attn.qkv_proj), (packed.lm_head, dense.lm_head)):
+    if tied:  # the lookup keeps its float copy
+        assert dense.lm_head is None and packed.embed_tokens.weight.dtype == torch.float32
+        torch.testing.assert_close(packed.embed_tokens.weight, dense.embed_tokens.weight)
+    head = dense.embed_tokens if tied else dense.lm_head
+    for ours, theirs in ((attn.qkv_proj, dense_attn.qkv_proj), (packed.lm_head, head)):
         expected = F.linear(x, theirs.weight)
         torch.testing.assert_close(linear(ours, x), expected, rtol=1e-4, atol=5e-4 * expected.abs().max().item())
 
@@ -168,12 +178,13 @@ def test_randomize_packed_packs_every_projection(tiny_model_dir) -> None:
     randomize_packed(model, T.Q4_0)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     packed = [m for m in model.modules() if isinstance(m, GgufLinear)]
-    assert len(packed) == 4 * model.config.num_hidden_layers  # tied embeddings: no LM head of its own
+    assert len(packed) == 4 * model.config.num_hidden_layers + 1  # tied embeddings: the LM head packed too
+    assert model.lm_head in packed and model.embed_tokens.weight.dtype == torch.float32
     assert all(m.ggml_type == T.Q4_0 and m.blocks.device.type == DEVICE for m in packed)
     assert len({tuple(m.blocks[0, :8].tolist()) for m in packed}) == len(packed)  # each drawn anew
-    # benchmarks/gpu.py's floor counts the packed bytes (and the tied embedding, the LM head's weight).
+    # benchmarks/gpu.py's floor counts the packed bytes, not the embedding (one row a token).
     spec = importlib.util.spec_from_file_location("vivace_gpu_benchmark", REPO / "benchmarks" / "gpu.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
-    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) - model.embed_tokens.weight.nbytes
     assert benchmark.bytes_read_per_step(loaded, 1, 0) == (dense + sum(m.blocks.numel() for m in packed), 0)

@@ -6,7 +6,8 @@ start (``gemv_config``, from ``gemv_candidates``; ``forward.choose_gemv``); ``pl
 in); ``randomize_packed`` makes a dummy model's projections random blocks of one type (benchmarks).
 
 A projection stays packed when its GGUF type is one the kernels read (``GPU_TYPES``): the decoder's
-q/k/v, output, gate/up and down projections, and an untied LM head. A fused projection (q/k/v,
+q/k/v, output, gate/up and down projections, and the LM head (a tied one from the embedding's
+blocks, the token lookup keeping a float copy). A fused projection (q/k/v,
 gate/up) stacks its parts' rows when they share one type; parts of different types (a Q4_K_M file
 keeps some layers' v in Q6_K) run as a ``StackedLinear`` of one ``GgufLinear`` a type. Tensors
 of other types, the embedding and norms are dequantized to float.
@@ -32,6 +33,10 @@ from vivace.models.gguf import _hf_name, hf_rows
 from vivace.models.gguf_file import GGUFFile
 from vivace.models.loader import vivace_name
 from vivace.models.partial_rotary import to_vivace_rows
+
+
+# The GGUF tensor that a tied LM head packs; the loader decodes it too, for the token lookup.
+TIED_HEAD = "token_embd.weight"
 
 
 class GgufLinear(nn.Module):
@@ -82,7 +87,9 @@ class GgufLinear(nn.Module):
 
 def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:
     """vivace module name (``layers.0.self_attn.qkv_proj``, ``lm_head``) -> the GGUF tensors whose
-    rows it stacks, in order, for every projection whose parts are all of types in ``GPU_TYPES``."""
+    rows it stacks, in order, for every projection whose parts are all of types in ``GPU_TYPES``, and
+    a tied LM head (no ``output.weight``) as the embedding's blocks (``TIED_HEAD``): the token
+    lookup still reads a float copy, the step's largest product reads the file's bytes."""
     arch = file.metadata["general.architecture"]
     parts: dict[str, dict[int, str]] = defaultdict(dict)
     counts: dict[str, int] = {}
@@ -96,6 +103,9 @@ def plan_packed(file: GGUFFile) -> dict[str, tuple[str, ...]]:
     for module, names in parts.items():
         if len(names) == counts[module] and all(file.tensors[name].ggml_type in GPU_TYPES for name in names.values()):
             plan[module] = tuple(names[i] for i in range(counts[module]))
+    embedding = file.tensors.get(TIED_HEAD)
+    if "output.weight" not in file.tensors and embedding is not None and embedding.ggml_type in GPU_TYPES:
+        plan["lm_head"] = (TIED_HEAD,)  # tied: the LM head reads the embedding's blocks, the lookup a float copy
     return plan
 
 
@@ -111,7 +121,8 @@ def pack_linears(model: nn.Module, path: Path, config: ModelConfig, plan: dict[s
                                                              key=lambda info: info.ggml_type)]
         parent_name, _, child_name = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        bias = getattr(parent, child_name).bias
+        child = getattr(parent, child_name)
+        bias = None if child is None else child.bias  # None: a tied LM head
         sizes = [sum(info.shape[0] for info in run) for run in runs]
         biases = [None] * len(runs) if bias is None else bias.split(sizes)
         packed = []
@@ -124,9 +135,10 @@ def pack_linears(model: nn.Module, path: Path, config: ModelConfig, plan: dict[s
 
 
 def randomize_packed(model: nn.Module, ggml_type: gguf.GGMLQuantizationType, seed: int = 0) -> None:
-    """Replace every projection of ``model`` (q/k/v, output, gate/up, down, an untied LM head) by a
+    """Replace every projection of ``model`` (q/k/v, output, gate/up, down, the LM head) by a
     ``GgufLinear`` of random ``ggml_type`` blocks on the device of its weight, biases kept: a
-    dummy model at a real shape in a GGUF format, for benchmarks."""
+    dummy model at a real shape in a GGUF format, for benchmarks. A tied LM head gets blocks of
+    its own, as a tied GGUF's is packed (``plan_packed``); the embedding stays float for the lookup."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
@@ -134,3 +146,7 @@ def randomize_packed(model: nn.Module, ggml_type: gguf.GGMLQuantizationType, see
                 blocks = random_gguf_blocks(ggml_type, out_features, in_features, child.weight.device, seed)
                 setattr(module, child_name, GgufLinear(blocks, ggml_type, in_features, child.bias))
                 seed += 1
+    if getattr(model, "lm_head", True) is None:
+        vocab, hidden = model.embed_tokens.weight.shape
+        blocks = random_gguf_blocks(ggml_type, vocab, hidden, model.embed_tokens.weight.device, seed)
+        model.lm_head = GgufLinear(blocks, ggml_type, hidden)

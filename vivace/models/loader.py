@@ -118,7 +118,9 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
         if quantization == "auto":
             quantization = _auto_quantization(path)
         # Tensors kept as blocks are not decoded: GPU-packed projections, experts taken as stored.
-        kept = {tensor for tensors in plan.values() for tensor in tensors} | experts_taken_as_stored(path, quantization)
+        # The embedding is decoded even when a tied LM head packs its blocks: the lookup reads it.
+        kept = {tensor for tensors in plan.values() for tensor in tensors} - {"token_embd.weight"}
+        kept |= experts_taken_as_stored(path, quantization)
         opened = open_gguf(path, skip=kept)
         config, tokenizer, tensors = opened.config, opened.tokenizer, opened.tensors
     elif path.exists():
