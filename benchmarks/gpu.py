@@ -18,7 +18,8 @@ times over the difference of their tokens), the engine loop's batch-1 ITL (``LLM
 with the device sampler, detokenization and stop checks; with the overlap scheduler and without),
 batch 8/32/64 steps, and prompt prefill times (eager forward + LM head of the last token, median
 of 5). Per GGUF type (random blocks in every
-projection, the untied LM head included; embedding and norms bf16): the floor of its packed bytes,
+projection and the LM head, tied or not; embedding and norms bf16; ``Q4_K_M``: llama-quantize's
+mix, ``gguf_linear.randomize_packed``): the floor of its packed bytes,
 the batch-1 step (and ``--gguf-batches``) and the prefill times; and per type at the 8B shape's
 matrices, the GGUF kernel's batch-1 GEMV (packed TB/s) and 512-row GEMM (TFLOP/s) beside cuBLAS
 on bf16. With ``--fp8``, the same for FP8 projections (e4m3 quantized at load from the random
@@ -205,7 +206,7 @@ def vivace_rows(preset: str, context: int, batches: list[int], prompts: list[int
     loaded = load_model(preset, DTYPE, "fp8" if fp8 else "none", load_format="dummy", device="cuda",
                         tokenizer=tokenizer)
     if weight_format is not None and not fp8:
-        randomize_packed(loaded.model, gguf.GGMLQuantizationType[weight_format])
+        randomize_packed(loaded.model, weight_format)
         torch.cuda.empty_cache()
     block_size = 16
     max_batch = max([1, *batches])
@@ -594,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-presets", default="", help="transformers' compiled decode for these presets only "
                         "(comma-separated; default: every preset unless --no-hf; each compiles for a minute or more)")
     parser.add_argument("--gguf-types", default="Q8_0,Q4_0,Q4_K",
-                        help="GGUF formats to run the presets in too (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; '' none)")
+                        help="GGUF formats to run the presets in too (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, or "
+                        "Q4_K_M: llama-quantize's mix of Q4_K and Q6_K; '' none)")
     parser.add_argument("--gguf-batches", default="", help="decode batches of the GGUF runs besides 1")
     parser.add_argument("--tokenizer", default=os.environ.get("VIVACE_TEST_TOKENIZER"),
                         help="tokenizer of the engine-loop rows (default: $VIVACE_TEST_TOKENIZER, else the "
@@ -640,19 +642,20 @@ def main(argv: list[str] | None = None) -> int:
     formats = {t: [int(b) for b in args.gguf_batches.split(",") if b] for t in args.gguf_types.split(",") if t}
     if args.fp8:
         formats["fp8"] = [int(b) for b in args.fp8_batches.split(",") if b]
-    if formats:
+    matrix_formats = [t for t in formats if t != "Q4_K_M"]  # a mix has no one matrix of its own
+    if matrix_formats:
         try:
-            report["format_matrices"] = format_matrix_rows(list(formats))
+            report["format_matrices"] = format_matrix_rows(matrix_formats)
         except Exception as exc:
             report["format_matrices"] = {}
             print(f"Weight format matrix comparison failed: {exc!r}", flush=True)
         print("\n| matrix | cuBLAS bf16 GEMM, 512 rows | "
-              + " | ".join(f"{t} GEMV (batch 1) | {t} GEMM (512 rows)" for t in formats) + " |")
-        print("|---" * (2 + 2 * len(formats)) + "|")
+              + " | ".join(f"{t} GEMV (batch 1) | {t} GEMM (512 rows)" for t in matrix_formats) + " |")
+        print("|---" * (2 + 2 * len(matrix_formats)) + "|")
         for name, g in report["format_matrices"].items():
             cells = " | ".join(f"{g[t]['gemv_us']:.1f} us, {g[t]['gemv_tb_s']:.2f} TB/s (best "
                                f"{g[t]['best_gemv_us']:.1f} us, {g[t]['best_gemv_tb_s']:.2f} TB/s: {g[t]['best_config']}) | "
-                               f"{g[t]['gemm_ms']:.3f} ms, {g[t]['gemm_tflop_s']:.0f} TFLOP/s" for t in formats)
+                               f"{g[t]['gemm_ms']:.3f} ms, {g[t]['gemm_tflop_s']:.0f} TFLOP/s" for t in matrix_formats)
             print(f"| {name} | {g['cublas_gemm_tflop_s']:.0f} TFLOP/s | {cells} |")
     for preset in args.presets.split(","):
         try:

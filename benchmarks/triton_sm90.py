@@ -147,7 +147,7 @@ def record(args: argparse.Namespace) -> list[dict]:
                                     tokenizer=os.environ.get("VIVACE_TEST_TOKENIZER"))
                 if weight_format not in ("bf16", "fp8"):
                     try:
-                        randomize_packed(loaded.model, gguf.GGMLQuantizationType[weight_format])
+                        randomize_packed(loaded.model, weight_format)
                     except ValueError as exc:  # K-quants need rows of multiples of 256
                         print(f"{preset} {weight_format}: skipped ({exc})", flush=True)
                         continue

@@ -158,6 +158,26 @@ def test_random_blocks_drawn_on_the_device_are_modest_weights(ggml_type) -> None
     assert weight.shape == (8, 512) and np.isfinite(weight).all() and 0.01 < np.abs(weight).mean() < 1
 
 
+def test_randomize_packed_q4_k_m_mixes_as_llama_quantize(make_tiny_llama) -> None:
+    """The benchmarks' Q4_K_M: Q4_K but for the LM head (tied, so the embedding's own blocks) and,
+    in llama-quantize's more-bits layers (of 8: 0, 3, 6, 7), v (apart from q/k) and down, in Q6_K."""
+    path = make_tiny_llama(hidden_size=256, intermediate_size=256, num_hidden_layers=8)
+    model = load_model(str(path), torch.float32, load_format="dummy", device=DEVICE).model
+    randomize_packed(model, "Q4_K_M")
+    assert isinstance(model.lm_head, GgufLinear) and model.lm_head.ggml_type == T.Q6_K
+    kv_rows = model.config.num_key_value_heads * model.config.head_dim
+    for index, layer in enumerate(model.layers):
+        more = index in (0, 3, 6, 7)
+        qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
+        assert down.ggml_type == (T.Q6_K if more else T.Q4_K) and layer.mlp.gate_up_proj.ggml_type == T.Q4_K
+        if more:
+            assert isinstance(qkv, StackedLinear)
+            assert [(part.ggml_type, part.out_features) for part in qkv.parts] == [
+                (T.Q4_K, qkv.out_features - kv_rows), (T.Q6_K, kv_rows)]
+        else:
+            assert qkv.ggml_type == T.Q4_K
+
+
 def test_blocks_kept_planar_and_gemv_tiling_chosen() -> None:
     """The module keeps the file's bytes in planes (as many); a tiling of its candidates (as
     ``forward.choose_gemv`` sets one) gives the default's product."""

@@ -35,6 +35,7 @@ from vivace.models.loader import vivace_name
 from vivace.models.partial_rotary import to_vivace_rows
 
 
+T = gguf.GGMLQuantizationType
 # The GGUF tensor that a tied LM head packs; the loader decodes it too, for the token lookup.
 TIED_HEAD = "token_embd.weight"
 
@@ -134,19 +135,50 @@ def pack_linears(model: nn.Module, path: Path, config: ModelConfig, plan: dict[s
         setattr(parent, child_name, packed[0] if len(packed) == 1 else StackedLinear(packed))
 
 
-def randomize_packed(model: nn.Module, ggml_type: gguf.GGMLQuantizationType, seed: int = 0) -> None:
+# llama-quantize's Q4_K_M, a mix ``randomize_packed`` draws: Q4_K, but Q6_K for the LM head and,
+# in the layers ``_more_bits`` picks, for v and the down projection.
+Q4_K_M = "Q4_K_M"
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama-quantize's choice of layers whose v and down projections get more bits: the first
+    and last eighth, and every third layer between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def randomize_packed(model: nn.Module, weight_format: gguf.GGMLQuantizationType | str, seed: int = 0) -> None:
     """Replace every projection of ``model`` (q/k/v, output, gate/up, down, the LM head) by a
-    ``GgufLinear`` of random ``ggml_type`` blocks on the device of its weight, biases kept: a
-    dummy model at a real shape in a GGUF format, for benchmarks. A tied LM head gets blocks of
-    its own, as a tied GGUF's is packed (``plan_packed``); the embedding stays float for the lookup."""
-    for module in list(model.modules()):
+    ``GgufLinear`` of random blocks on the device of its weight, biases kept: a dummy model at a
+    real shape in a GGUF format, for benchmarks. ``weight_format``: a GGUF type (or its name), or
+    ``Q4_K_M``, llama-quantize's mix (v of a Q6_K layer apart from q/k: a ``StackedLinear``, as a
+    real file loads). A tied LM head gets blocks of its own, as a tied GGUF's is packed
+    (``plan_packed``); the embedding stays float for the lookup."""
+    mix = weight_format == Q4_K_M
+    base = T.Q4_K if mix else weight_format if isinstance(weight_format, T) else T[weight_format]
+    layers = len(getattr(model, "layers", ()))
+
+    def packed(rows: int, columns: int, ggml_type: T, device: torch.device, bias: torch.Tensor | None = None
+               ) -> GgufLinear:
+        nonlocal seed
+        seed += 1
+        return GgufLinear(random_gguf_blocks(ggml_type, rows, columns, device, seed - 1), ggml_type, columns, bias)
+
+    for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                out_features, in_features = child.weight.shape
-                blocks = random_gguf_blocks(ggml_type, out_features, in_features, child.weight.device, seed)
-                setattr(module, child_name, GgufLinear(blocks, ggml_type, in_features, child.bias))
-                seed += 1
+            if not isinstance(child, nn.Linear):
+                continue
+            (rows, columns), device = child.weight.shape, child.weight.device
+            parts = name.split(".")
+            more = mix and parts[0] == "layers" and _more_bits(int(parts[1]), layers)
+            if more and child_name == "qkv_proj":
+                v_rows = model.config.num_key_value_heads * model.config.head_dim
+                biases = (None, None) if child.bias is None else child.bias.split([rows - v_rows, v_rows])
+                replacement = StackedLinear([packed(rows - v_rows, columns, base, device, biases[0]),
+                                             packed(v_rows, columns, T.Q6_K, device, biases[1])])
+            else:
+                ggml_type = T.Q6_K if mix and (child_name == "lm_head" or (more and child_name == "down_proj")) else base
+                replacement = packed(rows, columns, ggml_type, device, child.bias)
+            setattr(module, child_name, replacement)
     if getattr(model, "lm_head", True) is None:
         vocab, hidden = model.embed_tokens.weight.shape
-        blocks = random_gguf_blocks(ggml_type, vocab, hidden, model.embed_tokens.weight.device, seed)
-        model.lm_head = GgufLinear(blocks, ggml_type, hidden)
+        model.lm_head = packed(vocab, hidden, T.Q6_K if mix else base, model.embed_tokens.weight.device)
