@@ -19,8 +19,9 @@ from .gguf_random import random_blocks
 from .test_linear import BACKENDS, relative_error
 
 T = gguf.GGMLQuantizationType
-BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6}
-K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q2_K: 4, T.Q3_K: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5,
+        T.Q6_K: 6}
+SUB_GROUPS = {T.Q2_K: 16, T.Q3_K: 16, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16}  # the K-quants'
 SHAPES = [(16, 256), (48, 512), (33, 768), (160, 1024)]
 needs_native = pytest.mark.skipif(quant_linear_kernel() is None, reason="native kernels unavailable")
 
@@ -32,9 +33,21 @@ def test_decoded_weight_matches_gguf_dequantize(ggml_type, shape) -> None:
     expected = gguf.quants.dequantize(blocks, ggml_type)
     weight = from_gguf_blocks(blocks, ggml_type)
     assert weight.bits == BITS[ggml_type]
-    assert (weight.group_size, weight.sub_group) == ((256, 16 if ggml_type == T.Q6_K else 32) if ggml_type in K_QUANTS
+    assert (weight.group_size, weight.sub_group) == ((256, SUB_GROUPS[ggml_type]) if ggml_type in SUB_GROUPS
                                                      else (32, 0))
     np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize(("ggml_type", "codes", "sub_scales", "sub_mins"),
+                         [(T.Q3_K, 8, (-32, 31), None), (T.Q2_K, 4, (0, 15), (0, 15))], ids=["Q3_K", "Q2_K"])
+def test_low_bit_k_quants_use_their_whole_ranges(ggml_type, codes, sub_scales, sub_mins) -> None:
+    """Random bytes reach every code and every sub-block scale and min the format can store,
+    and each lands where ``gguf.quants`` puts it (above): no bit of the packing unread."""
+    weight = from_gguf_blocks(random_blocks(ggml_type, 64, 1024, seed=1), ggml_type)
+    assert set(weight.codes.unique().tolist()) == set(range(codes))
+    assert (weight.sub_scales.min().item(), weight.sub_scales.max().item()) == sub_scales
+    if sub_mins is not None:
+        assert (weight.sub_mins.min().item(), weight.sub_mins.max().item()) == sub_mins
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -79,5 +92,18 @@ def test_native_kernel_is_exact_integer_dot_products(ggml_type, m) -> None:
     assert relative_error(layer(x), expected) < 1e-6
 
 def test_types_without_a_native_form_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="Q3_K has no direct quantized form; supported: Q8_0, .*Q6_K"):
-        from_gguf_blocks(np.zeros((16, 110), np.uint8), T.Q3_K)
+    with pytest.raises(ValueError, match="IQ2_XXS has no direct quantized form; supported: Q8_0, .*Q2_K, Q3_K, .*Q6_K"):
+        from_gguf_blocks(np.zeros((16, 66), np.uint8), T.IQ2_XXS)
+
+
+@needs_native
+@pytest.mark.parametrize(("bits", "sub_group", "with_mins"), [(5, 16, False), (5, 16, True), (6, 16, True),
+                                                              (4, 32, False), (6, 32, False)])
+def test_kernel_refuses_two_level_forms_it_has_no_loop_for(bits, sub_group, with_mins) -> None:
+    n, k = 16, 256
+    codes = torch.zeros(n * k * bits // 8, dtype=torch.uint8)
+    scales = torch.zeros(n // 16, k // 256, 16, dtype=torch.int16)
+    subs = torch.zeros(n // 16, k // sub_group, 16, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="sub-block scales|6-bit codes"):
+        quant_linear_kernel()(torch.randn(1, k), codes, scales, scales if with_mins else None, None, bits, n, 256,
+                              0 if with_mins else 4, subs, subs if with_mins else None, sub_group)

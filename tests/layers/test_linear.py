@@ -73,7 +73,8 @@ def test_quantization_error_is_small() -> None:
 
 
 @pytest.mark.parametrize("ggml_type", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
-                                       gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q4_K,
+                                       gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q2_K,
+                                       gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.Q4_K,
                                        gguf.GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
 def test_rows_and_leading_dims(ggml_type) -> None:
     blocks = random_blocks(ggml_type, 40, 256)
@@ -106,7 +107,7 @@ def test_rejects_bad_shapes_and_modes() -> None:
     with pytest.raises(ValueError):
         QuantizedLinear.from_float(torch.randn(16, 64), mode="int2")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        from_gguf_blocks(np.zeros((16, 10), np.uint8), gguf.GGMLQuantizationType.Q3_K)
+        from_gguf_blocks(np.zeros((16, 66), np.uint8), gguf.GGMLQuantizationType.IQ2_XXS)
 
 
 def test_fallback_forced_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,8 @@ from layers.gguf_random import random_blocks  # tests/ is on sys.path, as for ev
 from .tiny import BOS_ID, CHAT_TEMPLATE, EOS_ID, MERGES, SPECIAL_TOKENS, TOKENS
 
 F32 = gguf.GGMLQuantizationType.F32
+# Types the gguf package cannot quantize to: random blocks (``random_blocks``).
+RANDOM_TYPES = tuple(gguf.GGMLQuantizationType[name] for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS"))
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -45,7 +47,7 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
     or as ``types[part]`` for the GGUF tensor part named (``attn_q``, ``token_embd``, ...); the
     metadata's EOS is ``eos_id``, its chat template ``chat_template`` (named ones: a list, as llama.cpp's
     converter takes tokenizer_config.json's).
-    Types the gguf package cannot quantize to (the K-quants) get random codes of that type."""
+    Types the gguf package cannot quantize to (``RANDOM_TYPES``) get random codes of that type."""
     config = model.config
     arch = ARCHS[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
@@ -157,8 +159,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray,
         writer.add_tensor(name, values.astype(np.float32))
     elif ggml_type == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, values.astype(np.float16))
-    elif ggml_type in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
-                       gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q3_K):
+    elif ggml_type in RANDOM_TYPES:
         blocks = random_blocks(ggml_type, math.prod(values.shape[:-1]), values.shape[-1])
         writer.add_tensor(name, blocks.reshape(*values.shape[:-1], -1), raw_dtype=ggml_type)
     else:

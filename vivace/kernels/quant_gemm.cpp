@@ -22,7 +22,10 @@
 // the products of the file's numbers being exact in fp32; Q6_K (16-k sub-blocks, z = 32) takes
 // one dot per sub-block, dot0 and dot1, and the code sums s0, s1 of the activation's halves:
 //   y += dx * ((d * sc0) * (dot0 - z * s0) + (d * sc1) * (dot1 - z * s1)),
-// each factor exact in fp32 (the dot differences are integers below 2^17).
+// each factor exact in fp32 (the dot differences are integers below 2^17). Q3_K (codes 0..7 as
+// nibbles, z = 4) takes the same sums over 4-bit codes, and Q2_K (codes 0..3 as nibbles, 16-k
+// sub-blocks with mins mi0, mi1) the dots per sub-block and the mins against s0, s1:
+//   y += dx * ((d * sc0) * dot0 + (d * sc1) * dot1 + (m * mi0) * s0 + (m * mi1) * s1).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
@@ -48,8 +51,12 @@ struct QuantizedActivations {
 };
 
 // How a weight's scales apply (file header): one level with a zero point or a min, or the
-// K-quants' two levels (sub-blocks of 32 with mins, or of 16 with a zero point).
-enum Scheme { kZeroPoint, kMin, kSubMin, kSub16ZeroPoint };
+// K-quants' two levels (sub-blocks of 32 with mins, or of 16 with a zero point or with mins).
+enum Scheme { kZeroPoint, kMin, kSubMin, kSub16ZeroPoint, kSub16Min };
+
+constexpr bool has_min(Scheme s) { return s == kMin || s == kSubMin || s == kSub16Min; }
+// Sub-blocks of 16 k: a 32-k group's two halves summed apart (acc, acc_hi).
+constexpr bool sub16(Scheme s) { return s == kSub16ZeroPoint || s == kSub16Min; }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -148,7 +155,7 @@ inline __m512i top_bits(__m512i plane) {
 // NT tiles of 16 rows against MB activation rows starting at row m0.
 template <int BITS, Scheme S, int MB, int NT>
 void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
-  constexpr bool HAS_MIN = S == kMin || S == kSubMin;
+  constexpr bool HAS_MIN = has_min(S);
   const int64_t groups = p.k / kGroup, wgroups = p.k / p.weight_group;
   const int64_t per_wgroup = p.weight_group / kGroup;
   const int64_t tile_bytes = p.k * kTile * BITS / 8;
@@ -156,7 +163,7 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
   __m512 accf[MB][NT];
   for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) accf[i][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i acc[MB][NT], acc_hi[MB][NT];  // acc_hi: int6's second 16-k sub-block
+    __m512i acc[MB][NT], acc_hi[MB][NT];  // acc_hi: the second 16-k sub-block (sub16)
     for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) acc[i][t] = acc_hi[i][t] = _mm512_setzero_si512();
     const int8_t* xg = p.xq + m0 * p.k + g * kGroup;
     if constexpr (BITS == 6) {
@@ -203,12 +210,13 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
       }
     } else {
       for (int j = 0; j < kGroup / 8; ++j) {
+        __m512i (&into)[MB][NT] = sub16(S) && j >= 2 ? acc_hi : acc;  // nibble vectors 2, 3: k 16..31
         for (int t = 0; t < NT; ++t) {
           __m512i w = _mm512_loadu_si512(p.codes + (tile0 + t) * tile_bytes + (g * 4 + j) * 64);
           __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
           for (int i = 0; i < MB; ++i) {
-            acc[i][t] = dot_small(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
-            acc[i][t] = dot_small(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+            into[i][t] = dot_small(into[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            into[i][t] = dot_small(into[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
           }
         }
       }
@@ -218,18 +226,30 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
       const int64_t sidx = ((tile0 + t) * wgroups + wg) * kTile;
       __m512 d = load_half16(p.scales + sidx);
       __m512 mn = HAS_MIN ? load_half16(p.mins + sidx) : d;
-      if constexpr (S == kSub16ZeroPoint) {
-        // d * sc is exact in fp32 (11 + 8 bits), and so is each sub-block's dot - z * s (< 2^17):
-        // two float multiplies per row cost fewer vector-port cycles than two vpmulld.
-        const int8_t* sc = p.sub_scales + ((tile0 + t) * groups * 2 + 2 * g) * kTile;
-        const __m512 dsc0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_int8x16(sc)));
-        const __m512 dsc1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_int8x16(sc + kTile)));
+      if constexpr (sub16(S)) {
+        // d * sc and m * mi are exact in fp32 (11 + 8 bits), and so is each sub-block's dot - z * s
+        // (< 2^17): two float multiplies per row cost fewer vector-port cycles than two vpmulld.
+        const int64_t sub = ((tile0 + t) * groups * 2 + 2 * g) * kTile;
+        const __m512 dsc0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_int8x16(p.sub_scales + sub)));
+        const __m512 dsc1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_int8x16(p.sub_scales + sub + kTile)));
+        __m512 mmi0 = mn, mmi1 = mn;
+        if constexpr (HAS_MIN) {
+          mmi0 = _mm512_mul_ps(mn, _mm512_cvtepi32_ps(load_int8x16(p.sub_mins + sub)));
+          mmi1 = _mm512_mul_ps(mn, _mm512_cvtepi32_ps(load_int8x16(p.sub_mins + sub + kTile)));
+        }
         for (int i = 0; i < MB; ++i) {
           const int64_t xi = (m0 + i) * groups + g;
           const int32_t* s = p.sums + 2 * xi;
-          __m512i lo = _mm512_sub_epi32(acc[i][t], _mm512_set1_epi32(static_cast<int32_t>(p.zero_point) * s[0]));
-          __m512i hi = _mm512_sub_epi32(acc_hi[i][t], _mm512_set1_epi32(static_cast<int32_t>(p.zero_point) * s[1]));
-          __m512 dot = _mm512_fmadd_ps(dsc0, _mm512_cvtepi32_ps(lo), _mm512_mul_ps(dsc1, _mm512_cvtepi32_ps(hi)));
+          __m512 dot;
+          if constexpr (HAS_MIN) {
+            dot = _mm512_fmadd_ps(dsc0, _mm512_cvtepi32_ps(acc[i][t]), _mm512_mul_ps(dsc1, _mm512_cvtepi32_ps(acc_hi[i][t])));
+            dot = _mm512_fmadd_ps(mmi0, _mm512_set1_ps(static_cast<float>(s[0])),
+                                  _mm512_fmadd_ps(mmi1, _mm512_set1_ps(static_cast<float>(s[1])), dot));
+          } else {
+            __m512i lo = _mm512_sub_epi32(acc[i][t], _mm512_set1_epi32(static_cast<int32_t>(p.zero_point) * s[0]));
+            __m512i hi = _mm512_sub_epi32(acc_hi[i][t], _mm512_set1_epi32(static_cast<int32_t>(p.zero_point) * s[1]));
+            dot = _mm512_fmadd_ps(dsc0, _mm512_cvtepi32_ps(lo), _mm512_mul_ps(dsc1, _mm512_cvtepi32_ps(hi)));
+          }
           accf[i][t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(p.dx[xi]), accf[i][t]);
         }
         continue;
@@ -301,7 +321,7 @@ inline __m256 load_int8x8(const int8_t* p) {
 // Rows 8 * half .. 8 * half + 7 of tile `tile` against MB activation rows from m0.
 template <int BITS, Scheme S, int MB>
 void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
-  constexpr bool HAS_MIN = S == kMin || S == kSubMin;
+  constexpr bool HAS_MIN = has_min(S);
   const int64_t groups = p.k / kGroup, wgroups = p.k / p.weight_group;
   const int64_t per_wgroup = p.weight_group / kGroup;
   const int64_t tile_bytes = p.k * kTile * BITS / 8;
@@ -313,7 +333,7 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
   for (int64_t g = 0; g < groups; ++g) {
     if (in_wg == per_wgroup) in_wg = 0, ++wg;
     ++in_wg;
-    __m256i acc[MB], acc_hi[MB];  // acc_hi: int6's second 16-k sub-block
+    __m256i acc[MB], acc_hi[MB];  // acc_hi: the second 16-k sub-block (sub16)
     for (int i = 0; i < MB; ++i) acc[i] = acc_hi[i] = _mm256_setzero_si256();
     const int8_t* xg = p.xq + m0 * p.k + g * kGroup;
     if constexpr (BITS == 8) {
@@ -336,8 +356,8 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
     } else {
       // kRun steps of 8 k summed in int16 before one VPMADDWD: a step adds at most 2 pairs of
       // 2 * (2^BITS - 1) * 127 (|x| <= 127), so 4 steps of 4-bit codes (30,480) and 2 of 5-bit
-      // (31,496) fit; 6-bit codes take one.
-      constexpr int kRun = BITS == 4 ? 4 : BITS == 5 ? 2 : 1;
+      // (31,496) fit; 6-bit codes take one; 16-k sub-blocks end a run every 2 steps.
+      constexpr int kRun = BITS == 6 ? 1 : BITS == 5 || sub16(S) ? 2 : 4;
       __m256i sum16[MB];
       const uint8_t* group = codes + g * (kGroup * kTile * BITS / 8);
 #pragma GCC unroll 4
@@ -360,7 +380,7 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
           keep(sum16[i]);
         }
         if ((j + 1) % kRun == 0) {
-          __m256i (&into)[MB] = BITS == 6 && j >= 2 ? acc_hi : acc;
+          __m256i (&into)[MB] = sub16(S) && j >= 2 ? acc_hi : acc;
           for (int i = 0; i < MB; ++i)
             into[i] = _mm256_add_epi32(into[i], _mm256_madd_epi16(sum16[i], _mm256_set1_epi16(1)));
         }
@@ -369,15 +389,28 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
     const int64_t sidx = (tile * wgroups + wg) * kTile + 8 * half;
     __m256 d = load_half8(p.scales + sidx);
     __m256 mn = HAS_MIN ? load_half8(p.mins + sidx) : d;
-    if constexpr (S == kSub16ZeroPoint) {
-      const int8_t* sc = p.sub_scales + (tile * groups * 2 + 2 * g) * kTile + 8 * half;
-      const __m256 dsc0 = _mm256_mul_ps(d, load_int8x8(sc)), dsc1 = _mm256_mul_ps(d, load_int8x8(sc + kTile));
+    if constexpr (sub16(S)) {
+      const int64_t sub = (tile * groups * 2 + 2 * g) * kTile + 8 * half;
+      const __m256 dsc0 = _mm256_mul_ps(d, load_int8x8(p.sub_scales + sub));
+      const __m256 dsc1 = _mm256_mul_ps(d, load_int8x8(p.sub_scales + sub + kTile));
+      __m256 mmi0 = mn, mmi1 = mn;
+      if constexpr (HAS_MIN) {
+        mmi0 = _mm256_mul_ps(mn, load_int8x8(p.sub_mins + sub));
+        mmi1 = _mm256_mul_ps(mn, load_int8x8(p.sub_mins + sub + kTile));
+      }
       for (int i = 0; i < MB; ++i) {
         const int64_t xi = (m0 + i) * groups + g;
         const int32_t* s = p.sums + 2 * xi;
-        const __m256i lo = _mm256_sub_epi32(acc[i], _mm256_set1_epi32(static_cast<int32_t>(p.zero_point) * s[0]));
-        const __m256i hi = _mm256_sub_epi32(acc_hi[i], _mm256_set1_epi32(static_cast<int32_t>(p.zero_point) * s[1]));
-        const __m256 dot = _mm256_fmadd_ps(dsc0, _mm256_cvtepi32_ps(lo), _mm256_mul_ps(dsc1, _mm256_cvtepi32_ps(hi)));
+        __m256 dot;
+        if constexpr (HAS_MIN) {
+          dot = _mm256_fmadd_ps(dsc0, _mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(dsc1, _mm256_cvtepi32_ps(acc_hi[i])));
+          dot = _mm256_fmadd_ps(mmi0, _mm256_set1_ps(static_cast<float>(s[0])),
+                                _mm256_fmadd_ps(mmi1, _mm256_set1_ps(static_cast<float>(s[1])), dot));
+        } else {
+          const __m256i lo = _mm256_sub_epi32(acc[i], _mm256_set1_epi32(static_cast<int32_t>(p.zero_point) * s[0]));
+          const __m256i hi = _mm256_sub_epi32(acc_hi[i], _mm256_set1_epi32(static_cast<int32_t>(p.zero_point) * s[1]));
+          dot = _mm256_fmadd_ps(dsc0, _mm256_cvtepi32_ps(lo), _mm256_mul_ps(dsc1, _mm256_cvtepi32_ps(hi)));
+        }
         accf[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(p.dx[xi]), accf[i]);
       }
       continue;
@@ -405,11 +438,11 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
 
 // 6 for 4- and 5-bit codes (against 4, with the int16 sums above: 512-row GEMMs 15-25% faster),
 // 4 for 6- and 8-bit ones, whose loops need more registers (at 6 they spilled, and their 16-row
-// GEMMs were ~10% slower).
-template <int BITS>
-constexpr int rows_per_pass() { return BITS <= 5 ? 6 : 4; }
+// GEMMs were ~10% slower), and for 16-k sub-blocks, whose second sums (acc_hi) need as many.
+template <int BITS, Scheme S>
+constexpr int rows_per_pass() { return BITS <= 5 && !sub16(S) ? 6 : 4; }
 #else
-template <int BITS>
+template <int BITS, Scheme S>
 constexpr int rows_per_pass() { return 8; }
 #endif
 
@@ -428,7 +461,7 @@ void rows_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0) {
 #endif
 }
 
-// The last `rows` (< rows_per_pass<BITS>()) activation rows from m0 in one pass over the weights (a
+// The last `rows` (< rows_per_pass<BITS, S>()) activation rows from m0 in one pass over the weights (a
 // verify step's k + 1 = 5 rows took as long as 8 when split into 4 + 1).
 template <int BITS, Scheme S, int R>
 void rest_block(const Problem& p, int64_t tile0, int64_t tile1, int64_t m0, int64_t rows) {
@@ -454,7 +487,7 @@ void run(const Problem& p) {
     for (int64_t t0 = first; t0 < last; t0 += 4) {  // blocks outer: a block's weights stay in L1 across rows
       const int64_t t1 = std::min(last, t0 + 4);
       int64_t m0 = 0;
-      constexpr int kRows = rows_per_pass<BITS>();
+      constexpr int kRows = rows_per_pass<BITS, S>();
       for (; m0 + kRows <= p.m; m0 += kRows) rows_block<BITS, S, kRows>(p, t0, t1, m0);
       rest_block<BITS, S, kRows - 1>(p, t0, t1, m0, p.m - m0);
     }
@@ -480,14 +513,18 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
               "scales and mins must be float16 bit patterns stored as int16");
   const bool two_level = sub_scales.has_value();
   TORCH_CHECK(!two_level || bits != 8, "two-level (K-quant) scales go with 4-, 5- or 6-bit codes");
-  const Scheme scheme = !two_level ? (has_min ? kMin : kZeroPoint) : (has_min ? kSubMin : kSub16ZeroPoint);
-  TORCH_CHECK((bits == 6) == (scheme == kSub16ZeroPoint),
-              "6-bit codes go with 16-k sub-block scales and a zero point (Q6_K), and only they");
+  const Scheme scheme = !two_level ? (has_min ? kMin : kZeroPoint)
+                                    : sub_group == 16 ? (has_min ? kSub16Min : kSub16ZeroPoint) : kSubMin;
+  TORCH_CHECK(bits != 6 || scheme == kSub16ZeroPoint,
+              "6-bit codes go with 16-k sub-block scales and a zero point (Q6_K), and only with them");
   if (two_level) {
-    TORCH_CHECK(sub_group == (has_min ? 32 : 16) && weight_group % sub_group == 0 &&
+    const bool known = scheme == kSubMin ? sub_group == 32 && has_min && (bits == 4 || bits == 5)
+                                         : scheme == kSub16Min ? bits == 4 : bits == 4 || bits == 6;
+    TORCH_CHECK(known && weight_group % sub_group == 0 &&
                 sub_scales->scalar_type() == at::kChar && sub_scales->numel() == n * (k / sub_group),
-                "sub-block scales: int8 [N/16, K/sub_group, 16], "
-                "sub_group 32 with mins (Q4_K, Q5_K), 16 with a zero point (Q6_K)");
+                "sub-block scales: int8 [N/16, K/sub_group, 16]; sub_group 32 with mins and 4- or 5-bit codes "
+                "(Q4_K, Q5_K), 16 with a zero point and 4- or 6-bit codes (Q3_K, Q6_K), 16 with mins and 4-bit "
+                "codes (Q2_K)");
     TORCH_CHECK(has_min == sub_mins.has_value() && (!has_min || (sub_mins->scalar_type() == at::kChar &&
                 sub_mins->numel() == sub_scales->numel())), "sub-block mins: like the sub-block scales, with mins");
   }
@@ -502,7 +539,8 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
             xa.codes.data(), xa.scales.data(), xa.offsets.data(), xa.sums.data(),
             y.data_ptr<float>(), m, n, k, weight_group, zero_point};
   switch (scheme) {
-    case kSub16ZeroPoint: run<6, kSub16ZeroPoint>(p); break;
+    case kSub16ZeroPoint: if (bits == 6) run<6, kSub16ZeroPoint>(p); else run<4, kSub16ZeroPoint>(p); break;
+    case kSub16Min: run<4, kSub16Min>(p); break;
     case kSubMin: if (bits == 5) run<5, kSubMin>(p); else run<4, kSubMin>(p); break;
     case kMin: if (bits == 8) run<8, kMin>(p); else if (bits == 5) run<5, kMin>(p); else run<4, kMin>(p); break;
     case kZeroPoint:

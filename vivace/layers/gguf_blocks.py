@@ -8,8 +8,13 @@ run, every one bit-exact against ``gguf.quants.dequantize`` (codes and scales as
   (the file's 4.5 and 5.5 pack the six-bit numbers; bytes kept whole here for the kernel).
 - Q6_K: 6-bit codes (zero point 32), the super-block's float16 ``d`` per 256 columns and each
   16-wide sub-block's int8 scale: 6.5625 bits a weight, as in the file.
+- Q3_K: 3-bit codes held as 4-bit ones (zero point 4), ``d`` per 256 columns and each 16-wide
+  sub-block's signed six-bit scale as int8: 4.5625 bits a weight (the file's 3.4375).
+- Q2_K: 2-bit codes held as 4-bit ones, ``d`` and ``-dmin`` per 256 columns and each 16-wide
+  sub-block's four-bit scale and min as int8: 5.125 bits a weight (the file's 2.625). Both widen
+  the codes to the nibbles the 4-bit kernel reads: exact, ~6x fewer bytes than float32.
 
-Other types (Q2_K, Q3_K, IQ*, TQ*) have no form here: ``NATIVE_TYPES`` lists those that do.
+Other types (IQ*, TQ*) have no form here: ``NATIVE_TYPES`` lists those that do.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from vivace.layers.quant_format import QuantizedWeight
 
 T = gguf.GGMLQuantizationType
 GROUP = 32
-NATIVE_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+NATIVE_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 def from_gguf_blocks(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> QuantizedWeight:
@@ -39,8 +44,8 @@ def from_gguf_blocks(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> 
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
     blocks = np.array(data, dtype=np.uint8, copy=True).reshape(-1, type_size)  # the source may be a read-only map
     decoded = _READERS[ggml_type](blocks)
-    bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else 5 if ggml_type in (T.Q5_0, T.Q5_1, T.Q5_K) else \
-        6 if ggml_type == T.Q6_K else 8
+    bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q2_K, T.Q3_K, T.Q4_K) else \
+        5 if ggml_type in (T.Q5_0, T.Q5_1, T.Q5_K) else 6 if ggml_type == T.Q6_K else 8
 
     def rows(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
@@ -129,5 +134,30 @@ def _q6_k(blocks: np.ndarray) -> Decoded:
     return Decoded(codes, _half(blocks[:, 208:210]), None, 32, blocks[:, 192:208].view(np.int8))
 
 
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K: each 32 bytes of ``qs`` hold four runs of 32 columns, run i in bits 2i, 2i + 1."""
+    runs = qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return (runs & 3).reshape(-1, 256)
+
+
+def _q3_k(blocks: np.ndarray) -> Decoded:
+    """``hmask`` bit i of byte j: the third bit of column 32i + j; the sixteen six-bit scales (stored
+    plus 32) as low nibbles in bytes 0..7 (scale i in byte i % 8, bits 4 (i // 8) and up) and top
+    bit pairs in bytes 8..11 (scale i's in byte 8 + i % 4, bits 2 (i // 4))."""
+    high = (blocks[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    codes = _crumbs(blocks[:, 32:96]) | (high.reshape(-1, 256) << 2)
+    low = blocks[:, 96:104].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    top = blocks[:, 104:108].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)
+    scales = (low.reshape(-1, 16) & 0x0F) | ((top.reshape(-1, 16) & 3) << 4)
+    return Decoded(codes, _half(blocks[:, 108:110]), None, 4, (scales.astype(np.int16) - 32).astype(np.int8))
+
+
+def _q2_k(blocks: np.ndarray) -> Decoded:
+    """Bytes 0..15: sub-block i's scale (low nibble) and min (high nibble); then the codes, ``d``, ``dmin``."""
+    sc = blocks[:, :16]
+    return Decoded(_crumbs(blocks[:, 16:80]), _half(blocks[:, 80:82]), -_half(blocks[:, 82:84]), 0,
+                   (sc & 0x0F).astype(np.int8), (sc >> 4).astype(np.int8))
+
+
 _READERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
-            T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+            T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}

@@ -5,9 +5,9 @@ A quantized weight ``[N, K]`` is ``QuantizedWeight``: unsigned codes (0..255 for
 for 6, 0..31 for 5, 0..15 for 4) and, per row and group of ``group_size`` columns, a scale ``d``
 and either a min ``m`` (``w = d * q + m``) or a fixed ``zero_point`` z (``w = d * (q - z)``).
 The GGUF K-quants add a second level (``sub_group`` 16 or 32 columns): per sub-group an integer
-scale ``sc`` (int8) and, with mins, an integer min ``mi`` (0..63), so that the sub-group's weights
-are ``w = (d * sc) * q + m * mi`` or ``(d * sc) * (q - z)``, ``d`` and ``m`` then being the
-super-block's float16 pair (``m = -dmin``): the file's numbers, nothing rounded.
+scale ``sc`` (int8) and, with mins, an integer min ``mi`` (0..63, Q2_K's 0..15), so that the
+sub-group's weights are ``w = (d * sc) * q + m * mi`` or ``(d * sc) * (q - z)``, ``d`` and ``m``
+then being the super-block's float16 pair (``m = -dmin``): the file's numbers, nothing rounded.
 The tiled layout groups 16 output rows: codes ``[N/16, K/4, 16, 4]`` bytes for 8 bits, or
 ``[N/16, K/8, 16, 4]`` bytes for 4 bits (low nibble k in 8j..8j+3, high nibble 8j+4..8j+7);
 5 bits are ``[N/16, K/32, 5, 64]``: per 32 columns the 4-bit layout of the low four bits, then
@@ -85,8 +85,11 @@ class QuantizedWeight:
         weights lose a little: Q4_K/Q5_K as ``grouped``; Q6_K's 16-wide sub-groups are requantized
         to groups of 32 with scale ``s / 4`` of the pair's larger sub-group scale ``s``, so that
         sub-group maps exactly (``4 * (q - 32)``) and the other is rounded to the nearest
-        multiple: an error of at most ``s / 8`` per weight."""
+        multiple: an error of at most ``s / 8`` per weight (Q3_K likewise). Raises ValueError for
+        16-wide sub-groups with mins (Q2_K), which have no such form."""
         if self.sub_scales is not None and self.sub_group != 32:
+            if self.mins is not None:
+                raise ValueError("16-column sub-groups with mins (Q2_K) have no widened form")
             return self._requantized_to_groups_of_32()
         weight = self.grouped()
         mins = weight.mins
@@ -96,7 +99,7 @@ class QuantizedWeight:
 
     def _requantized_to_groups_of_32(self) -> QuantizedWeight:
         n, k = self.codes.shape
-        scales, _, group = self._group_scales()  # [n, K / 16], zero point form (Q6_K)
+        scales, _, group = self._group_scales()  # [n, K / 16], zero point form (Q6_K, Q3_K)
         pairs = scales.view(n, -1, 32 // group)
         larger = torch.where(pairs[..., 0].abs() >= pairs[..., 1].abs(), pairs[..., 0], pairs[..., 1])
         scale = (larger / 4).to(torch.float16)
