@@ -86,7 +86,7 @@ def test_rows_and_leading_dims(ggml_type) -> None:
 
 
 def test_tiling_round_trips() -> None:
-    for bits in (4, 5, 6, 8):
+    for bits in (2, 3, 4, 5, 6, 8):
         codes = torch.randint(0, 1 << bits, (32, 64), dtype=torch.uint8)
         assert torch.equal(qf.untile_codes(qf.tile_codes(codes, bits), bits), codes)
     for values in (torch.randn(32, 2).to(torch.float16), torch.randint(-128, 128, (32, 16), dtype=torch.int8)):

@@ -1,4 +1,4 @@
-// Weight-only int8/int6/int5/int4 GEMM for small and large M on AVX-512 VNNI, and on AVX2 (the
+// Weight-only int8/int6/int5/int4/int3/int2 GEMM for small and large M on AVX-512 VNNI, and on AVX2 (the
 // SIMDe build: half_tile_block, the same sums in 256-bit code).
 //
 // Weights are tiled so that one 64-byte vector holds 16 output rows x 4 consecutive k
@@ -10,6 +10,11 @@
 // covers nibble vectors 2v and 2v + 1 (k 16v..16v+15, one Q6_K sub-block); bits 2f, 2f + 1 of
 // its byte b (f = 2j' + h) are the top bits of byte b's low (h = 0) or high (h = 1) nibble in
 // nibble vector 2v + j'. A group is 384 bytes, 6 bits a weight.
+// int2 (GGUF Q2_K) folds int4's nibble vectors 2v and 2v + 1 into one vector v: bits 2f, 2f + 1
+// of its byte b (f = 2j' + h) hold byte b's low (h = 0) or high (h = 1) nibble of nibble vector
+// 2v + j', so shifting vector v right by 4j' gives nibble vector 2v + j' in bits 0..1 (low) and
+// 2..3 (high). A group is 128 bytes, 2 bits a weight. int3 (GGUF Q3_K) is int2's two vectors of
+// the low two bits followed by a vector of third bits laid out as int5's fifth bits: 192 bytes.
 // Codes are unsigned; each (row, weight group) has an fp16 scale d and either an fp16
 // min m (w = d*q + m) or a fixed zero point z (w = d*(q - z)).
 // Activations are quantized on the fly to int8 per group of 32 (scale dx, code sum s),
@@ -22,9 +27,9 @@
 // the products of the file's numbers being exact in fp32; Q6_K (16-k sub-blocks, z = 32) takes
 // one dot per sub-block, dot0 and dot1, and the code sums s0, s1 of the activation's halves:
 //   y += dx * ((d * sc0) * (dot0 - z * s0) + (d * sc1) * (dot1 - z * s1)),
-// each factor exact in fp32 (the dot differences are integers below 2^17). Q3_K (codes 0..7 as
-// nibbles, z = 4) takes the same sums over 4-bit codes, and Q2_K (codes 0..3 as nibbles, 16-k
-// sub-blocks with mins mi0, mi1) the dots per sub-block and the mins against s0, s1:
+// each factor exact in fp32 (the dot differences are integers below 2^17). Q3_K (int3, z = 4)
+// takes the same sums, and Q2_K (int2, 16-k sub-blocks with mins mi0, mi1) the dots per
+// sub-block and the mins against s0, s1:
 //   y += dx * ((d * sc0) * dot0 + (d * sc1) * dot1 + (m * mi0) * s0 + (m * mi1) * s1).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -201,6 +206,29 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
           }
         }
       }
+    } else if constexpr (BITS <= 3) {
+      static_assert(sub16(S), "2- and 3-bit codes come with 16-k sub-blocks");
+      const uint8_t* group = p.codes + tile0 * tile_bytes + g * (kGroup * kTile * BITS / 8);
+      const __m512i two_bits = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* tg = group + t * tile_bytes;
+        const __m512i third = BITS == 3 ? _mm512_loadu_si512(tg + 128) : _mm512_setzero_si512();
+        // Nibble vector j's codes from vector j / 2; called with constant j and accumulators (a
+        // loop choosing acc or acc_hi by j kept them in memory: 16-row GEMMs 2x slower).
+        auto codes = [&](int j, __m512i (&into)[MB][NT]) {
+          const __m512i w = _mm512_srli_epi16(_mm512_loadu_si512(tg + (j / 2) * 64), 4 * (j % 2));
+          __m512i lo = _mm512_and_si512(w, two_bits), hi = _mm512_and_si512(_mm512_srli_epi16(w, 2), two_bits);
+          if constexpr (BITS == 3) {
+            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(third, _mm512_set1_epi8(1 << (2 * j))), lo, four);
+            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(third, _mm512_set1_epi8(2 << (2 * j))), hi, four);
+          }
+          for (int i = 0; i < MB; ++i) {
+            into[i][t] = dot_small(into[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            into[i][t] = dot_small(into[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+          }
+        };
+        codes(0, acc), codes(1, acc), codes(2, acc_hi), codes(3, acc_hi);
+      }
     } else if constexpr (BITS == 8) {
       for (int j = 0; j < kGroup / 4; ++j) {
         for (int t = 0; t < NT; ++t) {
@@ -210,13 +238,12 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
       }
     } else {
       for (int j = 0; j < kGroup / 8; ++j) {
-        __m512i (&into)[MB][NT] = sub16(S) && j >= 2 ? acc_hi : acc;  // nibble vectors 2, 3: k 16..31
         for (int t = 0; t < NT; ++t) {
           __m512i w = _mm512_loadu_si512(p.codes + (tile0 + t) * tile_bytes + (g * 4 + j) * 64);
           __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
           for (int i = 0; i < MB; ++i) {
-            into[i][t] = dot_small(into[i][t], lo, bcast4(xg + i * p.k + 8 * j));
-            into[i][t] = dot_small(into[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+            acc[i][t] = dot_small(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            acc[i][t] = dot_small(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
           }
         }
       }
@@ -302,12 +329,12 @@ inline __m256i dot2_pairs(__m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
   return _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
 }
 
-// Bits `shift` .. `shift` + WIDTH - 1 of each byte of a plane of fifth (WIDTH 1) or top (WIDTH
-// 2) bits, moved to bit 4 and up.
-template <int WIDTH>
+// Bits `shift` .. `shift` + WIDTH - 1 of each byte of a plane of fifth or third (WIDTH 1) or top
+// (WIDTH 2) bits, moved to bit TO and up.
+template <int WIDTH, int TO = 4>
 inline __m256i plane_bits256(__m256i plane, int shift) {
   const __m256i mask = _mm256_set1_epi8(WIDTH == 1 ? 0x01 : 0x03);
-  return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(plane, _mm256_set1_epi32(shift)), mask), 4);
+  return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(plane, _mm256_set1_epi32(shift)), mask), TO);
 }
 
 inline __m256 load_half8(const at::Half* p) {
@@ -362,9 +389,21 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
       const uint8_t* group = codes + g * (kGroup * kTile * BITS / 8);
 #pragma GCC unroll 4
       for (int j = 0; j < kGroup / 8; ++j) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j * 64));
-        __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-        if constexpr (BITS == 5) {  // bit 2j (2j + 1) of the fifth-bits plane: the low (high) nibble's
+        __m256i lo, hi;
+        if constexpr (BITS <= 3) {  // nibble vector j's codes from vector j / 2 (file header)
+          const __m256i two_bits = _mm256_set1_epi8(3);
+          const __m256i w = _mm256_srli_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + (j / 2) * 64)), 4 * (j % 2));
+          lo = _mm256_and_si256(w, two_bits), hi = _mm256_and_si256(_mm256_srli_epi16(w, 2), two_bits);
+        } else {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j * 64));
+          lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        }
+        if constexpr (BITS == 3) {  // bit 2j (2j + 1) of the third-bits plane: the low (high) code's
+          const __m256i third = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 128));
+          lo = _mm256_or_si256(lo, plane_bits256<1, 2>(third, 2 * j));
+          hi = _mm256_or_si256(hi, plane_bits256<1, 2>(third, 2 * j + 1));
+        } else if constexpr (BITS == 5) {  // bit 2j (2j + 1) of the fifth-bits plane: the low (high) nibble's
           const __m256i fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 256));
           lo = _mm256_or_si256(lo, plane_bits256<1>(fifth, 2 * j));
           hi = _mm256_or_si256(hi, plane_bits256<1>(fifth, 2 * j + 1));
@@ -501,7 +540,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
                         int64_t sub_group) {
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(bits >= 2 && bits <= 8 && bits != 7, "bits must be 2, 3, 4, 5, 6 or 8");
   const int64_t k = input.size(-1), n = scales.size(0) * kTile;
   const at::Tensor x = input.reshape({-1, k}).contiguous();
   const int64_t m = x.size(0);
@@ -512,19 +551,18 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   TORCH_CHECK(scales.scalar_type() == at::kShort && (!has_min || mins->scalar_type() == at::kShort),
               "scales and mins must be float16 bit patterns stored as int16");
   const bool two_level = sub_scales.has_value();
-  TORCH_CHECK(!two_level || bits != 8, "two-level (K-quant) scales go with 4-, 5- or 6-bit codes");
   const Scheme scheme = !two_level ? (has_min ? kMin : kZeroPoint)
                                     : sub_group == 16 ? (has_min ? kSub16Min : kSub16ZeroPoint) : kSubMin;
-  TORCH_CHECK(bits != 6 || scheme == kSub16ZeroPoint,
-              "6-bit codes go with 16-k sub-block scales and a zero point (Q6_K), and only with them");
+  const bool known = scheme == kSub16ZeroPoint ? bits == 3 || bits == 6
+                     : scheme == kSub16Min      ? bits == 2
+                     : scheme == kSubMin        ? sub_group == 32 && has_min && (bits == 4 || bits == 5)
+                                                : bits == 4 || bits == 5 || bits == 8;
+  TORCH_CHECK(known, "codes and scales of no known form: 4-, 5- or 8-bit codes with one level of scales, or two "
+              "levels with sub_group 32 and mins for 4- or 5-bit codes (Q4_K, Q5_K), 16 and a zero point for 3- or "
+              "6-bit codes (Q3_K, Q6_K), 16 and mins for 2-bit codes (Q2_K)");
   if (two_level) {
-    const bool known = scheme == kSubMin ? sub_group == 32 && has_min && (bits == 4 || bits == 5)
-                                         : scheme == kSub16Min ? bits == 4 : bits == 4 || bits == 6;
-    TORCH_CHECK(known && weight_group % sub_group == 0 &&
-                sub_scales->scalar_type() == at::kChar && sub_scales->numel() == n * (k / sub_group),
-                "sub-block scales: int8 [N/16, K/sub_group, 16]; sub_group 32 with mins and 4- or 5-bit codes "
-                "(Q4_K, Q5_K), 16 with a zero point and 4- or 6-bit codes (Q3_K, Q6_K), 16 with mins and 4-bit "
-                "codes (Q2_K)");
+    TORCH_CHECK(weight_group % sub_group == 0 && sub_scales->scalar_type() == at::kChar &&
+                sub_scales->numel() == n * (k / sub_group), "sub-block scales: int8 [N/16, K/sub_group, 16]");
     TORCH_CHECK(has_min == sub_mins.has_value() && (!has_min || (sub_mins->scalar_type() == at::kChar &&
                 sub_mins->numel() == sub_scales->numel())), "sub-block mins: like the sub-block scales, with mins");
   }
@@ -539,8 +577,8 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
             xa.codes.data(), xa.scales.data(), xa.offsets.data(), xa.sums.data(),
             y.data_ptr<float>(), m, n, k, weight_group, zero_point};
   switch (scheme) {
-    case kSub16ZeroPoint: if (bits == 6) run<6, kSub16ZeroPoint>(p); else run<4, kSub16ZeroPoint>(p); break;
-    case kSub16Min: run<4, kSub16Min>(p); break;
+    case kSub16ZeroPoint: if (bits == 6) run<6, kSub16ZeroPoint>(p); else run<3, kSub16ZeroPoint>(p); break;
+    case kSub16Min: run<2, kSub16Min>(p); break;
     case kSubMin: if (bits == 5) run<5, kSubMin>(p); else run<4, kSubMin>(p); break;
     case kMin: if (bits == 8) run<8, kMin>(p); else if (bits == 5) run<5, kMin>(p); else run<4, kMin>(p); break;
     case kZeroPoint:

@@ -1,4 +1,4 @@
-"""GGUF quantized blocks read into ``QuantizedWeight``s that vivace's int4/int5/int6/int8 kernels
+"""GGUF quantized blocks read into ``QuantizedWeight``s that vivace's int2/int3/int4/int5/int6/int8 kernels
 run, every one bit-exact against ``gguf.quants.dequantize`` (codes and scales as stored):
 
 - Q8_0, Q4_0, Q4_1: groups of 32 with a float16 scale ``d`` and min (Q4_1) or zero point.
@@ -8,11 +8,10 @@ run, every one bit-exact against ``gguf.quants.dequantize`` (codes and scales as
   (the file's 4.5 and 5.5 pack the six-bit numbers; bytes kept whole here for the kernel).
 - Q6_K: 6-bit codes (zero point 32), the super-block's float16 ``d`` per 256 columns and each
   16-wide sub-block's int8 scale: 6.5625 bits a weight, as in the file.
-- Q3_K: 3-bit codes held as 4-bit ones (zero point 4), ``d`` per 256 columns and each 16-wide
-  sub-block's signed six-bit scale as int8: 4.5625 bits a weight (the file's 3.4375).
-- Q2_K: 2-bit codes held as 4-bit ones, ``d`` and ``-dmin`` per 256 columns and each 16-wide
-  sub-block's four-bit scale and min as int8: 5.125 bits a weight (the file's 2.625). Both widen
-  the codes to the nibbles the 4-bit kernel reads: exact, ~6x fewer bytes than float32.
+- Q3_K: 3-bit codes (zero point 4), ``d`` per 256 columns and each 16-wide sub-block's signed
+  six-bit scale as int8: 3.5625 bits a weight (the file's 3.4375 packs the scales in six bits).
+- Q2_K: 2-bit codes, ``d`` and ``-dmin`` per 256 columns and each 16-wide sub-block's four-bit
+  scale and min as int8: 3.125 bits a weight (the file's 2.625 packs scale and min in a byte).
 
 Other types (IQ*, TQ*) have no form here: ``NATIVE_TYPES`` lists those that do.
 """
@@ -44,8 +43,7 @@ def from_gguf_blocks(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> 
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
     blocks = np.array(data, dtype=np.uint8, copy=True).reshape(-1, type_size)  # the source may be a read-only map
     decoded = _READERS[ggml_type](blocks)
-    bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q2_K, T.Q3_K, T.Q4_K) else \
-        5 if ggml_type in (T.Q5_0, T.Q5_1, T.Q5_K) else 6 if ggml_type == T.Q6_K else 8
+    bits = _BITS.get(ggml_type, 8)
 
     def rows(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
@@ -159,5 +157,6 @@ def _q2_k(blocks: np.ndarray) -> Decoded:
                    (sc & 0x0F).astype(np.int8), (sc >> 4).astype(np.int8))
 
 
+_BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6}
 _READERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
             T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}

@@ -2,7 +2,7 @@
 layout the native kernels read.
 
 A quantized weight ``[N, K]`` is ``QuantizedWeight``: unsigned codes (0..255 for 8 bits, 0..63
-for 6, 0..31 for 5, 0..15 for 4) and, per row and group of ``group_size`` columns, a scale ``d``
+for 6, 0..31 for 5, 0..15 for 4, 0..7 for 3, 0..3 for 2) and, per row and group of ``group_size`` columns, a scale ``d``
 and either a min ``m`` (``w = d * q + m``) or a fixed ``zero_point`` z (``w = d * (q - z)``).
 The GGUF K-quants add a second level (``sub_group`` 16 or 32 columns): per sub-group an integer
 scale ``sc`` (int8) and, with mins, an integer min ``mi`` (0..63, Q2_K's 0..15), so that the
@@ -15,7 +15,11 @@ The tiled layout groups 16 output rows: codes ``[N/16, K/4, 16, 4]`` bytes for 8
 ``8j + 4h + i``; 6 bits are ``[N/16, K/32, 6, 64]``: the 4-bit layout of the low four bits, then
 two vectors of the top two bits, vector v's byte ``4r + i`` holding in bits ``2f, 2f + 1``
 (``f = 2j' + h``) those of row r's column ``8(2v + j') + 4h + i`` (vector v: columns 16v..16v+15,
-one Q6_K sub-block). Scales and mins ``[N/16, K/group_size, 16]`` float16, sub-group scales and
+one Q6_K sub-block); 2 bits are ``[N/16, K/32, 2, 64]``: the 4-bit layout's nibble vectors 2v and
+2v + 1 folded into vector v, its byte ``4r + i`` holding in bits ``2f, 2f + 1`` row r's column
+``16v + 4f + i`` (columns 16v..16v+15, one Q2_K sub-block); 3 bits are ``[N/16, K/32, 3, 64]``:
+the 2-bit layout of the low two bits, then the 5-bit layout's plane of the third bits.
+Scales and mins ``[N/16, K/group_size, 16]`` float16, sub-group scales and
 mins ``[N/16, K/sub_group, 16]`` int8.
 """
 
@@ -141,6 +145,13 @@ _TOP_BITS_PLACES = 1 << _TOP_BITS_SHIFTS
 def tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Row-major codes ``[N, K]`` to the kernels' tiled bytes (module docstring)."""
     n, k = codes.shape
+    if bits in (2, 3):
+        # The 4-bit layout of the low two bits, [.., v, j'] for nibble vector 2v + j'; each byte's
+        # nibbles (h = 0, 1) to bits 2h, 2h + 1, then j' = 1 above j' = 0: bits 2f, f = 2j' + h.
+        pairs = tile_codes(codes & 3, 4).view(n // TILE_ROWS, k // 32, 2, 2, 64)
+        crumbs = (pairs & 3) | ((pairs >> 4) << 2)
+        crumbs = crumbs[:, :, :, 0] | (crumbs[:, :, :, 1] << 4)
+        return crumbs if bits == 2 else torch.cat([crumbs, _bit_plane(codes >> 2)], dim=2).contiguous()
     if bits == 6:
         groups = k // 32
         low = tile_codes(codes & 0x0F, 4).view(n // TILE_ROWS, groups, 4, 64)
@@ -148,20 +159,38 @@ def tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         packed = (top.to(torch.int32) * _TOP_BITS_PLACES).sum(dim=(-2, -1)).to(torch.uint8)
         return torch.cat([low, packed.reshape(n // TILE_ROWS, groups, 2, 64)], dim=2).contiguous()
     if bits == 5:
-        groups = k // 32
-        low = tile_codes(codes & 0x0F, 4).view(n // TILE_ROWS, groups, 4, 64)
-        fifth = (codes >> 4).view(n // TILE_ROWS, TILE_ROWS, groups, 4, 2, 4).permute(0, 2, 1, 5, 3, 4)
-        packed = (fifth.to(torch.int32) * _FIFTH_BIT_PLACES).sum(dim=(-2, -1)).to(torch.uint8)
-        return torch.cat([low, packed.view(n // TILE_ROWS, groups, 1, 64)], dim=2).contiguous()
+        low = tile_codes(codes & 0x0F, 4).view(n // TILE_ROWS, k // 32, 4, 64)
+        return torch.cat([low, _bit_plane(codes >> 4)], dim=2).contiguous()
     if bits == 8:
         return codes.view(n // TILE_ROWS, TILE_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     quads = codes.view(n // TILE_ROWS, TILE_ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
     return (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous()
 
 
+def _bit_plane(bits: torch.Tensor) -> torch.Tensor:
+    """One bit a code ``[N, K]`` (0 or 1) as the 5-bit layout's planes ``[N/16, K/32, 1, 64]``:
+    byte ``4r + i`` holds in bit ``2j + h`` row r's column ``8j + 4h + i``."""
+    n, k = bits.shape
+    bits = bits.view(n // TILE_ROWS, TILE_ROWS, k // 32, 4, 2, 4).permute(0, 2, 1, 5, 3, 4)
+    return (bits.to(torch.int32) * _FIFTH_BIT_PLACES).sum(dim=(-2, -1)).to(torch.uint8).view(n // TILE_ROWS, k // 32, 1, 64)
+
+
+def _plane_bits(plane: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_bit_plane``: ``[tiles, K/32, 64]`` planes to bits ``[N, K]`` (uint8)."""
+    tiles, groups = plane.shape[:2]
+    bits = (plane.reshape(tiles, groups, TILE_ROWS, 4, 1, 1).to(torch.int32) & _FIFTH_BIT_PLACES) != 0
+    return bits.permute(0, 2, 1, 4, 5, 3).reshape(tiles * TILE_ROWS, groups * 32).to(torch.uint8)
+
+
 def untile_codes(tiled: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``tile_codes``: row-major codes ``[N, K]``."""
     tiles, kq = tiled.shape[:2]
+    if bits in (2, 3):
+        crumbs = tiled[:, :, :2].unsqueeze(3)  # [tiles, groups, v, 1, 64]
+        pairs = torch.cat([crumbs & 0x0F, crumbs >> 4], dim=3)  # nibble vector 2v + j', bits 2h: column 4h + i
+        nibbles = (pairs & 3) | ((pairs >> 2) << 4)
+        low = untile_codes(nibbles.reshape(tiles, kq * 4, TILE_ROWS, 4), 4)
+        return low if bits == 2 else low | (_plane_bits(tiled[:, :, 2]) << 2)
     if bits == 6:
         low = untile_codes(tiled[:, :, :4].reshape(tiles, kq * 4, TILE_ROWS, 4), 4)
         packed = tiled[:, :, 4:].reshape(tiles, kq, 2, TILE_ROWS, 4, 1, 1).to(torch.int32)
@@ -170,10 +199,7 @@ def untile_codes(tiled: torch.Tensor, bits: int) -> torch.Tensor:
         return low | (top.to(torch.uint8) << 4)
     if bits == 5:
         low = untile_codes(tiled[:, :, :4].reshape(tiles, kq * 4, TILE_ROWS, 4), 4)
-        packed = tiled[:, :, 4].reshape(tiles, kq, TILE_ROWS, 4, 1, 1).to(torch.int32)
-        fifth = (packed & _FIFTH_BIT_PLACES) != 0  # [tiles, groups, r, i, j, h]
-        fifth = fifth.permute(0, 2, 1, 4, 5, 3).reshape(tiles * TILE_ROWS, kq * 32)
-        return low | (fifth.to(torch.uint8) << 4)
+        return low | (_plane_bits(tiled[:, :, 4]) << 4)
     if bits == 8:
         return tiled.permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, kq * 4)
     quads = torch.stack([tiled & 0x0F, tiled >> 4], dim=2)  # [tiles, K/8, 2, 16, 4]

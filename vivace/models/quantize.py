@@ -5,9 +5,9 @@ stays float) becomes a ``QuantizedLinear`` of that mode; from a GGUF file, tenso
 as Q8_0 (int8) or Q4_0/Q4_1 (int4) are taken code for code, any other tensor is quantized from its
 float value. "gguf" (what ``--quantization auto`` picks
 for a quantized GGUF): every projection in the file's own format, as llama.cpp runs it, through
-``vivace.layers.gguf_blocks`` (Q8_0, Q4_0/1, Q5_0/1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; Q2_K's and
-Q3_K's codes widened to 4 bits, their scales as stored); a float tensor stays float, and a type
-without a native form (IQ*, TQ*) runs dequantized to float, with a warning that says so. In every mode the logits projection (``lm_head``, or a quantized copy of
+``vivace.layers.gguf_blocks`` (Q8_0, Q4_0/1, Q5_0/1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); a float
+tensor stays float, and a type without a native form (IQ*, TQ*) runs dequantized to float, with a
+warning that says so. In every mode the logits projection (``lm_head``, or a quantized copy of
 the tied embedding) keeps at least 6-bit codes, as llama.cpp does, because it is the layer most
 sensitive to quantization: the file's own tensor when it is stored as Q8_0 or Q6_K (as llama.cpp's
 Q4_K_M files keep it), else int8. A mixture's experts taken code for code need no float value
