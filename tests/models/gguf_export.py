@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from layers.gguf_random import random_blocks  # tests/ is on sys.path, as for every test package
+from vivace.models.dummy import GGUF_HALF_FIELDS
 from .tiny import BOS_ID, CHAT_TEMPLATE, EOS_ID, MERGES, SPECIAL_TOKENS, TOKENS
 
 F32 = gguf.GGMLQuantizationType.F32
@@ -32,6 +33,9 @@ _LAYER = {
 }
 _GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
+# The quantized types the gguf package writes from float values; others get random codes.
+QUANTIZABLE = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+               gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1)
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
          "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
          "granite": "granite"}
@@ -157,8 +161,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray,
         writer.add_tensor(name, values.astype(np.float32))
     elif ggml_type == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, values.astype(np.float16))
-    elif ggml_type in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
-                       gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q3_K):
+    elif ggml_type in GGUF_HALF_FIELDS and ggml_type not in QUANTIZABLE:
         blocks = random_blocks(ggml_type, math.prod(values.shape[:-1]), values.shape[-1])
         writer.add_tensor(name, blocks.reshape(*values.shape[:-1], -1), raw_dtype=ggml_type)
     else:

@@ -86,10 +86,11 @@ def test_auto_keeps_a_float_checkpoint_float(tiny) -> None:
 
 
 def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
-    """A Q4_K_M-like file (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0 tensors) plus one Q3_K tensor: "gguf"
-    (what "auto" picks where the native kernels run) takes each in its own form (q/k/v of three
-    formats as three runs, none widened; the Q6_K logits layer as it is), runs the
-    Q3_K one as float with a warning, and the logits stay those of the file's dequantized values."""
+    """A Q4_K_M-like file (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0 tensors): "gguf" (what "auto" picks where
+    the native kernels run) takes each in its own form (q/k/v of three formats as three runs, none
+    widened; the Q6_K logits layer as it is), and the logits stay those of the file's dequantized
+    values; so with IQ4_NL/IQ4_XS tensors (8-bit codes of their values) and an IQ3_S one (no
+    native form: Q8_0 of its values, with a warning)."""
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
@@ -121,8 +122,22 @@ def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
     tolerance = 4e-2 if quant_linear_kernel() is not None else 2e-2
     assert ((actual - expected).norm() / expected.norm()).item() < tolerance
 
-    path = write_gguf(hf, tmp_path / "q3k.gguf", q.F32, {**types, "ffn_down": q.Q3_K})
+    # A type without a native form (IQ3_S) runs as Q8_0 of its dequantized values, with a warning;
+    # IQ4_NL and IQ4_XS run as 8-bit codes of their own values, without one.
+    mixed = {**types, "ffn_down": q.IQ3_S, "attn_output": q.IQ4_XS, "ffn_gate": q.IQ4_NL, "ffn_up": q.IQ4_NL}
+    path = write_gguf(hf, tmp_path / "iq.gguf", q.F32, mixed)
+    reference = load_model(str(path), torch.float32, "none")
     with caplog.at_level("WARNING"):
         loaded = load_model(str(path), torch.float32, "gguf")
-    assert "Q3_K (2 tensors)" in caplog.text and "dequantized float" in caplog.text
-    assert type(loaded.model.layers[0].mlp.down_proj) is nn.Linear
+    assert "IQ3_S (2 tensors)" in caplog.text and "as Q8_0" in caplog.text and "IQ4_XS (" not in caplog.text
+    layer = loaded.model.layers[0]
+    for module in (layer.mlp.down_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+        assert isinstance(module, QuantizedLinear) and (module.bits, module.group_size) == (8, 32)
+    dense = reference.model.layers[0].mlp
+    torch.testing.assert_close(layer.mlp.gate_up_proj.dequantize(), dense.gate_up_proj.weight, rtol=0, atol=1e-6)
+    # Q8_0's rounding of the dequantized IQ3_S values (steps of amax / 127 per 32): 0.5% here.
+    down, want = layer.mlp.down_proj.dequantize(), dense.down_proj.weight
+    assert 0 < ((down - want).norm() / want.norm()).item() < 1e-2
+    expected = PagedRun(reference.model, reference.config).step({"a": ids})["a"]
+    actual = PagedRun(loaded.model, loaded.config).step({"a": ids})["a"]
+    assert ((actual - expected).norm() / expected.norm()).item() < tolerance
