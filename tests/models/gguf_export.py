@@ -17,11 +17,10 @@ import torch
 import transformers
 
 from layers.gguf_random import random_blocks  # tests/ is on sys.path, as for every test package
+from vivace.models.dummy import GGUF_HALF_FIELDS
 from .tiny import BOS_ID, CHAT_TEMPLATE, EOS_ID, MERGES, SPECIAL_TOKENS, TOKENS
 
 F32 = gguf.GGMLQuantizationType.F32
-# Types the gguf package cannot quantize to: random blocks (``random_blocks``).
-RANDOM_TYPES = tuple(gguf.GGMLQuantizationType[name] for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS"))
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -34,6 +33,9 @@ _LAYER = {
 }
 _GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
+# The quantized types the gguf package writes from float values; others get random codes.
+QUANTIZABLE = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+               gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1)
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
          "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
          "granite": "granite"}
@@ -47,7 +49,7 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
     or as ``types[part]`` for the GGUF tensor part named (``attn_q``, ``token_embd``, ...); the
     metadata's EOS is ``eos_id``, its chat template ``chat_template`` (named ones: a list, as llama.cpp's
     converter takes tokenizer_config.json's).
-    Types the gguf package cannot quantize to (``RANDOM_TYPES``) get random codes of that type."""
+    Types the gguf package cannot quantize to (the K-quants) get random codes of that type."""
     config = model.config
     arch = ARCHS[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
@@ -159,7 +161,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray,
         writer.add_tensor(name, values.astype(np.float32))
     elif ggml_type == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, values.astype(np.float16))
-    elif ggml_type in RANDOM_TYPES:
+    elif ggml_type in GGUF_HALF_FIELDS and ggml_type not in QUANTIZABLE:
         blocks = random_blocks(ggml_type, math.prod(values.shape[:-1]), values.shape[-1])
         writer.add_tensor(name, blocks.reshape(*values.shape[:-1], -1), raw_dtype=ggml_type)
     else:

@@ -102,10 +102,11 @@ def logits_error(expected: LoadedModel, actual: LoadedModel) -> float:
 
 
 def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
-    """A Q4_K_M-like file (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0 tensors) plus one IQ2_XXS tensor: "gguf"
-    (what "auto" picks where the native kernels run) takes each in its own form (q/k/v of three
-    formats as three runs, none widened; the Q6_K logits layer as it is), runs the
-    IQ2_XXS one as float with a warning, and the logits stay those of the file's dequantized values."""
+    """A Q4_K_M-like file (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0 tensors): "gguf" (what "auto" picks where
+    the native kernels run) takes each in its own form (q/k/v of three formats as three runs, none
+    widened; the Q6_K logits layer as it is), and the logits stay those of the file's dequantized
+    values; so with IQ4_NL/IQ4_XS tensors (8-bit codes of their values) and an IQ3_S one (no
+    native form: Q8_0 of its values, with a warning)."""
     hf = k_quant_model()
     q = gguf.GGMLQuantizationType
     types = {"attn_q": q.Q4_K, "attn_k": q.Q5_0, "attn_v": q.Q6_K, "attn_output": q.Q5_K, "ffn_gate": q.Q4_K,
@@ -128,19 +129,33 @@ def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
     assert (loaded.model.lm_head.bits, loaded.model.lm_head.sub_group) == (6, 16)
     # The native kernels also round activations to int8 per group of 32 (~0.5% relative each) at
     # all 8 projections and the logits of this random model: 2.7% measured, 0.7% on the fallback.
-    assert logits_error(reference, loaded) < (4e-2 if quant_linear_kernel() is not None else 2e-2)
+    tolerance = 4e-2 if quant_linear_kernel() is not None else 2e-2
+    assert logits_error(reference, loaded) < tolerance
 
-    path = write_gguf(hf, tmp_path / "iq2.gguf", q.F32, {**types, "ffn_down": q.IQ2_XXS})
+    # A type without a native form (IQ3_S) runs as Q8_0 of its dequantized values, with a warning;
+    # IQ4_NL and IQ4_XS run as 8-bit codes of their own values, without one.
+    mixed = {**types, "ffn_down": q.IQ3_S, "attn_output": q.IQ4_XS, "ffn_gate": q.IQ4_NL, "ffn_up": q.IQ4_NL}
+    path = write_gguf(hf, tmp_path / "iq.gguf", q.F32, mixed)
+    reference = load_model(str(path), torch.float32, "none")
     with caplog.at_level("WARNING"):
         loaded = load_model(str(path), torch.float32, "gguf")
-    assert "IQ2_XXS (2 tensors)" in caplog.text and "dequantized float" in caplog.text
-    assert type(loaded.model.layers[0].mlp.down_proj) is nn.Linear
+    assert "IQ3_S (2 tensors)" in caplog.text and "as Q8_0" in caplog.text and "IQ4_XS (" not in caplog.text
+    layer = loaded.model.layers[0]
+    for module in (layer.mlp.down_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+        assert isinstance(module, QuantizedLinear) and (module.bits, module.group_size) == (8, 32)
+    dense = reference.model.layers[0].mlp
+    torch.testing.assert_close(layer.mlp.gate_up_proj.dequantize(), dense.gate_up_proj.weight, rtol=0, atol=1e-6)
+    # Q8_0's rounding of the dequantized IQ3_S values (steps of amax / 127 per 32): 0.5% here.
+    down, want = layer.mlp.down_proj.dequantize(), dense.down_proj.weight
+    assert 0 < ((down - want).norm() / want.norm()).item() < 1e-2
+    assert logits_error(reference, loaded) < tolerance
 
 
 def test_a_low_bit_k_quant_mix_runs_natively(tmp_path, caplog) -> None:
     """A Q2_K/Q3_K_M-like file (Q2_K, Q3_K, Q4_K tensors): "gguf" takes the Q2_K and Q3_K ones
-    as 2- and 3-bit codes with 16-column sub-blocks (Q2_K's with mins, Q3_K's with zero point 4), none
-    falling back to float, each the file's numbers, and the logits track the dequantized model's."""
+    as 2- and 3-bit codes with 16-column sub-blocks (Q2_K's with mins, Q3_K's with zero point 4),
+    none quantized again as Q8_0, each the file's numbers, and the logits track the dequantized
+    model's."""
     hf = k_quant_model()
     q = gguf.GGMLQuantizationType
     types = {"attn_q": q.Q2_K, "attn_k": q.Q2_K, "attn_v": q.Q3_K, "attn_output": q.Q3_K, "ffn_gate": q.Q2_K,

@@ -94,10 +94,11 @@ T = gguf.GGMLQuantizationType
 # Byte offsets of each GGUF block's float16 fields (scale d, min or dmin), per type.
 GGUF_HALF_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
                     T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82),
-                    T.IQ2_XXS: (0,)}
+                    T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ3_S: (0,)}
 # |w| ~ field * (largest code and sub-block scale): float16 fields drawn at this std give weights of order 0.1.
 GGUF_FIELD_STD = {T.Q8_0: 1e-3, T.Q4_0: 1e-2, T.Q5_0: 5e-3, T.Q4_1: 1e-2, T.Q5_1: 5e-3,
-                  T.Q4_K: 5e-4, T.Q5_K: 2e-4, T.Q6_K: 1e-4, T.Q3_K: 1e-3, T.Q2_K: 2e-3, T.IQ2_XXS: 1e-3}
+                  T.Q4_K: 5e-4, T.Q5_K: 2e-4, T.Q6_K: 1e-4, T.Q3_K: 1e-3, T.Q2_K: 2e-3,
+                  T.IQ4_NL: 1e-3, T.IQ4_XS: 3e-5, T.IQ3_S: 2e-4}
 
 
 def random_gguf_blocks(ggml_type: gguf.GGMLQuantizationType, rows: int, cols: int, device: torch.device | str,

@@ -5,12 +5,13 @@ stays float) becomes a ``QuantizedLinear`` of that mode; from a GGUF file, tenso
 as Q8_0 (int8) or Q4_0/Q4_1 (int4) are taken code for code, any other tensor is quantized from its
 float value. "gguf" (what ``--quantization auto`` picks
 for a quantized GGUF): every projection in the file's own format, as llama.cpp runs it, through
-``vivace.layers.gguf_blocks`` (Q8_0, Q4_0/1, Q5_0/1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); a float
-tensor stays float, and a type without a native form (IQ*, TQ*) runs dequantized to float, with a
-warning that says so. In every mode the logits projection (``lm_head``, or a quantized copy of
-the tied embedding) keeps at least 6-bit codes, as llama.cpp does, because it is the layer most
-sensitive to quantization: the file's own tensor when it is stored as Q8_0 or Q6_K (as llama.cpp's
-Q4_K_M files keep it), else int8. A mixture's experts taken code for code need no float value
+``vivace.layers.gguf_blocks`` (Q8_0, Q4_0/1, Q5_0/1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and
+IQ4_NL/IQ4_XS as 8-bit codes); a float tensor stays float, and a type without a native form (the
+other IQ*, TQ*) runs as Q8_0 of its dequantized values, with a warning that says so. In every mode
+the logits projection (``lm_head``, or a quantized copy of the tied embedding) keeps at least
+6-bit codes, as llama.cpp does, because it is the layer most sensitive to quantization: the
+file's own tensor when it is stored in a form of 6 or 8 bits (Q8_0, Q6_K as llama.cpp's Q4_K_M
+files keep it), else int8. A mixture's experts taken code for code need no float value
 at all: ``experts_taken_as_stored`` names them, and the loader leaves them undecoded.
 """
 
@@ -170,13 +171,13 @@ def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, R
         if not name.endswith(".weight") or len(info.shape) not in (2, 3):
             continue
         if info.ggml_type not in accepted:
-            if mode == "gguf" and info.ggml_type not in _FLOAT_TYPES:
-                fallback[info.ggml_type.name] += 1
-            continue
+            if mode != "gguf" or info.ggml_type in _FLOAT_TYPES:
+                continue
+            fallback[info.ggml_type.name] += 1  # read as Q8_0 (_decoded)
         hf_name = _hf_name(name, arch)
         if len(info.shape) == 3:  # a mixture's experts, one matrix each
             blocks = file.blocks(info)
-            weights.update((expert_name(hf_name, e), functools.partial(from_gguf_blocks, blocks[e], info.ggml_type))
+            weights.update((expert_name(hf_name, e), functools.partial(_decoded, blocks[e], info.ggml_type))
                            for e in range(info.shape[0]))
             continue
         # Rows as the float model holds them: llama.cpp's order undone, then vivace's (partial rotary).
@@ -185,15 +186,27 @@ def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, R
         weights[hf_name] = functools.partial(_read_rows, file.blocks(info), info.ggml_type,
                                              None if np.array_equal(order, rows) else order)
     if fallback:
-        logger.warning("vivace: GGUF types without a native kernel run as dequantized float: %s (native: %s)",
+        logger.warning("vivace: GGUF types without a native kernel run as 8-bit codes, their dequantized values "
+                       "quantized again as Q8_0 (8.5 bits a weight): %s (native: %s)",
                        ", ".join(f"{t} ({n} tensors)" for t, n in sorted(fallback.items())),
                        ", ".join(t.name for t in NATIVE_TYPES))
     return weights
 
 
+def _decoded(blocks: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> QuantizedWeight:
+    """``blocks`` as the native kernels read them: in their own form where ``from_gguf_blocks``
+    has one, else their dequantized values quantized again as Q8_0. That costs a second rounding
+    (Q8_0's, ~0.4% of a weight against the coarser type's own) and more bytes than the file's,
+    but a quarter of the float32 weight the type would otherwise run as."""
+    if ggml_type in NATIVE_TYPES:
+        return from_gguf_blocks(blocks, ggml_type)
+    values = gguf.quants.dequantize(np.asarray(blocks), ggml_type)
+    return from_gguf_blocks(gguf.quants.quantize(values, T.Q8_0), T.Q8_0)
+
+
 def _read_rows(blocks: np.ndarray, ggml_type: gguf.GGMLQuantizationType,
                order: np.ndarray | None) -> QuantizedWeight:
-    weight = from_gguf_blocks(blocks, ggml_type)
+    weight = _decoded(blocks, ggml_type)
     return weight if order is None else _take_rows(weight, order)
 
 
