@@ -2,8 +2,9 @@
 as a GGUF file of quantized projections loads with them packed in ``GgufLinear`` (uint8 planar
 rows, in Hugging Face order; a tied LM head from the embedding's blocks), and the CUDA runner over
 it gives the greedy tokens of the CPU runner on the same file dequantized to float32 (on CPU
-under Triton's interpreter where there is no GPU), and so does a Granite's (its multipliers live outside the projections, which run as stored);
-a module's chosen GEMV tiling gives its default's product."""
+under Triton's interpreter where there is no GPU), and so does a Granite's (its multipliers live
+outside the projections, which run as stored); a module's chosen GEMV tiling gives its default's
+product."""
 
 from __future__ import annotations
 

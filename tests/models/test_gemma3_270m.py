@@ -69,9 +69,8 @@ def test_q4_k_m_in_its_own_formats_tracks_the_float_weights(float_gemma) -> None
     ids = float_gemma.tokenizer.encode(PROMPT)
     expected = PagedRun(float_gemma.model, float_gemma.config, block_size=16).step({"a": ids})["a"]
     loaded = load_model("gemma-3-270m", torch.float32, "gguf")  # what auto picks with native kernels
-    projections = [getattr(module, name) for layer in loaded.model.layers
-                   for module, names in ((layer.self_attn, ("qkv_proj", "o_proj")), (layer.mlp, ("gate_up_proj", "down_proj")))
-                   for name in names]
+    projections = [p for layer in loaded.model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     assert all(isinstance(p, (QuantizedLinear, StackedLinear)) for p in projections) and loaded.model.lm_head.bits == 8
     # The 9 layers whose v is Q8_0 (q and k Q5_0) run q/k and v apart, each in its own format.
     stacked = [p for p in projections if isinstance(p, StackedLinear)]

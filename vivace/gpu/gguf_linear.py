@@ -176,7 +176,8 @@ def randomize_packed(model: nn.Module, weight_format: gguf.GGMLQuantizationType 
                 replacement = StackedLinear([packed(rows - v_rows, columns, base, device, biases[0]),
                                              packed(v_rows, columns, T.Q6_K, device, biases[1])])
             else:
-                ggml_type = T.Q6_K if mix and (child_name == "lm_head" or (more and child_name == "down_proj")) else base
+                six_bits = mix and (child_name == "lm_head" or (more and child_name == "down_proj"))
+                ggml_type = T.Q6_K if six_bits else base
                 replacement = packed(rows, columns, ggml_type, device, child.bias)
             setattr(module, child_name, replacement)
     if getattr(model, "lm_head", True) is None:

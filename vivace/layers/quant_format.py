@@ -172,7 +172,8 @@ def _bit_plane(bits: torch.Tensor) -> torch.Tensor:
     byte ``4r + i`` holds in bit ``2j + h`` row r's column ``8j + 4h + i``."""
     n, k = bits.shape
     bits = bits.view(n // TILE_ROWS, TILE_ROWS, k // 32, 4, 2, 4).permute(0, 2, 1, 5, 3, 4)
-    return (bits.to(torch.int32) * _FIFTH_BIT_PLACES).sum(dim=(-2, -1)).to(torch.uint8).view(n // TILE_ROWS, k // 32, 1, 64)
+    packed = (bits.to(torch.int32) * _FIFTH_BIT_PLACES).sum(dim=(-2, -1)).to(torch.uint8)
+    return packed.view(n // TILE_ROWS, k // 32, 1, 64)
 
 
 def _plane_bits(plane: torch.Tensor) -> torch.Tensor:

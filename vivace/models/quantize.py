@@ -67,7 +67,8 @@ def quantize_model(model: LlamaForCausalLM, mode: str, gguf_path: Path | None = 
     logits_weight = model.embed_tokens.weight if tied else model.lm_head.weight
     read = stored.get("model.embed_tokens.weight" if tied else "lm_head.weight")
     direct = None if read is None else read()
-    model.lm_head = _quantized(logits_weight, None, "int8", [direct] if direct is not None and direct.bits >= 6 else None)
+    runs = [direct] if direct is not None and direct.bits >= 6 else None
+    model.lm_head = _quantized(logits_weight, None, "int8", runs)
     return model
 
 
