@@ -70,6 +70,17 @@ def test_vllm_extras_on_completions(server: RunningServer) -> None:
     assert cut.choices[0].finish_reason == "length"
 
 
+def test_llama_cpp_grammar_and_json_schema_fields(server: RunningServer) -> None:
+    """llama.cpp server's ``grammar`` (GBNF) and ``json_schema`` body fields constrain as vLLM's do."""
+    client = server.client()
+    grammar = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8,
+                                             extra_body={"grammar": 'root ::= "go " ("left" | "right")'})
+    assert grammar.choices[0].message.content in {"go left", "go right"}
+    schema = client.completions.create(model="tiny", prompt="Thing:", max_tokens=60, extra_body={"json_schema": SCHEMA})
+    assert schema.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(schema.choices[0].text), SCHEMA)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_forced_tool_calls_assemble(server: RunningServer, stream: bool, choice: object) -> None:
@@ -145,6 +156,9 @@ BAD = [
     (dict(guided_regex="(unclosed"), "guided_regex"),
     (dict(guided_json="{not json"), "guided_json"),
     (dict(guided_grammar="start: undefined_rule"), "guided_grammar"),
+    (dict(grammar="root ::= undefined_rule"), "grammar"),
+    (dict(json_schema={"type": "nope"}), "json_schema"),
+    (dict(guided_choice=["a"], grammar='root ::= "a"'), "grammar"),
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
      "tool_choice.function.name"),
     (dict(tools=[WEATHER, WEATHER]), "tools"),

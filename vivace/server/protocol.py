@@ -259,13 +259,16 @@ class SamplingRequest(_Strict):
     speculative: bool | None = True
     # vLLM's extra: each prompt token's logprob and its k most likely alternatives (not streamed)
     prompt_logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
-    # Structured output (vivace.server.structured): OpenAI's response_format, vLLM's extras.
+    # Structured output (vivace.server.structured): OpenAI's response_format, vLLM's and llama.cpp's extras.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    # llama.cpp server's names: a GBNF grammar, a JSON schema
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
 
     @field_validator("stream_options")
     @classmethod

@@ -1,5 +1,6 @@
 """From a request's structured-output fields to the engine's ``StructuredOutput``: OpenAI's
-``response_format`` and vLLM's ``structured_outputs`` / ``guided_*`` extras. At most one of
+``response_format``, vLLM's ``structured_outputs`` / ``guided_*`` extras and llama.cpp server's
+``grammar`` / ``json_schema``. At most one of
 them may constrain a request; one that does not compile is a 400 naming its field, before
 anything reaches the engine."""
 
@@ -46,7 +47,8 @@ def _requested(body: SamplingRequest) -> list[tuple[str, StructuredOutput]]:
     prefix = "structured_outputs."
     candidates: list[tuple[str, Any, str]] = [
         ("guided_json", body.guided_json, "json_schema"), ("guided_regex", body.guided_regex, "regex"),
-        ("guided_choice", body.guided_choice, "choice"), ("guided_grammar", body.guided_grammar, "grammar")]
+        ("guided_choice", body.guided_choice, "choice"), ("guided_grammar", body.guided_grammar, "grammar"),
+        ("grammar", body.grammar, "grammar"), ("json_schema", body.json_schema, "json_schema")]
     if extras is not None:
         candidates += [(prefix + "json", extras.json_, "json_schema"), (prefix + "regex", extras.regex, "regex"),
                        (prefix + "choice", extras.choice, "choice"),
