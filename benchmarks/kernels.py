@@ -3,8 +3,10 @@ forms of Gemma 3 270M's Q4_K_M file on its shapes: Q5_0 as 5-bit codes against t
 widened to 8 bits (as they ran before the int5 kernel); Q8_0, which is also the 8-bit form Q6_K
 ran as before the int6 kernel; Q6_K as 6-bit codes with its two levels of scales; Q4_K and Q5_K
 with their two levels against Q4_K's one-level int4 form (float16 scale and min per 32, as it ran
-before). K-quant blocks are random bytes with modest float16 scales (``gguf`` cannot quantize
-to them); the time does not depend on the values.
+before); IQ4_NL as 4-bit codes looked up in its table against the same widened to 8-bit codes of
+its values (as IQ4_NL and IQ4_XS ran before; IQ4_XS's kernel form is IQ4_NL's, a float16 scale
+per 32). K-quant and IQ4 blocks are random bytes with modest float16 scales (``gguf`` cannot
+quantize to them); the time does not depend on the values.
 
     python benchmarks/kernels.py [--gguf] [--m 1 16] [--rounds 30] [--threads 2] [--clock wall|cpu]
 
@@ -81,6 +83,8 @@ def gguf_candidates(k: int, n: int, m: int) -> dict[str, Candidate]:
              "Q4_K's old form (int4)": qf.quantize_int4(torch.from_numpy(w)),
              "Q4_K two-level": from_gguf_blocks(random_gguf_blocks(T.Q4_K, n, k, "cpu").numpy(), T.Q4_K),
              "Q5_K two-level": from_gguf_blocks(random_gguf_blocks(T.Q5_K, n, k, "cpu").numpy(), T.Q5_K)}
+    iq4 = from_gguf_blocks(random_gguf_blocks(T.IQ4_NL, n, k, "cpu").numpy(), T.IQ4_NL)
+    forms.update({"IQ4 as int4 + table": iq4, "IQ4 widened to 8 bits": iq4.widened()})
     if k % 256:  # K-quants need whole 256-column super-blocks (Gemma's K = 640 projections have none)
         forms = {name: form for name, form in forms.items() if form.sub_group == 0}
     found: dict[str, Candidate] = {"fp32 F.linear": (F.linear, (torch.from_numpy(w),), torch.float32)}

@@ -1,9 +1,12 @@
-"""GGUF blocks of every natively run type: decoded codes against ``gguf.quants.dequantize``, and
-``QuantizedLinear`` over them against dequantize + matmul (native kernel where it runs, else the
-PyTorch fallback), at random shapes and batch sizes; the native kernel also against the same
-matmul with its own int8 activations, which it must reproduce to float32 rounding."""
+"""GGUF blocks of every natively run type: decoded codes against ``gguf.quants.dequantize``, bits
+a weight, and ``QuantizedLinear`` over them against dequantize + matmul (native kernel where it
+runs, else the PyTorch fallback), at random shapes and batch sizes; the native kernel also against
+the same matmul with its own int8 activations, which it must reproduce to float32 rounding (IQ4's
+codebook too, and any other table of bytes)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import gguf
 import numpy as np
@@ -20,7 +23,11 @@ from .test_linear import BACKENDS, relative_error
 
 T = gguf.GGMLQuantizationType
 BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5,
-        T.Q6_K: 6, T.IQ4_NL: 8, T.IQ4_XS: 8}
+        T.Q6_K: 6, T.IQ4_NL: 4, T.IQ4_XS: 4}
+# Bits a weight that a layer reads (codes, scales, mins, sub-block scales and mins; IQ4's 16-byte
+# codebook aside): the module docstring of vivace.layers.gguf_blocks.
+BITS_PER_WEIGHT = {T.Q8_0: 8.5, T.Q4_0: 4.5, T.Q4_1: 5, T.Q5_0: 5.5, T.Q5_1: 6, T.Q2_K: 3.125, T.Q3_K: 3.5625,
+                   T.Q4_K: 4.625, T.Q5_K: 5.625, T.Q6_K: 6.5625, T.IQ4_NL: 4.5, T.IQ4_XS: 4.5}
 SUB_GROUPS = {T.Q2_K: 16, T.Q3_K: 16, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16}  # the K-quants'
 # IQ4_XS's sub-block scales d * (ls - 32) are rounded to float16: half a unit in the last place,
 # or half float16's subnormal step.
@@ -42,6 +49,14 @@ def test_decoded_weight_matches_gguf_dequantize(ggml_type, shape) -> None:
         np.testing.assert_allclose(weight.dequantize().numpy(), expected, **ROUNDED_SCALES)
     else:
         np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize("ggml_type", NATIVE_TYPES, ids=lambda t: t.name)
+def test_bits_per_weight(ggml_type) -> None:
+    rows, cols = 64, 1024
+    layer = QuantizedLinear.from_gguf(random_blocks(ggml_type, rows, cols), ggml_type)
+    codebook = 0 if layer.codebook is None else layer.codebook.numel()
+    assert 8 * (layer.weight_bytes() - codebook) / (rows * cols) == BITS_PER_WEIGHT[ggml_type]
 
 
 @pytest.mark.parametrize(("ggml_type", "codes", "sub_scales", "sub_mins"),
@@ -99,6 +114,51 @@ def test_native_kernel_is_exact_integer_dot_products(ggml_type, m) -> None:
     expected = int8_activations(x) @ weight.T
     assert relative_error(layer(x), expected) < 1e-6
 
+
+# IQ4's table, the same reversed, and a random one of any bytes: 0 and 255 included, whose pairs of
+# products would saturate AVX2's VPMADDUBSW (int16) if the kernel took them as they are.
+ANY_BYTES = torch.tensor([255, 0, *torch.randint(1, 255, (14,), generator=torch.Generator().manual_seed(0))],
+                         dtype=torch.uint8)
+CODEBOOKS = {"iq4": lambda table: table, "reversed": lambda table: table.flip(0), "any bytes": lambda _: ANY_BYTES}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ggml_type", [T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("m", [1, 3, 16, 40])  # one pass of fewer rows, then whole passes with a rest
+def test_codebook_reaches_the_kernel(backend, ggml_type, codebook, m) -> None:
+    """The 4-bit codes are looked up in the weight's own table, whichever it is: the layer's output is
+    its dequantized weight's matmul (with the native kernel's int8 activations, to float32 rounding),
+    and a table other than IQ4's changes it."""
+    blocks = random_blocks(ggml_type, 48, 512, seed=m)
+    iq4 = from_gguf_blocks(blocks, ggml_type)
+    weight = replace(iq4, codebook=CODEBOOKS[codebook](iq4.codebook))
+    layer, iq4_layer = QuantizedLinear(weight), QuantizedLinear(iq4)
+    layer.backend = iq4_layer.backend = backend
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    expected = F.linear(x, weight.dequantize())
+    assert relative_error(layer(x), expected) < (2e-2 if backend == "native" else 1e-5)
+    if backend == "native":
+        assert relative_error(layer(x), int8_activations(x) @ weight.dequantize().double().T) < 1e-6
+    assert (relative_error(layer(x), iq4_layer(x)) > 0.1) == (codebook != "iq4")
+
+
+def test_iq4_widened_is_the_same_weight() -> None:
+    """``widened`` (the 8-bit form IQ4 ran as before, benchmarks/kernels.py's baseline) looks the codes up."""
+    weight = from_gguf_blocks(random_blocks(T.IQ4_XS, 16, 256), T.IQ4_XS)
+    widened = weight.widened()
+    assert (widened.bits, widened.codebook) == (8, None)
+    torch.testing.assert_close(widened.dequantize(), weight.dequantize(), rtol=0, atol=0)
+
+@pytest.mark.parametrize("change", [dict(bits=8), dict(mins=torch.zeros(16, 8, dtype=torch.float16)),
+                                    dict(codebook=torch.arange(8, dtype=torch.uint8)),
+                                    dict(codebook=torch.arange(16, dtype=torch.int8))], ids=str)
+def test_a_codebook_needs_16_bytes_and_4_bit_codes_with_a_zero_point(change) -> None:
+    iq4 = from_gguf_blocks(random_blocks(T.IQ4_NL, 16, 256), T.IQ4_NL)
+    with pytest.raises(ValueError, match="codebook"):
+        replace(iq4, **change)
+
+
 def test_types_without_a_native_form_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="IQ2_XXS has no direct quantized form; supported: Q8_0, .*Q2_K, Q3_K, .*Q6_K"):
         from_gguf_blocks(np.zeros((16, 66), np.uint8), T.IQ2_XXS)
@@ -119,3 +179,14 @@ def test_kernel_refuses_forms_it_has_no_loop_for(bits, sub_group, with_mins) -> 
     with pytest.raises(RuntimeError, match="no known form"):
         quant_linear_kernel()(torch.randn(1, k), codes, scales, scales if with_mins else None, None, bits, n, 256,
                               0 if with_mins else 4, subs, subs if with_mins else None, sub_group)
+
+
+@needs_native
+@pytest.mark.parametrize(("bits", "with_mins"), [(8, False), (5, False), (4, True)])
+def test_kernel_refuses_a_codebook_but_with_4_bit_codes_and_a_zero_point(bits, with_mins) -> None:
+    n, k = 16, 256
+    codes = torch.zeros(n * k * bits // 8, dtype=torch.uint8)
+    scales = torch.zeros(n // 16, k // 32, 16, dtype=torch.int16)
+    with pytest.raises(RuntimeError, match="no known form"):
+        quant_linear_kernel()(torch.randn(1, k), codes, scales, scales if with_mins else None, None, bits, n, 32, 128,
+                              None, None, 0, torch.zeros(16, dtype=torch.uint8))

@@ -75,7 +75,8 @@ def test_quantization_error_is_small() -> None:
 @pytest.mark.parametrize("ggml_type", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
                                        gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q2_K,
                                        gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.Q4_K,
-                                       gguf.GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
+                                       gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.IQ4_NL],
+                         ids=lambda t: t.name)
 def test_rows_and_leading_dims(ggml_type) -> None:
     blocks = random_blocks(ggml_type, 40, 256)
     layer = QuantizedLinear.from_gguf(blocks, ggml_type)

@@ -105,8 +105,9 @@ def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
     """A Q4_K_M-like file (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0 tensors): "gguf" (what "auto" picks where
     the native kernels run) takes each in its own form (q/k/v of three formats as three runs, none
     widened; the Q6_K logits layer as it is), and the logits stay those of the file's dequantized
-    values; so with IQ4_NL/IQ4_XS tensors (8-bit codes of their values) and an IQ3_S one (no
-    native form: Q8_0 of its values, with a warning)."""
+    values; so with IQ4_NL/IQ4_XS tensors (4-bit codes into their table, q and k of the two types
+    stacked as one run, v apart) and an IQ3_S one (no native form: Q8_0 of its values, with a
+    warning)."""
     hf = k_quant_model()
     q = gguf.GGMLQuantizationType
     types = {"attn_q": q.Q4_K, "attn_k": q.Q5_0, "attn_v": q.Q6_K, "attn_output": q.Q5_K, "ffn_gate": q.Q4_K,
@@ -133,20 +134,29 @@ def test_a_k_quant_mix_runs_in_its_own_formats(tmp_path, caplog) -> None:
     assert logits_error(reference, loaded) < tolerance
 
     # A type without a native form (IQ3_S) runs as Q8_0 of its dequantized values, with a warning;
-    # IQ4_NL and IQ4_XS run as 8-bit codes of their own values, without one.
-    mixed = {**types, "ffn_down": q.IQ3_S, "attn_output": q.IQ4_XS, "ffn_gate": q.IQ4_NL, "ffn_up": q.IQ4_NL}
+    # IQ4_NL and IQ4_XS run natively as 4-bit codes into their table, without one: 4.5 bits a
+    # weight (8.5 as the 8-bit codes of their values they ran as before).
+    mixed = {**types, "ffn_down": q.IQ3_S, "attn_output": q.IQ4_XS, "ffn_gate": q.IQ4_NL, "ffn_up": q.IQ4_NL,
+             "attn_q": q.IQ4_NL, "attn_k": q.IQ4_XS}
     path = write_gguf(hf, tmp_path / "iq.gguf", q.F32, mixed)
     reference = load_model(str(path), torch.float32, "none")
     with caplog.at_level("WARNING"):
         loaded = load_model(str(path), torch.float32, "gguf")
-    assert "IQ3_S (2 tensors)" in caplog.text and "as Q8_0" in caplog.text and "IQ4_XS (" not in caplog.text
-    layer = loaded.model.layers[0]
-    for module in (layer.mlp.down_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
-        assert isinstance(module, QuantizedLinear) and (module.bits, module.group_size) == (8, 32)
-    dense = reference.model.layers[0].mlp
-    torch.testing.assert_close(layer.mlp.gate_up_proj.dequantize(), dense.gate_up_proj.weight, rtol=0, atol=1e-6)
+    assert "IQ3_S (2 tensors)" in caplog.text and "as Q8_0" in caplog.text and "IQ4_XS (" not in caplog.text \
+        and "IQ4_NL (" not in caplog.text
+    layer, dense = loaded.model.layers[0], reference.model.layers[0]
+    qkv = layer.self_attn.qkv_proj
+    assert [(part.bits, part.codebook is not None, part.out_features) for part in qkv.parts] == [(4, True, 384),
+                                                                                                (6, False, 128)]
+    assert (layer.mlp.down_proj.bits, layer.mlp.down_proj.codebook) == (8, None)
+    for iq4 in (qkv.parts[0], layer.self_attn.o_proj, layer.mlp.gate_up_proj):  # codes, scales, a 16-byte table
+        assert 8 * (iq4.weight_bytes() - 16) == 4.5 * iq4.out_features * iq4.in_features
+    # The file's values: IQ4_XS's per-32 scales rounded to float16 (gguf_blocks), the others exact.
+    for actual, float_layer in ((qkv, dense.self_attn.qkv_proj), (layer.self_attn.o_proj, dense.self_attn.o_proj),
+                                (layer.mlp.gate_up_proj, dense.mlp.gate_up_proj)):
+        torch.testing.assert_close(actual.dequantize(), float_layer.weight, rtol=2**-11, atol=1e-6)
     # Q8_0's rounding of the dequantized IQ3_S values (steps of amax / 127 per 32): 0.5% here.
-    down, want = layer.mlp.down_proj.dequantize(), dense.down_proj.weight
+    down, want = layer.mlp.down_proj.dequantize(), dense.mlp.down_proj.weight
     assert 0 < ((down - want).norm() / want.norm()).item() < 1e-2
     assert logits_error(reference, loaded) < tolerance
 

@@ -31,7 +31,7 @@ def _load() -> Callable[..., torch.Tensor] | None:
 def _quant_linear_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                         bias: torch.Tensor | None, bits: int, out_features: int, group_size: int,
                         zero_point: int, sub_scales: torch.Tensor | None = None, sub_mins: torch.Tensor | None = None,
-                        sub_group: int = 0) -> torch.Tensor:
+                        sub_group: int = 0, codebook: torch.Tensor | None = None) -> torch.Tensor:
     """Output shape and dtype of ``vivace_kernels::quant_linear``, for tracing (torch.compile)."""
     return x.new_empty(*x.shape[:-1], out_features)
 

@@ -17,6 +17,14 @@
 // the low two bits followed by a vector of third bits laid out as int5's fifth bits: 192 bytes.
 // Codes are unsigned; each (row, weight group) has an fp16 scale d and either an fp16
 // min m (w = d*q + m) or a fixed zero point z (w = d*(q - z)).
+// int4 through a codebook (GGUF IQ4_NL/IQ4_XS: scheme kCodebookZeroPoint) keeps int4's tiles, and
+// each nibble q stands for byte cb[q] of a 16-byte table given with the weight (IQ4: ggml's
+// kvalues_iq4nl + 128, 1..241, with z = 128): w = d*(cb[q] - z). The loop looks the nibbles up
+// right after it extracts them, with a byte shuffle (VPSHUFB, the table in every 128-bit lane),
+// and takes the dots of the bytes it gets as the 8-bit loop does (bytes of any size: the full-
+// range dot, never dot_small's). The weight streams at 4 bits; the table is an argument, not a
+// constant, so that one loop serves any table, and a scheme of its own, so that the other 4-bit
+// loops carry no test for it.
 // Activations are quantized on the fly to int8 per group of 32 (scale dx, code sum s),
 // so every 32-k group is an exact integer dot product done by vpdpbusd, then
 //   y += d * dx * dot + m * dx * s        (min)      or
@@ -57,7 +65,8 @@ struct QuantizedActivations {
 
 // How a weight's scales apply (file header): one level with a zero point or a min, or the
 // K-quants' two levels (sub-blocks of 32 with mins, or of 16 with a zero point or with mins).
-enum Scheme { kZeroPoint, kMin, kSubMin, kSub16ZeroPoint, kSub16Min };
+// kCodebookZeroPoint: a zero point, int4 codes looked up into a codebook first (file header).
+enum Scheme { kZeroPoint, kMin, kSubMin, kSub16ZeroPoint, kSub16Min, kCodebookZeroPoint };
 
 constexpr bool has_min(Scheme s) { return s == kMin || s == kSubMin || s == kSub16Min; }
 // Sub-blocks of 16 k: a 32-k group's two halves summed apart (acc, acc_hi).
@@ -121,6 +130,7 @@ const QuantizedActivations& quantize_activations(const at::Tensor& x, float offs
 struct Problem {
   const uint8_t* codes; const at::Half* scales; const at::Half* mins; const float* bias;
   const int8_t* sub_scales; const int8_t* sub_mins;  // [N/16, K/sub_group, 16] (two-level schemes)
+  const uint8_t* codebook;  // [16] (kCodebookZeroPoint)
   const int8_t* xq; const float* dx; const float* off; const int32_t* sums; float* y;
   int64_t m, n, k, weight_group, zero_point;
 };
@@ -137,6 +147,14 @@ inline __m512i dot_small(__m512i acc, __m512i codes, __m512i x) {
 #else
   return _mm512_dpbusd_epi32(acc, codes, x);
 #endif
+}
+
+// acc + VPDPBUSD of 4-bit codes, or, through a codebook, of the table's bytes they were looked up
+// into: bytes of any size, so the full-range dot (tile_block is the AVX-512 loop; AVX2 has its own).
+template <Scheme S>
+inline __m512i dot_nibbles(__m512i acc, __m512i codes, __m512i x) {
+  if constexpr (S == kCodebookZeroPoint) return _mm512_dpbusd_epi32(acc, codes, x);
+  else return dot_small(acc, codes, x);
 }
 
 inline __m512i bcast4(const int8_t* p) {
@@ -165,6 +183,9 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
   const int64_t per_wgroup = p.weight_group / kGroup;
   const int64_t tile_bytes = p.k * kTile * BITS / 8;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // The codebook in each 128-bit lane, for VPSHUFB (which indexes within a lane).
+  const __m512i table = S == kCodebookZeroPoint
+      ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codebook))) : nibble;
   __m512 accf[MB][NT];
   for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) accf[i][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -241,9 +262,12 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
         for (int t = 0; t < NT; ++t) {
           __m512i w = _mm512_loadu_si512(p.codes + (tile0 + t) * tile_bytes + (g * 4 + j) * 64);
           __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+          if constexpr (S == kCodebookZeroPoint) {
+            lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
+          }
           for (int i = 0; i < MB; ++i) {
-            acc[i][t] = dot_small(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
-            acc[i][t] = dot_small(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
+            acc[i][t] = dot_nibbles<S>(acc[i][t], lo, bcast4(xg + i * p.k + 8 * j));
+            acc[i][t] = dot_nibbles<S>(acc[i][t], hi, bcast4(xg + i * p.k + 8 * j + 4));
           }
         }
       }
@@ -363,17 +387,32 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
     __m256i acc[MB], acc_hi[MB];  // acc_hi: the second 16-k sub-block (sub16)
     for (int i = 0; i < MB; ++i) acc[i] = acc_hi[i] = _mm256_setzero_si256();
     const int8_t* xg = p.xq + m0 * p.k + g * kGroup;
-    if constexpr (BITS == 8) {
-      // Codes q - 128 (signed), as in llama.cpp's AVX2 dots: VPMADDUBSW of |q - 128| (at most 128)
+    if constexpr (BITS == 8 || S == kCodebookZeroPoint) {
+      // Bytes q - 128 (signed), as in llama.cpp's AVX2 dots: VPMADDUBSW of |q - 128| (at most 128)
       // against x signed like q - 128 (|x| <= 127: no overflow in the negation, and a pair of
-      // products at most 2 * 128 * 127 = 32,512), then 128 * sum(x) added back, exact.
-      for (int j = 0; j < kGroup / 4; ++j) {
-        const __m256i w = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (g * 8 + j) * 64)), _mm256_set1_epi8(-128));
+      // products at most 2 * 128 * 127 = 32,512), then 128 * sum(x) added back, exact. A codebook's
+      // bytes too (up to 241 for IQ4: as they are, a pair of products would saturate VPMADDUBSW's
+      // int16), looked up from a table of its entries minus 128.
+      auto dot_signed = [&](__m256i w, int column) {  // w: 4 bytes a row, each times x's columns from `column`
         const __m256i magnitude = _mm256_abs_epi8(w);
         for (int i = 0; i < MB; ++i) {
-          const __m256i x = _mm256_sign_epi8(bcast4_256(xg + i * p.k + 4 * j), w);
+          const __m256i x = _mm256_sign_epi8(bcast4_256(xg + i * p.k + column), w);
           acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), _mm256_set1_epi16(1)));
+        }
+      };
+      const __m256i minus128 = _mm256_set1_epi8(-128);
+      const uint8_t* group = codes + g * (kGroup * kTile * BITS / 8);
+      if constexpr (BITS == 8) {
+        for (int j = 0; j < kGroup / 4; ++j)
+          dot_signed(_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j * 64)), minus128),
+                     4 * j);
+      } else {
+        const __m256i table = _mm256_xor_si256(
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codebook))), minus128);
+        for (int j = 0; j < kGroup / 8; ++j) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j * 64));
+          dot_signed(_mm256_shuffle_epi8(table, _mm256_and_si256(w, nibble)), 8 * j);
+          dot_signed(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble)), 8 * j + 4);
         }
       }
       for (int i = 0; i < MB; ++i) {
@@ -477,9 +516,10 @@ void half_tile_block(const Problem& p, int64_t tile, int half, int64_t m0) {
 
 // 6 for 4- and 5-bit codes (against 4, with the int16 sums above: 512-row GEMMs 15-25% faster),
 // 4 for 6- and 8-bit ones, whose loops need more registers (at 6 they spilled, and their 16-row
-// GEMMs were ~10% slower), and for 16-k sub-blocks, whose second sums (acc_hi) need as many.
+// GEMMs were ~10% slower), for 16-k sub-blocks, whose second sums (acc_hi) need as many, and for
+// 4-bit codes through a codebook, which run the 8-bit loop's dots.
 template <int BITS, Scheme S>
-constexpr int rows_per_pass() { return BITS <= 5 && !sub16(S) ? 6 : 4; }
+constexpr int rows_per_pass() { return BITS <= 5 && !sub16(S) && S != kCodebookZeroPoint ? 6 : 4; }
 #else
 template <int BITS, Scheme S>
 constexpr int rows_per_pass() { return 8; }
@@ -537,7 +577,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                         int64_t bits, int64_t out_features, int64_t weight_group, int64_t zero_point,
                         const c10::optional<at::Tensor>& sub_scales, const c10::optional<at::Tensor>& sub_mins,
-                        int64_t sub_group) {
+                        int64_t sub_group, const c10::optional<at::Tensor>& codebook) {
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
   TORCH_CHECK(bits >= 2 && bits <= 8 && bits != 7, "bits must be 2, 3, 4, 5, 6 or 8");
@@ -550,16 +590,21 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
   const bool has_min = mins.has_value();
   TORCH_CHECK(scales.scalar_type() == at::kShort && (!has_min || mins->scalar_type() == at::kShort),
               "scales and mins must be float16 bit patterns stored as int16");
-  const bool two_level = sub_scales.has_value();
-  const Scheme scheme = !two_level ? (has_min ? kMin : kZeroPoint)
-                                    : sub_group == 16 ? (has_min ? kSub16Min : kSub16ZeroPoint) : kSubMin;
-  const bool known = scheme == kSub16ZeroPoint ? bits == 3 || bits == 6
-                     : scheme == kSub16Min      ? bits == 2
-                     : scheme == kSubMin        ? sub_group == 32 && has_min && (bits == 4 || bits == 5)
-                                                : bits == 4 || bits == 5 || bits == 8;
+  const bool two_level = sub_scales.has_value(), looked_up = codebook.has_value();
+  const Scheme scheme = looked_up   ? kCodebookZeroPoint
+                        : !two_level ? (has_min ? kMin : kZeroPoint)
+                                     : sub_group == 16 ? (has_min ? kSub16Min : kSub16ZeroPoint) : kSubMin;
+  const bool known = scheme == kSub16ZeroPoint      ? bits == 3 || bits == 6
+                     : scheme == kSub16Min          ? bits == 2
+                     : scheme == kSubMin            ? sub_group == 32 && has_min && (bits == 4 || bits == 5)
+                     : scheme == kCodebookZeroPoint ? bits == 4 && !has_min && !two_level
+                                                    : bits == 4 || bits == 5 || bits == 8;
   TORCH_CHECK(known, "codes and scales of no known form: 4-, 5- or 8-bit codes with one level of scales, or two "
               "levels with sub_group 32 and mins for 4- or 5-bit codes (Q4_K, Q5_K), 16 and a zero point for 3- or "
-              "6-bit codes (Q3_K, Q6_K), 16 and mins for 2-bit codes (Q2_K)");
+              "6-bit codes (Q3_K, Q6_K), 16 and mins for 2-bit codes (Q2_K); a codebook with 4-bit codes, a zero "
+              "point and one level of scales (IQ4_NL, IQ4_XS)");
+  TORCH_CHECK(!looked_up || (codebook->scalar_type() == at::kByte && codebook->numel() == 16 &&
+              codebook->is_contiguous()), "a codebook is 16 contiguous uint8 entries");
   if (two_level) {
     TORCH_CHECK(weight_group % sub_group == 0 && sub_scales->scalar_type() == at::kChar &&
                 sub_scales->numel() == n * (k / sub_group), "sub-block scales: int8 [N/16, K/sub_group, 16]");
@@ -574,11 +619,13 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
             bias32.defined() ? bias32.data_ptr<float>() : nullptr,
             two_level ? sub_scales->data_ptr<int8_t>() : nullptr,
             two_level && has_min ? sub_mins->data_ptr<int8_t>() : nullptr,
+            looked_up ? codebook->data_ptr<uint8_t>() : nullptr,
             xa.codes.data(), xa.scales.data(), xa.offsets.data(), xa.sums.data(),
             y.data_ptr<float>(), m, n, k, weight_group, zero_point};
   switch (scheme) {
     case kSub16ZeroPoint: if (bits == 6) run<6, kSub16ZeroPoint>(p); else run<3, kSub16ZeroPoint>(p); break;
     case kSub16Min: run<2, kSub16Min>(p); break;
+    case kCodebookZeroPoint: run<4, kCodebookZeroPoint>(p); break;
     case kSubMin: if (bits == 5) run<5, kSubMin>(p); else run<4, kSubMin>(p); break;
     case kMin: if (bits == 8) run<8, kMin>(p); else if (bits == 5) run<5, kMin>(p); else run<4, kMin>(p); break;
     case kZeroPoint:
@@ -597,7 +644,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& codes, const 
 TORCH_LIBRARY(vivace_kernels, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
         "int out_features, int group_size, int zero_point, Tensor? sub_scales=None, Tensor? sub_mins=None, "
-        "int sub_group=0) -> Tensor");
+        "int sub_group=0, Tensor? codebook=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vivace_kernels, CPU, m) { m.impl("quant_linear", &quant_linear); }

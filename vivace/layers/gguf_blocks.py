@@ -12,11 +12,12 @@ run, every one bit-exact against ``gguf.quants.dequantize`` (codes and scales as
   six-bit scale as int8: 3.5625 bits a weight (the file's 3.4375 packs the scales in six bits).
 - Q2_K: 2-bit codes, ``d`` and ``-dmin`` per 256 columns and each 16-wide sub-block's four-bit
   scale and min as int8: 3.125 bits a weight (the file's 2.625 packs scale and min in a byte).
-- IQ4_NL, IQ4_XS: their nibbles index a table of 16 int8 values (not evenly spaced), so they
-  become those values as 8-bit codes (zero point 128) with a float16 scale per 32 columns, Q8_0's
-  form: 8.5 bits a weight against the file's 4.5 and 4.25. IQ4_NL's scale is the file's; IQ4_XS's
-  is its super-block's ``d`` times the sub-block's six-bit scale, rounded to float16 (at most
-  2^-11 of it, as ``QuantizedWeight.grouped`` rounds Q4_K's).
+- IQ4_NL, IQ4_XS: their nibbles index a table of 16 int8 values (not evenly spaced): 4-bit codes
+  as stored, with that table plus 128 as the weight's ``codebook`` (zero point 128), which the
+  kernel looks each nibble up in, and a float16 scale per 32 columns: 4.5 bits a weight for both
+  (the file's 4.5 and 4.25). IQ4_NL's scale is the file's; IQ4_XS's is its super-block's ``d``
+  times the sub-block's six-bit scale, rounded to float16 (at most 2^-11 of it, as
+  ``QuantizedWeight.grouped`` rounds Q4_K's).
 
 Other types (the other IQ*, TQ*) have no form here: ``NATIVE_TYPES`` lists those that do.
 """
@@ -34,8 +35,8 @@ from vivace.layers.quant_format import QuantizedWeight
 T = gguf.GGMLQuantizationType
 GROUP = 32
 NATIVE_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
-# IQ4_NL's and IQ4_XS's code values (ggml's kvalues_iq4nl) as 8-bit codes with zero point 128.
-_IQ4_CODES = (np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int16) + 128).astype(np.uint8)
+# IQ4_NL's and IQ4_XS's code values (ggml's kvalues_iq4nl) plus 128: their codebook, with zero point 128.
+IQ4_CODEBOOK = (np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int16) + 128).astype(np.uint8)
 
 
 def from_gguf_blocks(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> QuantizedWeight:
@@ -56,9 +57,10 @@ def from_gguf_blocks(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> 
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
 
     sub_group = 0 if decoded.sub_scales is None else decoded.codes.size // decoded.sub_scales.size
+    codebook = torch.from_numpy(IQ4_CODEBOOK.copy()) if ggml_type in (T.IQ4_NL, T.IQ4_XS) else None
     return QuantizedWeight(rows(decoded.codes), rows(decoded.scales), rows(decoded.mins), decoded.zero_point, bits,
                            block_size if sub_group else GROUP, rows(decoded.sub_scales), rows(decoded.sub_mins),
-                           sub_group)
+                           sub_group, codebook)
 
 
 class Decoded(NamedTuple):
@@ -165,8 +167,8 @@ def _q2_k(blocks: np.ndarray) -> Decoded:
 
 
 def _iq4_nl(blocks: np.ndarray) -> Decoded:
-    """A float16 ``d`` and 32 nibbles in Q4_0's order, each indexing ``_IQ4_CODES``."""
-    return Decoded(_IQ4_CODES[_nibbles(blocks[:, 2:])], _half(blocks[:, :2]), None, 128)
+    """A float16 ``d`` and 32 nibbles in Q4_0's order, each indexing ``IQ4_CODEBOOK``."""
+    return Decoded(_nibbles(blocks[:, 2:]), _half(blocks[:, :2]), None, 128)
 
 
 def _iq4_xs(blocks: np.ndarray) -> Decoded:
@@ -179,9 +181,10 @@ def _iq4_xs(blocks: np.ndarray) -> Decoded:
     low = (blocks[:, 4 + sub // 2] >> (4 * (sub % 2)).astype(np.uint8)) & 0x0F
     ls = (low | (high << 4)).astype(np.float32) - 32
     scales = (_half(blocks[:, :2]).astype(np.float32)[:, None] * ls).astype(np.float16)
-    return Decoded(_IQ4_CODES[_nibbles(blocks[:, 8:].reshape(-1, 8, 16))].reshape(-1, 256), scales, None, 128)
+    return Decoded(_nibbles(blocks[:, 8:].reshape(-1, 8, 16)).reshape(-1, 256), scales, None, 128)
 
 
-_BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6}
+_BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6,
+         T.IQ4_NL: 4, T.IQ4_XS: 4}
 _READERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q2_K: _q2_k, T.Q3_K: _q3_k,
             T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs}

@@ -7,6 +7,7 @@ when it is available, else a pure-PyTorch fallback that dequantizes and calls ``
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 import gguf
@@ -51,6 +52,9 @@ class QuantizedLinear(nn.Module):
         # K-quants' sub-block scales and mins: int8, which ``module.to(dtype)`` leaves alone.
         self.register_buffer("sub_scales", None if weight.sub_scales is None else qf.tile_groups(weight.sub_scales))
         self.register_buffer("sub_mins", None if weight.sub_mins is None else qf.tile_groups(weight.sub_mins))
+        # IQ4's 16-entry table (uint8, left alone by ``module.to(dtype)`` too): an argument of the op
+        # rather than a constant of the kernel, so that the kernel stays one loop for any table.
+        self.register_buffer("codebook", weight.codebook)
         padded_bias = None
         if bias is not None:
             padded_bias = torch.zeros(weight.codes.shape[0], dtype=torch.float32)
@@ -96,26 +100,28 @@ class QuantizedLinear(nn.Module):
         scales = self.scales[tile, :, lane].view(torch.float16)
         sub_scales, sub_mins = (None if t is None else t[tile, :, lane] for t in (self.sub_scales, self.sub_mins))
         return qf.QuantizedWeight(codes, scales, mins, self.zero_point, self.bits, self.group_size,
-                                  sub_scales, sub_mins, self.sub_group)
+                                  sub_scales, sub_mins, self.sub_group, self.codebook)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[out_features, in_features]`` this layer multiplies by."""
         return self.quantized_rows().dequantize(dtype)
 
     def weight_bytes(self) -> int:
-        """Bytes of codes, scales and mins one forward pass reads."""
+        """Bytes of codes, scales and mins (and codebook) one forward pass reads."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins, self.sub_scales,
-                                                          self.sub_mins) if t is not None)
+                                                          self.sub_mins, self.codebook) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None and x.dtype in _KERNEL_DTYPES:
             return self._kernel(x, self.codes, self.scales, self.mins, self.bias, self.bits, self.out_features,
-                                self.group_size, self.zero_point, self.sub_scales, self.sub_mins, self.sub_group)
+                                self.group_size, self.zero_point, self.sub_scales, self.sub_mins, self.sub_group,
+                                self.codebook)
         bias = None if self.bias is None else self.bias[: self.out_features].to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:
         sub = f", sub_group={self.sub_group}" if self.sub_group else ""
+        sub += ", codebook" if self.codebook is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}{sub}, bias={self.bias is not None}, backend={self.backend}")
 
@@ -149,6 +155,5 @@ def _pad_rows(weight: qf.QuantizedWeight) -> qf.QuantizedWeight:
     def padded(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else F.pad(t, (0, 0, 0, pad))
 
-    return qf.QuantizedWeight(padded(weight.codes), padded(weight.scales), padded(weight.mins), weight.zero_point,
-                              weight.bits, weight.group_size, padded(weight.sub_scales), padded(weight.sub_mins),
-                              weight.sub_group)
+    return replace(weight, codes=padded(weight.codes), scales=padded(weight.scales), mins=padded(weight.mins),
+                   sub_scales=padded(weight.sub_scales), sub_mins=padded(weight.sub_mins))

@@ -8,6 +8,9 @@ The GGUF K-quants add a second level (``sub_group`` 16 or 32 columns): per sub-g
 scale ``sc`` (int8) and, with mins, an integer min ``mi`` (0..63, Q2_K's 0..15), so that the
 sub-group's weights are ``w = (d * sc) * q + m * mi`` or ``(d * sc) * (q - z)``, ``d`` and ``m``
 then being the super-block's float16 pair (``m = -dmin``): the file's numbers, nothing rounded.
+A 4-bit weight with a zero point may carry a ``codebook`` (GGUF IQ4_NL/IQ4_XS): 16 unsigned bytes
+that its codes index, ``w = d * (codebook[q] - z)``. The kernel looks each nibble up (a byte
+shuffle) and takes the dot products of the bytes it finds, so the weight streams at 4 bits.
 The tiled layout groups 16 output rows: codes ``[N/16, K/4, 16, 4]`` bytes for 8 bits, or
 ``[N/16, K/8, 16, 4]`` bytes for 4 bits (low nibble k in 8j..8j+3, high nibble 8j+4..8j+7);
 5 bits are ``[N/16, K/32, 5, 64]``: per 32 columns the 4-bit layout of the low four bits, then
@@ -25,7 +28,7 @@ mins ``[N/16, K/sub_group, 16]`` int8.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,18 +48,29 @@ class QuantizedWeight:
     sub_scales: torch.Tensor | None = None  # [N, K / sub_group] int8, or None: no second level
     sub_mins: torch.Tensor | None = None  # like sub_scales (0..63) when mins is set
     sub_group: int = 0
+    codebook: torch.Tensor | None = None  # [16] uint8 that the 4-bit codes index, or None: the codes themselves
+
+    def __post_init__(self) -> None:
+        if self.codebook is not None and (self.bits != 4 or self.mins is not None or self.sub_scales is not None
+                                          or self.codebook.shape != (16,) or self.codebook.dtype != torch.uint8):
+            raise ValueError("a codebook is 16 uint8 entries for 4-bit codes with a zero point and one level of scales")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[N, K]`` these codes stand for (float32 products in the order
         ``gguf.quants`` computes them, so K-quants match its dequantization bit for bit)."""
         n, k = self.codes.shape
         scales, mins, group = self._group_scales()
-        codes = self.codes.view(n, k // group, group).to(torch.float32)
+        codes = self.looked_up_codes().view(n, k // group, group).to(torch.float32)
         if mins is None:
             weight = (codes - self.zero_point) * scales.unsqueeze(-1)
         else:
             weight = codes * scales.unsqueeze(-1) + mins.unsqueeze(-1)
         return weight.view(n, k).to(dtype)
+
+    def looked_up_codes(self) -> torch.Tensor:
+        """The codes ``[N, K]`` uint8 that the scales apply to: the codebook's entries where there
+        is one, else the codes themselves."""
+        return self.codes if self.codebook is None else self.codebook[self.codes.long()]
 
     def _group_scales(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """float32 scales and mins per group of the finest level, and that group's width."""
@@ -79,8 +93,8 @@ class QuantizedWeight:
         if self.sub_group != 32:
             raise ValueError(f"sub-groups of {self.sub_group} columns have no one-level form with 32-column groups")
         scales, mins, group = self._group_scales()
-        return QuantizedWeight(self.codes, scales.to(torch.float16), None if mins is None else mins.to(torch.float16),
-                               self.zero_point, self.bits, group)
+        return replace(self, scales=scales.to(torch.float16), mins=None if mins is None else mins.to(torch.float16),
+                       group_size=group, sub_scales=None, sub_mins=None, sub_group=0)
 
     def widened(self) -> QuantizedWeight:
         """The same weight as 8-bit codes with per-group-of-32 mins (``m = -z * d`` for a zero
@@ -99,7 +113,7 @@ class QuantizedWeight:
         mins = weight.mins
         if mins is None:
             mins = (weight.scales.float() * -weight.zero_point).to(torch.float16)
-        return QuantizedWeight(weight.codes, weight.scales, mins, 0, 8, weight.group_size)
+        return QuantizedWeight(weight.looked_up_codes(), weight.scales, mins, 0, 8, weight.group_size)
 
     def _requantized_to_groups_of_32(self) -> QuantizedWeight:
         n, k = self.codes.shape

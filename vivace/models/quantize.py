@@ -6,13 +6,14 @@ as Q8_0 (int8) or Q4_0/Q4_1 (int4) are taken code for code, any other tensor is 
 float value. "gguf" (what ``--quantization auto`` picks
 for a quantized GGUF): every projection in the file's own format, as llama.cpp runs it, through
 ``vivace.layers.gguf_blocks`` (Q8_0, Q4_0/1, Q5_0/1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and
-IQ4_NL/IQ4_XS as 8-bit codes); a float tensor stays float, and a type without a native form (the
-other IQ*, TQ*) runs as Q8_0 of its dequantized values, with a warning that says so. In every mode
-the logits projection (``lm_head``, or a quantized copy of the tied embedding) keeps at least
-6-bit codes, as llama.cpp does, because it is the layer most sensitive to quantization: the
-file's own tensor when it is stored in a form of 6 or 8 bits (Q8_0, Q6_K as llama.cpp's Q4_K_M
-files keep it), else int8. A mixture's experts taken code for code need no float value
-at all: ``experts_taken_as_stored`` names them, and the loader leaves them undecoded.
+IQ4_NL/IQ4_XS as 4-bit codes into their table); a float tensor stays float, and a type without a
+native form (the other IQ*, TQ*) runs as Q8_0 of its dequantized values, with a warning that says
+so. In every mode the logits projection (``lm_head``, or a quantized copy of the tied embedding)
+keeps at least 6-bit codes, as llama.cpp does, because it is the layer most sensitive to
+quantization: the file's own tensor when it is stored in a form of 6 or 8 bits (Q8_0, Q6_K as
+llama.cpp's Q4_K_M and IQ4_XS files keep it), else int8 (an IQ4 head too). A mixture's experts
+taken code for code need no float value at all: ``experts_taken_as_stored`` names them, and the
+loader leaves them undecoded.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -149,13 +151,14 @@ def _stacked(parts: list[QuantizedWeight]) -> QuantizedWeight:
     def cat(field: str) -> torch.Tensor | None:
         return None if getattr(first, field) is None else torch.cat([getattr(p, field) for p in parts])
 
-    return QuantizedWeight(cat("codes"), cat("scales"), cat("mins"), first.zero_point, first.bits, first.group_size,
-                           cat("sub_scales"), cat("sub_mins"), first.sub_group)
+    return replace(first, codes=cat("codes"), scales=cat("scales"), mins=cat("mins"), sub_scales=cat("sub_scales"),
+                   sub_mins=cat("sub_mins"))
 
 
 def _form(weight: QuantizedWeight) -> tuple[object, ...]:
-    """What weights must share to be stacked row on row."""
-    return weight.bits, weight.group_size, weight.zero_point, weight.mins is None, weight.sub_group
+    """What weights must share to be stacked row on row (IQ4_NL and IQ4_XS share one: their table)."""
+    codebook = None if weight.codebook is None else tuple(weight.codebook.tolist())
+    return weight.bits, weight.group_size, weight.zero_point, weight.mins is None, weight.sub_group, codebook
 
 
 def _gguf_weights(path: Path, model: LlamaForCausalLM, mode: str) -> dict[str, Reader]:
@@ -217,5 +220,5 @@ def _take_rows(weight: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
 
     mins, sub_scales, sub_mins = (None if t is None else rows(t) for t in (weight.mins, weight.sub_scales,
                                                                            weight.sub_mins))
-    return QuantizedWeight(rows(weight.codes), rows(weight.scales), mins, weight.zero_point, weight.bits,
-                           weight.group_size, sub_scales, sub_mins, weight.sub_group)
+    return replace(weight, codes=rows(weight.codes), scales=rows(weight.scales), mins=mins, sub_scales=sub_scales,
+                   sub_mins=sub_mins)
