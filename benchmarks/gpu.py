@@ -595,8 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-presets", default="", help="transformers' compiled decode for these presets only "
                         "(comma-separated; default: every preset unless --no-hf; each compiles for a minute or more)")
     parser.add_argument("--gguf-types", default="Q8_0,Q4_0,Q4_K",
-                        help="GGUF formats to run the presets in too (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, or "
-                        "Q4_K_M: llama-quantize's mix of Q4_K and Q6_K; '' none)")
+                        help="GGUF formats to run the presets in too (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+                        "Q6_K, or Q4_K_M: llama-quantize's mix of Q4_K and Q6_K; '' none)")
     parser.add_argument("--gguf-batches", default="", help="decode batches of the GGUF runs besides 1")
     parser.add_argument("--tokenizer", default=os.environ.get("VIVACE_TEST_TOKENIZER"),
                         help="tokenizer of the engine-loop rows (default: $VIVACE_TEST_TOKENIZER, else the "

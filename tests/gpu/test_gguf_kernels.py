@@ -52,6 +52,10 @@ def expected_planes(blocks: np.ndarray, ggml_type) -> np.ndarray:
         planes = [b[..., 2:18], b[..., 0:2]]
     elif ggml_type == T.Q4_1:
         planes = [b[..., 4:20], b[..., 0:2], b[..., 2:4]]
+    elif ggml_type == T.Q5_0:  # block_q5_0: d, qh[4], qs[16]
+        planes = [b[..., 6:22], b[..., 2:6], b[..., 0:2]]
+    elif ggml_type == T.Q5_1:  # block_q5_1: d, m, qh[4], qs[16]
+        planes = [b[..., 8:24], b[..., 4:8], b[..., 0:2], b[..., 2:4]]
     elif ggml_type == T.Q4_K:
         planes = [b[..., 16:144], meta]
     elif ggml_type == T.Q5_K:  # per chunk c of qs, half h of its columns: bit 2k + p = fifth bit of column

@@ -4,7 +4,8 @@ rows, in Hugging Face order; a tied LM head from the embedding's blocks), and th
 it gives the greedy tokens of the CPU runner on the same file dequantized to float32 (on CPU
 under Triton's interpreter where there is no GPU), and so does a Granite's (its multipliers live
 outside the projections, which run as stored); a module's chosen GEMV tiling gives its default's
-product."""
+product; the bundled Gemma 3 270M Q4_K_M (Q5_0 where its rows are not a multiple of 256) loads
+with every projection packed."""
 
 from __future__ import annotations
 
@@ -30,20 +31,22 @@ from vivace.gpu.gguf_linear import GgufLinear, randomize_packed  # noqa: E402
 from vivace.gpu.runner import CudaRunner  # noqa: E402
 from vivace.layers.linear import StackedLinear  # noqa: E402
 from vivace.models import load_model  # noqa: E402
+from vivace.models.bundled import BUNDLED, bundled_model_path  # noqa: E402
 from vivace.models.dummy import random_gguf_blocks  # noqa: E402
+from vivace.models.gguf_file import GGUFFile  # noqa: E402
 
 from .conftest import DEVICE, GGUF_TOKENIZERS_OF_5_18  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 REPO = Path(__file__).resolve().parents[2]
-# Per GGUF tensor part: every GPU type once. Q8_0/Q4_0/Q4_1 quantize the model's values; the
-# K-quants are random blocks (the gguf package cannot quantize to them). "mixed" gives q/k and v
+# Per GGUF tensor part: every GPU type once. Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 quantize the model's values;
+# the K-quants are random blocks (the gguf package cannot quantize to them). "mixed" gives q/k and v
 # different types: its fused q/k/v projection runs as two packed runs (a StackedLinear).
 TYPES = {
     "uniform": {"attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q4_0,
                 "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "output": T.Q4_1},
     "mixed": {"attn_q": T.Q5_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.Q5_K,
-              "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "output": T.Q6_K},
+              "ffn_gate": T.Q5_0, "ffn_up": T.Q5_0, "ffn_down": T.Q8_0, "output": T.Q5_1},
     # Tied embeddings (no output tensor), as llama-quantize's Q4_K_M stores a Llama 3.2 or Qwen3:
     # the LM head packs the embedding's Q6_K blocks.
     "tied": {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q4_K, "attn_output": T.Q4_K,
@@ -121,6 +124,32 @@ def test_cuda_runner_greedy_tokens_equal_the_dequantized_cpu_runner(gguf_model) 
                                engine.max_model_len, device=DEVICE)
     assert [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)] == want
     engine.check_integrity()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_q4_k_m_keeps_every_projection_packed() -> None:
+    """The bundled Gemma 3 270M Q4_K_M: llama-quantize stored its tensors of 640-wide rows (not a
+    multiple of 256) in Q5_0 (q, k, gate, up; v in Q5_0 or Q8_0), the others in Q4_K and Q6_K, its tied
+    embedding in Q8_0. Loaded as a GPU loads it, every projection and the LM head keep the file's
+    blocks (none becomes a float copy), and a Q5_0 one multiplies as gguf's dequantization."""
+    loaded = load_model("gemma-3-270m", torch.bfloat16, "auto", device=DEVICE, packed_gguf=True)
+    model = loaded.model
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    projections = [model.lm_head] + [p for layer in model.layers for p in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    packed = [part for p in projections for part in (p.parts if isinstance(p, StackedLinear) else [p])]
+    assert all(isinstance(p, GgufLinear) for p in packed)
+    assert {p.ggml_type for p in packed} == {T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K}
+    file = GGUFFile(bundled_model_path(BUNDLED["gemma-3-270m"]))
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert gate_up.ggml_type == T.Q5_0 and gate_up.in_features == 640
+    weight = torch.from_numpy(np.concatenate([file.dequantize(file.tensors[f"blk.0.ffn_{part}.weight"])
+                                              for part in ("gate", "up")]))
+    for rows in (1, 20):  # the GEMV, the GEMM
+        x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        expected = x.float() @ weight.T
+        torch.testing.assert_close(gate_up(x.to(DEVICE)).float().cpu(), expected, rtol=1e-2,
+                                   atol=1e-2 * expected.abs().max().item())
 
 
 @GGUF_TOKENIZERS_OF_5_18

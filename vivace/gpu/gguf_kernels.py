@@ -1,12 +1,13 @@
 """Triton kernels for ``y = x @ dequant(W)^T`` where ``W`` stays in device memory as a GGUF file's
 bytes, reordered into planes (``planar``): ``uint8 [out_features, bytes_per_row]``, as many bytes
-as the file's blocks. Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K (layouts: ggml's ``block_*`` structs,
+as the file's blocks. Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (layouts: ggml's ``block_*`` structs,
 and ``gguf.quants``' reference dequantizers, against which the tests check every kernel).
 
 **Planar rows.** A file row is a run of blocks (Q4_0: 18 bytes = float16 ``d`` + 16 bytes of
-nibbles), whose 18-, 20-, 34-, 144-, 176- or 210-byte stride leaves a kernel 1- or 2-byte loads.
-``planar`` reorders each row's bytes into planes, each the same field of every block in a row:
-Q4_0 ``[qs | d]``, Q4_1 ``[qs | d | m]``, Q8_0 ``[qs | d]``, Q4_K ``[qs | meta]``, Q5_K
+nibbles), whose 18-, 20-, 22-, 24-, 34-, 144-, 176- or 210-byte stride leaves a kernel 1- or 2-byte
+loads. ``planar`` reorders each row's bytes into planes, each the same field of every block in a row:
+Q4_0 ``[qs | d]``, Q4_1 ``[qs | d | m]``, Q5_0 ``[qs | qh | d]``, Q5_1 ``[qs | qh | d | m]``, Q8_0
+``[qs | d]``, Q4_K ``[qs | meta]``, Q5_K
 ``[qs | qh | meta]``, Q6_K ``[ql_lo | ql_hi | qh | scales | d]`` (``meta``: a super-block's 12
 scale bytes, then ``d`` and ``dmin``, 16 bytes). A kernel's *unit* is ``LANES`` columns of each of
 ``PLANES`` sub-blocks (``BlockLayout``); a code plane holds ``LANES`` bytes per unit in unit
@@ -14,9 +15,17 @@ order, so a tile of units of a row is one contiguous run, read 16 bytes a thread
 file's fields do not serve a unit as they lie, the same bits are stored otherwise: Q6_K's ``ql``
 split by unit and nibble half, its scales per unit; Q5_K's ``qh`` as two 32-bit words per unit,
 one per half of its lanes, a lane's two fifth bits side by side; Q8_0's int8 codes as unsigned
-``q + 128``. Every plane starts 16-byte aligned when K is a multiple of 256 (Q6_K: of 2,048, its
-rows being 210 bytes per 256 columns); otherwise the compiler, told no alignment, loads narrower,
-with the same results.
+``q + 128``. Q5_0's and Q5_1's ``qh`` needs nothing of the kind: it is already one little-endian
+32-bit word per unit (a block), bit c the fifth bit of column c, so lane j's two bits sit at the
+constant shifts j and j + 16 of the word a thread loads beside its 16 bytes of nibbles (laid out as
+Q4_0's). Every plane starts 16-byte aligned when K is a multiple of 256 (Q6_K: of 2,048, its
+rows being 210 bytes per 256 columns); otherwise the kernels are told the largest power of two
+(to 16) that divides a row's bytes (``ROW_ALIGN``, ``_row_offsets``) and load that many at a time.
+Told nothing (the JIT hints only multiples of 16), the compiler loaded such rows a byte at a time
+and spread a unit's lanes over threads, its sums shuffles: on sm_90 the default GEMV tiling's loop
+took 970 instructions for SmolLM2's Q4_1 rows (576 columns, 360 bytes, 8-aligned) against 376
+told; Gemma 3's Q5_0 rows (640 columns, 440 bytes) 887 against 576, and two of its tilings
+spilled (160- and 488-byte stack frames), none told.
 
 **Decoding** (``_units``): codes become float32 by OR-ing them into the bits of 2^23 and
 subtracting 2^23 plus their offset (exact; an integer-to-float conversion runs at a quarter of the
@@ -32,6 +41,9 @@ weights are then ``a * f + b`` for codes ``f [BLOCK_N, NU, LANES, PLANES]`` and 
   when the rows alone give too few programs to fill the GPU.
   Q8_0, Q4_0, Q4_1, Q4_K and Q6_K rows of a multiple of 16 bytes take ``_word_step`` instead at one or
   two rows of x (``uses_words``; codes decoded from the words they are loaded in; the section above it).
+  Q5_0, Q5_1 and Q5_K have no word path (not built): each of their codes needs its fifth bit moved
+  in from ``qh``, a shift and a LOP3 more a code in either path, or a float of its own (as Q6_K's
+  tops), so the words would save less than Q4's.
 - Decode batches (``M <= GEMM_MAX_ROWS``): a tiled GEMM, ``tl.dot`` of ``x``'s tile and the
   dequantized weight tile rounded to ``x``'s dtype, float32 accumulation; one row tile of ``x``,
   so each weight tile is decoded once.
@@ -120,6 +132,8 @@ LAYOUTS = {
     T.Q8_0: BlockLayout(34, 32, 32, 1, (_span(2, 34), (0, 1))),  # f16 d, int8 qs[32]
     T.Q4_0: BlockLayout(18, 32, 16, 2, (_span(2, 18), (0, 1))),  # f16 d, qs[16]: j low nibble, j + 16 high
     T.Q4_1: BlockLayout(20, 32, 16, 2, (_span(4, 20), (0, 1), (2, 3)), True),  # f16 d, f16 m, qs[16]
+    T.Q5_0: BlockLayout(22, 32, 16, 2, (_span(6, 22), _span(2, 6), (0, 1))),  # f16 d, qh[4], qs[16] as Q4_0's
+    T.Q5_1: BlockLayout(24, 32, 16, 2, (_span(8, 24), _span(4, 8), (0, 1), (2, 3)), True),  # f16 d, f16 m, qh[4], qs
     T.Q4_K: BlockLayout(144, 256, 32, 2, (_span(16, 144), _K_META), True),  # f16 d, f16 dmin, scales[12], qs[128]
     T.Q5_K: BlockLayout(176, 256, 32, 2, (_span(48, 176), _span(16, 48), _K_META), True),  # ..., qh[32], qs[128]
     T.Q6_K: BlockLayout(210, 256, 16, 4, (_Q6_QL_LO, tuple(i + 32 for i in _Q6_QL_LO), _span(128, 192), _Q6_SCALES,
@@ -230,25 +244,52 @@ def _q8_0_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N: tl.constexp
 
 @triton.jit
 def _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N: tl.constexpr, NU: tl.constexpr,
-              HAS_MIN: tl.constexpr, WAIT: tl.constexpr):
-    """Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``): a unit is a block, lanes j: columns j (low
-    nibbles) and j + 16 (high ones)."""
+              HAS_MIN: tl.constexpr, FIVE_BITS: tl.constexpr, WAIT: tl.constexpr):
+    """Q4_0 (``d * (q - 8)``), Q4_1 (``d * q + m``), Q5_0 (``d * (q - 16)``) and Q5_1 (``d * q + m``): a
+    unit is a block, lanes j: columns j (low nibbles) and j + 16 (high ones); Q5's fifth bits in the
+    block's ``qh`` word as the file stores it (bit c: column c), loaded beside the nibbles."""
     u = u0 + tl.arange(0, NU)
     mask = n_mask[:, None] & (u < hi)[None, :]
     q = _lanes(W, row, 0, u0, hi, n_mask, BLOCK_N, NU, 16)
-    d = _f16(WH, row // 2, nblocks * 8 + u, mask)
+    if FIVE_BITS:
+        octet = tl.arange(0, 4)
+        qh = tl.load(W + row[:, None, None] + (nblocks * 16 + u * 4)[None, :, None] + octet[None, None, :],
+                     mask=mask[:, :, None], other=0)
+        scale_at = nblocks * 10 + u  # in halves: after qs (16 bytes a block) and qh (4)
+    else:
+        scale_at = nblocks * 8 + u
+    d = _f16(WH, row // 2, scale_at, mask)
     if HAS_MIN:
-        m = _f16(WH, row // 2, nblocks * 9 + u, mask)
+        m = _f16(WH, row // 2, scale_at + nblocks, mask)
     pdl_wait(WAIT)
     d = d.to(tl.float32)
     a = tl.join(d, d * 0.0625)
+    b = 0.0
     if HAS_MIN:
-        f = _nibble_planes(q, magic, 0)
         b = tl.join(m, m).to(tl.float32)
+    if FIVE_BITS:
+        word = tl.sum(qh.to(tl.int32) << 8 * octet, 2)
+        if HAS_MIN:
+            f = _five_bit_planes(q, word, magic, 0)
+        else:
+            f = _five_bit_planes(q, word, magic, 16)
+    elif HAS_MIN:
+        f = _nibble_planes(q, magic, 0)
     else:
         f = _nibble_planes(q, magic, 8)
-        b = 0.0
     return f, a, b
+
+
+@triton.jit
+def _five_bit_planes(q, word, magic, offset: tl.constexpr):
+    """``_nibble_planes`` of bytes q ``[BLOCK_N, NU, 16]`` with fifth bits from ``word [BLOCK_N, NU]``:
+    lane j's low nibble takes bit j, its high one (in place, 16x) bit j + 16."""
+    q = q.to(tl.int32)
+    j = tl.arange(0, 16)[None, None, :]
+    word = word[:, :, None]
+    low = (q & 15) | (((word >> j) & 1) << 4)
+    high = (q & 240) | (((word >> (j + 16)) & 1) << 8)
+    return tl.join(_codes(low, magic, offset), _codes(high, magic, 16 * offset))
 
 
 @triton.jit
@@ -347,9 +388,13 @@ def _units(W, WH, row, nblocks, u0, hi, n_mask, magic, FORMAT: tl.constexpr, BLO
     if FORMAT == 8:
         f, a, b = _q8_0_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, WAIT)
     elif FORMAT == 2:
-        f, a, b = _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, False, WAIT)
+        f, a, b = _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, False, False, WAIT)
     elif FORMAT == 3:
-        f, a, b = _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, True, WAIT)
+        f, a, b = _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, True, False, WAIT)
+    elif FORMAT == 6:
+        f, a, b = _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, False, True, WAIT)
+    elif FORMAT == 7:
+        f, a, b = _q4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, True, True, WAIT)
     elif FORMAT == 12:
         f, a, b = _k4_units(W, WH, row, nblocks, u0, hi, n_mask, magic, BLOCK_N, NU, False, WAIT)
     elif FORMAT == 13:
@@ -366,7 +411,7 @@ def _unit_cols(u0, FORMAT: tl.constexpr, NU: tl.constexpr):
     u = u0 + tl.arange(0, NU)
     if FORMAT == 8:
         cols = (u * 32)[:, None, None] + tl.arange(0, 32)[None, :, None] + tl.zeros([1, 1, 1], tl.int32)
-    elif FORMAT == 2 or FORMAT == 3:
+    elif FORMAT == 2 or FORMAT == 3 or FORMAT == 6 or FORMAT == 7:
         cols = (u * 32)[:, None, None] + tl.arange(0, 16)[None, :, None] + (16 * tl.arange(0, 2))[None, None, :]
     elif FORMAT == 12 or FORMAT == 13:
         cols = (u * 64)[:, None, None] + tl.arange(0, 32)[None, :, None] + (32 * tl.arange(0, 2))[None, None, :]
@@ -665,21 +710,21 @@ def _weights(f, a, b, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 
 @triton.jit
 def _dequantize_kernel(W, WH, OUT, N, K, row_bytes, nblocks, units, magic, FORMAT: tl.constexpr,
-                       HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
+                       HAS_MIN: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, NU: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One program: rows [BLOCK_N] x units [NU] of the planar rows at W, decoded into OUT ``[N, K]``
-    (OUT's dtype, row-major); its loads go out before ``pdl_wait`` (in ``_units``). Q8_0, Q4_0 and
-    Q4_1 tiles are put in column order before they are stored, so that each thread writes runs of
-    adjacent columns: in code order a Q4 unit's neighbouring values are 16 columns apart, and the
+    (OUT's dtype, row-major); its loads go out before ``pdl_wait`` (in ``_units``). Q8_0, Q4_0,
+    Q4_1, Q5_0 and Q5_1 tiles are put in column order before they are stored, so that each thread
+    writes runs of adjacent columns: in code order a Q4 unit's neighbouring values are 16 columns apart, and the
     pass wrote at ~0.16 TB/s on an H200 (docs/benchmarks.md, "second run"). The K-quants keep code
     order: the reordering took Q4_K from 121 registers to 218 and Q5_K from 167 to 255 (sm_90,
     ``benchmarks/triton_sm90.py``), and none of it is measured on a GPU yet."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     u0 = tl.program_id(1) * NU
-    f, a, b = _units(W, WH, n.to(tl.int64) * row_bytes, nblocks, u0, units, n_mask, magic, FORMAT, BLOCK_N, NU,
-                     PDL)
-    if FORMAT != 8 and FORMAT != 2 and FORMAT != 3:
+    f, a, b = _units(W, WH, _row_offsets(n, row_bytes, ROW_ALIGN), nblocks, u0, units, n_mask, magic, FORMAT,
+                     BLOCK_N, NU, PDL)
+    if FORMAT == 12 or FORMAT == 13 or FORMAT == 14:
         w = _weights(f, a, b, HAS_MIN, BLOCK_N, BLOCK_K)
         cols = tl.reshape(_unit_cols(u0, FORMAT, NU), [BLOCK_K])
     else:
@@ -690,6 +735,13 @@ def _dequantize_kernel(W, WH, OUT, N, K, row_bytes, nblocks, units, magic, FORMA
         cols = u0 * (BLOCK_K // NU) + tl.arange(0, BLOCK_K)
     tl.store(OUT + n.to(tl.int64)[:, None] * K + cols[None, :], w.to(OUT.dtype.element_ty),
              mask=n_mask[:, None] & (cols < K)[None, :])
+
+
+@triton.jit
+def _row_offsets(n, row_bytes, ROW_ALIGN: tl.constexpr):
+    """Byte offsets (int64) of rows ``n``, ``row_bytes`` being a multiple of ROW_ALIGN: written so
+    that the compiler knows it, and loads that many bytes at a time."""
+    return n.to(tl.int64) * (row_bytes // ROW_ALIGN) * ROW_ALIGN
 
 
 @triton.jit
@@ -726,7 +778,8 @@ def _gemv_row(x, f, a, b, HAS_MIN: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(W, WI, WH, X, XQ, Y, BIAS, M, N, K, row_bytes, row_words, nblocks, units, units_per_split, stride_xm,
-                 stride_ym, stride_ys, magic, FORMAT: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr,
+                 stride_ym, stride_ys, magic, FORMAT: tl.constexpr, HAS_MIN: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                 BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, NU: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  ACC_2D: tl.constexpr, WORDS: tl.constexpr, QUADS: tl.constexpr, PTX: tl.constexpr,
                  PDL: tl.constexpr):
@@ -737,7 +790,7 @@ def _gemv_kernel(W, WI, WH, X, XQ, Y, BIAS, M, N, K, row_bytes, row_words, nbloc
     split = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    row = n.to(tl.int64) * row_bytes
+    row = _row_offsets(n, row_bytes, ROW_ALIGN)
     m = tl.arange(0, BLOCK_M)
     lo = split * units_per_split
     hi = tl.minimum(lo + units_per_split, units)
@@ -779,16 +832,16 @@ def store_gemv_rows(acc, Y, BIAS, m, n, m_mask, n_mask, split, stride_ym, stride
 
 @triton.jit
 def _gemm_kernel(W, WH, X, Y, BIAS, M, N, K, row_bytes, nblocks, units, stride_xm, stride_ym, magic,
-                 FORMAT: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 NU: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
-                 PDL: tl.constexpr):
+                 FORMAT: tl.constexpr, HAS_MIN: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NU: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """One program: a [BLOCK_M, BLOCK_N] tile of Y. Axis 0 walks M, so programs reading the same
     weight rows are launched together."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = m < M
     n_mask = n < N
-    row = n.to(tl.int64) * row_bytes
+    row = _row_offsets(n, row_bytes, ROW_ALIGN)
     x_rows = X + m.to(tl.int64)[:, None] * stride_xm
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -882,8 +935,10 @@ def _weight_args(blocks: torch.Tensor, ggml_type: T, k: int) -> dict:
     """The weight arguments every kernel takes: planar rows as bytes and as float16 (the scale
     planes' loads), row bytes, blocks and units a row, MAGIC."""
     layout = LAYOUTS[ggml_type]
-    return dict(W=blocks, WH=blocks.view(torch.float16), row_bytes=blocks.shape[1], nblocks=k // layout.block_cols,
-                units=k // layout.unit_cols, magic=MAGIC, FORMAT=int(ggml_type), HAS_MIN=layout.has_min)
+    row_bytes = blocks.shape[1]
+    return dict(W=blocks, WH=blocks.view(torch.float16), row_bytes=row_bytes, nblocks=k // layout.block_cols,
+                units=k // layout.unit_cols, magic=MAGIC, FORMAT=int(ggml_type), HAS_MIN=layout.has_min,
+                ROW_ALIGN=min(16, row_bytes & -row_bytes))
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: T, bias: torch.Tensor | None = None,

@@ -100,8 +100,8 @@ def load_model(model: str, dtype: torch.dtype, quantization: str = "none", load_
     if device != "cpu" or packed_gguf or fp8:
         if quantization not in ("auto", "none", "gguf", "fp8"):
             raise ValueError(f"--quantization {quantization} runs on CPU only; on {device} a GGUF file's "
-                             "Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K weights run as they are stored ('auto' or 'gguf'), "
-                             "other weights as float, or every projection in FP8 ('fp8')")
+                             "Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights run as they are stored ('auto' or "
+                             "'gguf'), other weights as float, or every projection in FP8 ('fp8')")
         packed_gguf, quantization = packed_gguf is not False and quantization in ("auto", "gguf"), "none"
     if model in BUNDLED:
         path, name = bundled_model_path(BUNDLED[model]), BUNDLED[model].name
