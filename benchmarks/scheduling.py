@@ -193,6 +193,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--num-threads", type=int, default=2, help="torch threads with --clock wall")
     parser.add_argument("--compile", action="store_true", help="compiled decode graphs (EngineConfig.compile)")
+    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                        help="short prompt chunks riding compiled steps through the decode kernel "
+                             "(EngineConfig.batch_invariant off)")
     parser.add_argument("--sections", default="prefix,interference,multi-turn")
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--trials", type=int, default=5)
@@ -213,7 +216,8 @@ def main() -> None:
     args = parse_args()
     threads = 1 if args.clock == "cpu" else args.num_threads
     measure = time.thread_time if args.clock == "cpu" else time.perf_counter
-    base = EngineConfig(model=args.model, dtype=args.dtype, num_threads=threads, compile=args.compile)
+    base = EngineConfig(model=args.model, dtype=args.dtype, num_threads=threads, compile=args.compile,
+                        batch_invariant=args.batch_invariant)
     engine = LLMEngine(base)
     print(f"{engine.model_name}, {args.dtype}, default engine config (token budget "
           f"{base.max_num_batched_tokens}, prefill chunk {base.max_prefill_chunk or 'paced'} unless stated); "

@@ -167,6 +167,15 @@ def test_device_flag_and_its_env_twin(monkeypatch: pytest.MonkeyPatch) -> None:
         engine_config(parse_args(["serve", "--device", "tpu"]))
 
 
+def test_batch_invariant_flag_and_its_env_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VIVACE_BATCH_INVARIANT", raising=False)
+    assert engine_config(parse_args(["serve"])).batch_invariant is True
+    assert engine_config(parse_args(["serve", "--no-batch-invariant"])).batch_invariant is False
+    monkeypatch.setenv("VIVACE_BATCH_INVARIANT", "0")
+    assert engine_config(parse_args(["serve"])).batch_invariant is False
+    assert engine_config(parse_args(["serve", "--batch-invariant"])).batch_invariant is True
+
+
 def test_fp8_kv_cache_dtype_and_its_alias() -> None:
     for name in ("fp8", "fp8_e4m3"):  # EngineConfig itself: the command line checks for a GPU
         assert EngineConfig(kv_cache_dtype=name, device="cuda").kv_torch_dtype == torch.float8_e4m3fn

@@ -108,6 +108,10 @@ ENGINE_FLAGS = (
          "the KV cache, which gets what the others leave", float),
     Flag("--cuda-graph-max-batch", 64, "cuda: decode batches up to this size replay CUDA graphs "
          "captured at start", int),
+    Flag("--batch-invariant", True, "cpu: greedy answers identical whatever batches carried them (a "
+         "prompt chunk riding a compiled decode step attended as a prefill step attends it); "
+         "--no-batch-invariant or VIVACE_BATCH_INVARIANT=0: short chunks through the decode kernel",
+         kind="switch", negation="--no-batch-invariant"),
     Flag("--enforce-eager", False, "cuda: run every step eagerly, without CUDA graphs",
          kind="switch"),
     Flag("--disable-overlap-schedule", False, "cuda: read each step's tokens before queueing the next "
@@ -245,6 +249,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, load_format=args.load_format, tokenizer=args.tokenizer,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graph_max_batch=args.cuda_graph_max_batch, enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
         overlap_schedule=not args.disable_overlap_schedule, generation_config=args.generation_config,
         override_generation_config=args.override_generation_config or {},
         chat_template=None if args.chat_template is None else read_chat_template(args.chat_template))

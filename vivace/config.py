@@ -115,6 +115,12 @@ class EngineConfig:
     # enforce_eager: every step eager.
     cuda_graph_max_batch: int = 64
     enforce_eager: bool = False
+    # CPU: a prompt chunk riding a compiled decode step is attended by the prefill kernel whatever
+    # its length, as a prefill step attends it, so a greedy answer is the same bits whatever batches
+    # carried it. Off, chunks of fewer than 16 tokens are attended by the decode kernel, which
+    # skips packing the sequence's K/V (cheaper deep into a long prompt), with other bits in the
+    # last place: enough, through int8 activations, to change a close greedy token.
+    batch_invariant: bool = True
     # CUDA: queue the next decode step before the host reads this one's tokens (SGLang's overlap
     # scheduler); False: each step's tokens reach the host before the next is scheduled.
     overlap_schedule: bool = True

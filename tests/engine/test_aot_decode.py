@@ -58,7 +58,7 @@ def decode_both(runner: ModelRunner, decoder: AOTDecoder) -> tuple[torch.Tensor,
     ids, positions, tables = [11, 12, 13], [9, 6, 2], [[0, 1, 2], [4, 5], [6]]
     with torch.inference_mode():
         input_ids, pos, meta = runner.build_decode_inputs(ids, positions, tables, runner.max_blocks_per_seq)
-        compiled = decoder(input_ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        compiled = decoder(input_ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.prompt_rows)
         for cache, old in zip(runner.kv_caches, before):
             cache.copy_(old)
         eager = runner.decode(ids, positions, tables)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vivace.layers import decode_attention
+from vivace.layers import decode_attention, prefill_attention
 from vivace.layers.decode_attention import reference_decode_attention
 
 OP = torch.ops.vivace.paged_decode_attention
@@ -134,3 +134,28 @@ def test_a_verify_steps_rows_equal_one_row_steps_bit_for_bit(cache_dtype, first_
         alone = OP(q[row:row + 1], k[row:row + 1], v[row:row + 1], one_cache, slots[row:row + 1], tables[:1],
                    seq_lens[row:row + 1], 0.125)
         assert torch.equal(alone[0], together[row]), f"row {row} (length {first_len + row})"
+
+
+@pytest.mark.skipif(decode_attention.BACKEND != "native" or prefill_attention.BACKEND != "native",
+                    reason="the native kernels did not build here")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("run, prompt", [(1, 1), (3, 3), (5, 2), (20, 20), (20, 0), (18, 4)])
+def test_flagged_prompt_rows_get_the_prefill_kernels_bits(cache_dtype, run, prompt):
+    """Rows flagged ``prompt_rows`` (a prompt chunk riding a compiled step) get the prefill kernel's
+    result for that chunk bit for bit (what a step on the prefill path gives them) at any run
+    length; the run's other rows (generated tokens) what one-row steps give, at any run length too."""
+    q, k, v, cache, _, tables, _ = random_batch(torch.float32, run, heads=9, kv_heads=3, head_dim=64,
+                                                block_size=16, num_blocks=run * 6, seed=run + prompt, width=6)
+    cache = cache.to(cache_dtype)
+    tables[:] = tables[0]
+    seq_lens = torch.arange(30, 30 + run)
+    slots = tables[0, (seq_lens - 1) // 16] * 16 + (seq_lens - 1) % 16
+    flags = torch.tensor([1] * prompt + [0] * (run - prompt))
+    together = OP(q, k, v, cache, slots, tables, seq_lens, 0.125, 0, flags)  # writes every row's K/V
+    if prompt:
+        chunk = torch.ops.vivace.paged_prefill_attention(q[:prompt], cache, tables[0], int(seq_lens[prompt - 1]), 0.125)
+        assert torch.equal(together[:prompt], chunk)
+    for row in range(prompt, run):
+        alone = OP(q[row:row + 1], k[row:row + 1], v[row:row + 1], cache.clone(), slots[row:row + 1], tables[:1],
+                   seq_lens[row:row + 1], 0.125)
+        assert torch.equal(alone[0], together[row]), f"row {row}"

@@ -63,10 +63,11 @@ def default_cache_dir() -> Path:
 
 def decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                   kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                  seq_lens: torch.Tensor, prompt_rows: torch.Tensor,
+                  logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 logits ``[num_seqs, vocab]``, or of the rows ``logit_rows`` only: the decode
-    forward every compiled graph captures."""
-    meta = DecodeMetadata(slot_mapping, block_tables, seq_lens)
+    forward every compiled graph captures (``prompt_rows``: ``DecodeMetadata``'s)."""
+    meta = DecodeMetadata(slot_mapping, block_tables, seq_lens, prompt_rows)
     hidden = model(input_ids, positions, kv_caches, meta)
     return model.compute_logits(hidden if logit_rows is None else hidden.index_select(0, logit_rows))
 
@@ -78,9 +79,9 @@ class _DecodeForward(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                logit_rows: torch.Tensor) -> torch.Tensor:
+                prompt_rows: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         return decode_logits(self.model, input_ids, positions, kv_caches, slot_mapping, block_tables, seq_lens,
-                             logit_rows)
+                             prompt_rows, logit_rows)
 
 
 def supported(model: nn.Module) -> bool:
@@ -186,13 +187,13 @@ class AOTDecoder:
         return loader
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, prompt_rows: torch.Tensor,
                  logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[num_seqs, vocab]``, or ``[len(logit_rows), vocab]`` of those rows
         only (a prompt chunk's rows need none); writes each row's new K/V into the caches."""
         if logit_rows is None:
             logit_rows = torch.arange(len(input_ids))
-        inputs = [input_ids, positions, *self.kv_caches, slot_mapping, block_tables, seq_lens, logit_rows]
+        inputs = [input_ids, positions, *self.kv_caches, slot_mapping, block_tables, seq_lens, prompt_rows, logit_rows]
         if isinstance(self._loader, int):
             return torch.ops.vivace.aoti_run(self._loader, inputs)[0]
         return self._loader.boxed_run(inputs)[0]
@@ -207,12 +208,12 @@ def build(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int, path:
     batch, pool, width = Dim("batch", min=1, max=max(max_batch, 2)), Dim("num_blocks", min=2), Dim("width", min=1)
     rows = Dim("logit_rows", min=1, max=max(max_batch, 2))
     example_batch = 2  # not 1, which export would specialize on
-    longs = [torch.zeros(example_batch, dtype=torch.long) for _ in range(3)]
+    longs = [torch.zeros(example_batch, dtype=torch.long) for _ in range(4)]
     scratch = kv_caches[0].shape[1] - 1
     tables = torch.full((example_batch, 2), scratch, dtype=torch.long)
-    args = (longs[0], longs[1], kv_caches, longs[2], tables, longs[2] + 1, torch.arange(3) % example_batch)
+    args = (longs[0], longs[1], kv_caches, longs[2], tables, longs[2] + 1, longs[3], torch.arange(3) % example_batch)
     dynamic = ({0: batch}, {0: batch}, [{1: pool}] * len(kv_caches), {0: batch}, {0: batch, 1: width}, {0: batch},
-               {0: rows})
+               {0: batch}, {0: rows})
     with torch.no_grad():
         exported = torch.export.export(_DecodeForward(model), args, dynamic_shapes=dynamic, strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)

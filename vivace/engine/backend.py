@@ -71,4 +71,4 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_
                                                                                   PREFILL_GRAPH_MAX_TOKENS))
     background = config if config.background_compile and loaded_from_config else None
     return ModelRunner(loaded, num_blocks, config.block_size, config.kv_torch_dtype, max_model_len,
-                       config.max_num_seqs if config.compile else 0, background)
+                       config.max_num_seqs if config.compile else 0, background, config.batch_invariant)

@@ -66,7 +66,8 @@ class CompiledDecoder:
                  logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[num_seqs, vocab]`` for one new token per row (1 to ``max_batch`` rows),
         or ``[len(logit_rows), vocab]`` of those rows only."""
-        inputs = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        prompt_rows = meta.prompt_rows if meta.prompt_rows is not None else torch.zeros_like(meta.seq_lens)
+        inputs = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, prompt_rows)
         if self._aot is not None:
             return self._aot(*inputs, logit_rows)
         if len(input_ids) > 1:

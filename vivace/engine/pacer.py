@@ -126,14 +126,14 @@ PRIOR = (0.002, 0.0005, 0.0005, 0.0002, 0.0001, 0.004, 0.0005, 0.00002)
 
 
 def step_features(decode_tokens: int, prompt_tokens: int, prompt_kpos: float, path: PromptPath,
-                  long_run_kpos: float | None = None) -> np.ndarray:
+                  long_run_kpos: float | None = None, long_run_rows: int = LONG_RUN_ROWS) -> np.ndarray:
     """The cost model's terms of a step (see :data:`PRIOR` for their order). ``long_run_kpos``:
-    the part of ``prompt_kpos`` in runs of :data:`LONG_RUN_ROWS` rows or more (None: the step's
-    prompt tokens are one run)."""
+    the part of ``prompt_kpos`` in runs of ``long_run_rows`` rows or more, those the prefill kernel
+    attends (None: the step's prompt tokens are one run)."""
     rows = path is PromptPath.ROWS
     prefill = 0.0 if rows else 1.0
     if long_run_kpos is None:
-        long_run_kpos = prompt_kpos if prompt_tokens >= LONG_RUN_ROWS else 0.0
+        long_run_kpos = prompt_kpos if prompt_tokens >= long_run_rows else 0.0
     return np.array([1.0, decode_tokens, prompt_tokens * rows, (prompt_kpos - long_run_kpos) * rows,
                      long_run_kpos * rows, prefill, prompt_tokens * prefill, prompt_kpos * prefill])
 
@@ -148,7 +148,11 @@ class StepCostModel:
     of cost still moves the fit three-fold per step).
     """
 
-    def __init__(self, prior: tuple[float, ...] = PRIOR, prior_weight: float = 1.0, half_life: float = 200.0) -> None:
+    def __init__(self, prior: tuple[float, ...] = PRIOR, prior_weight: float = 1.0, half_life: float = 200.0,
+                 long_run_rows: int = LONG_RUN_ROWS) -> None:
+        # Prompt runs of this many rows or more, as rows of the compiled step, take the prefill
+        # kernel (1: every run, the runner's batch_invariant).
+        self.long_run_rows = long_run_rows
         self.prior = np.array(prior, dtype=np.float64)
         self.ridge = prior_weight * np.eye(len(prior))
         self.decay = 0.5 ** (1.0 / half_life)
@@ -167,7 +171,7 @@ class StepCostModel:
                 path: PromptPath = PromptPath.ROWS, long_run_kpos: float | None = None) -> None:
         """Adds one measured step (``prompt_kpos``: its prompt tokens' positions summed, in
         thousands; ``long_run_kpos``: as in :func:`step_features`)."""
-        x = step_features(decode_tokens, prompt_tokens, prompt_kpos, path, long_run_kpos)
+        x = step_features(decode_tokens, prompt_tokens, prompt_kpos, path, long_run_kpos, self.long_run_rows)
         if self.warm:
             seconds = min(seconds, 3.0 * max(float(self.coefficients @ x), 0.0))
         self.gram = self.decay * self.gram + np.outer(x, x)
@@ -181,7 +185,8 @@ class StepCostModel:
     def predict(self, decode_tokens: int, prompt_tokens: int = 0, prompt_kpos: float = 0.0,
                 path: PromptPath = PromptPath.ROWS) -> float:
         """Predicted seconds of a step (its prompt tokens one run), never below zero."""
-        return max(float(self.coefficients @ step_features(decode_tokens, prompt_tokens, prompt_kpos, path)), 0.0)
+        x = step_features(decode_tokens, prompt_tokens, prompt_kpos, path, long_run_rows=self.long_run_rows)
+        return max(float(self.coefficients @ x), 0.0)
 
     def prompt_tokens_within(self, seconds: float, start: int, path: PromptPath = PromptPath.ROWS) -> int:
         """The most prompt tokens, from position ``start`` on, that add at most ``seconds`` to a
@@ -189,9 +194,9 @@ class StepCostModel:
         c = self.coefficients
         if path is PromptPath.PREFILL:
             return self._tokens_within(seconds - max(float(c[5]), 0.0), start, c[6], c[7])
-        short = min(self._tokens_within(seconds, start, c[2], c[3]), LONG_RUN_ROWS - 1)
+        short = min(self._tokens_within(seconds, start, c[2], c[3]), self.long_run_rows - 1)
         long = self._tokens_within(seconds, start, c[2], c[4])
-        return max(short, long) if long >= LONG_RUN_ROWS else short
+        return max(short, long) if long >= self.long_run_rows else short
 
     def eager_fill_tokens(self, decode_tokens: int, start: int) -> int:
         """The most prompt tokens, from position ``start`` on, whose own cost on the prefill path is
@@ -342,12 +347,14 @@ class Pacer:
 
 
 def pacer_for(config: EngineConfig, compiled_rows: int, fill_eager: bool = False,
-              token_buckets: Sequence[int] = ()) -> Pacer | None:
+              token_buckets: Sequence[int] = (), long_run_rows: int = LONG_RUN_ROWS) -> Pacer | None:
     """The pacer ``config`` asks for (None when it fixes the prefill chunk), for an engine whose
-    compiled step takes up to ``compiled_rows`` rows, prompt rows among them (0: none), and which
-    fills an eager step that breaks the target anyway when ``fill_eager`` (:func:`plan_prompt`)."""
+    compiled step takes up to ``compiled_rows`` rows, prompt rows among them (0: none), runs of
+    ``long_run_rows`` or more through the prefill kernel, and which fills an eager step that
+    breaks the target anyway when ``fill_eager`` (:func:`plan_prompt`)."""
     if config.max_prefill_chunk is not None:
         return None
     itl, ttft = config.itl_target_ms, config.ttft_target_ms
     return Pacer(PacerTargets(None if itl is None else itl / 1e3, None if ttft is None else ttft / 1e3),
-                 compiled_rows, fill_eager=fill_eager, token_buckets=token_buckets)
+                 compiled_rows, StepCostModel(long_run_rows=long_run_rows), fill_eager=fill_eager,
+                 token_buckets=token_buckets)

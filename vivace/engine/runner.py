@@ -14,7 +14,7 @@ import torch
 from vivace.engine import aot_decode
 from vivace.engine.compiled import CompiledDecoder
 from vivace.engine.kv_cache import KVCacheManager
-from vivace.engine.pacer import PromptPath
+from vivace.engine.pacer import LONG_RUN_ROWS, PromptPath
 from vivace.engine.scheduler import ScheduledBatch
 from vivace.layers.attention import AttentionMetadata, DecodeMetadata
 from vivace.models import LoadedModel
@@ -74,6 +74,11 @@ class ModelRunner:
     chunk through the paged prefill attention). The cache has one
     block more than the pool hands out: the scratch block, which block-table padding points at.
 
+    With ``batch_invariant``, every position of a prompt is attended by the prefill kernel and every
+    other one by the decode kernel, on either path, so a greedy answer does not depend on the steps
+    that carried it; otherwise a prompt chunk of fewer than ``LONG_RUN_ROWS`` tokens riding the
+    compiled step is attended by the decode kernel (cheaper beside decoding streams; other bits).
+
     With ``background_compile`` (the engine's config, which loaded this model), a decode graph
     that is not cached yet is compiled by a low-priority child process while this runner decodes
     eagerly; ``swap_in_compiled``, called between steps, takes it up once it is there. A model
@@ -82,8 +87,11 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  max_model_len: int | None = None, compile_max_batch: int = 0,
-                 background_compile: EngineConfig | None = None) -> None:
+                 background_compile: EngineConfig | None = None, batch_invariant: bool = False) -> None:
         self.model = loaded.model
+        self.batch_invariant = batch_invariant
+        # The fewest rows of a prompt chunk riding the compiled step that the prefill kernel attends.
+        self.prefill_run_rows = 1 if batch_invariant else LONG_RUN_ROWS
         self.block_size = block_size
         self.scratch_block = num_blocks
         shape = kv_cache_shape(loaded.config, num_blocks + 1, block_size)
@@ -145,9 +153,11 @@ class ModelRunner:
         slots: list[int] = []
         tables: list[list[int]] = []
         seq_lens: list[int] = []
+        prompt_lens: list[int] = []
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
             end = start + num_new
+            prompt_lens.append(min(max(request.num_prompt_tokens - start, 0), num_new))
             table = kv.block_ids(request.request_id)
             input_ids.extend(request.token_ids[start:end])
             input_ids.extend(request.spec_token_ids[:max(end - request.num_tokens, 0)])
@@ -163,31 +173,37 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=block_tables,
             block_size=self.block_size,
+            prompt_lens=prompt_lens if self.batch_invariant else None,
         )
         return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
     def build_decode_inputs(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
-                            width: int) -> tuple[torch.Tensor, torch.Tensor, DecodeMetadata]:
+                            width: int, prompt_rows: list[int] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, DecodeMetadata]:
         """Tensors for one new token per sequence at ``positions``, with block tables ``width``
-        wide; the columns past a sequence's blocks point at the scratch block."""
+        wide; the columns past a sequence's blocks point at the scratch block. ``prompt_rows``:
+        1 for a row at a position of its request's prompt (none when None)."""
         block_tables = np.full((len(tables), width), self.scratch_block, dtype=np.int64)
         for row, table in enumerate(tables):
             block_tables[row, :len(table)] = table
         pos = np.array(positions, dtype=np.int64)
         slots = block_tables[np.arange(len(tables)), pos // self.block_size] * self.block_size + pos % self.block_size
-        meta = DecodeMetadata(torch.from_numpy(slots), torch.from_numpy(block_tables), torch.from_numpy(pos + 1))
+        flags = torch.zeros(len(tables), dtype=torch.long) if prompt_rows is None else torch.tensor(prompt_rows)
+        meta = DecodeMetadata(torch.from_numpy(slots), torch.from_numpy(block_tables), torch.from_numpy(pos + 1), flags)
         return torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(pos), meta
 
     def decode(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
-               logit_rows: list[int] | None = None) -> torch.Tensor:
+               logit_rows: list[int] | None = None, prompt_rows: list[int] | None = None) -> torch.Tensor:
         """Float32 logits ``[len(input_ids), vocab]`` for one new token per row, each at its
         position (the sequence then has position + 1 tokens), writing its K/V through ``tables``;
-        with ``logit_rows``, ``[len(logit_rows), vocab]`` of those rows only."""
+        with ``logit_rows``, ``[len(logit_rows), vocab]`` of those rows only. ``prompt_rows``
+        flags the rows at positions of their request's prompt (``build_decode_inputs``)."""
         rows = None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.long)
         if self.decoder is not None and len(input_ids) <= self.decoder.max_batch:
             # A fixed width, so that no graph depends on how long the sequences are.
-            return self.decoder(*self.build_decode_inputs(input_ids, positions, tables, self.max_blocks_per_seq), rows)
-        ids, pos, meta = self.build_decode_inputs(input_ids, positions, tables, max(map(len, tables)))
+            return self.decoder(*self.build_decode_inputs(input_ids, positions, tables, self.max_blocks_per_seq,
+                                                          prompt_rows), rows)
+        ids, pos, meta = self.build_decode_inputs(input_ids, positions, tables, max(map(len, tables)), prompt_rows)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
@@ -217,17 +233,21 @@ class ModelRunner:
             # One row per new token, each attending its own sequence up to its own position:
             # the op writes every row's K/V before attending, so a request's rows (its next
             # token and proposals to verify, or a prompt chunk) may share its block table.
-            input_ids, positions, tables = [], [], []
+            input_ids, positions, tables, prompt_rows = [], [], [], []
             for request, num_new in zip(batch.requests, batch.num_new_tokens):
                 start = request.num_computed_tokens
                 tokens = request.token_ids[start:start + num_new]
                 input_ids += tokens + request.spec_token_ids[:num_new - len(tokens)]
                 positions += range(start, start + num_new)
                 tables += [kv.block_ids(request.request_id)] * num_new
-            if not logit_indices:
-                self.decode(input_ids, positions, tables, [0])  # K/V only; one row's logits is the least
+                # Positions of the prompt: the prefill kernel's (with batch_invariant, or in chunks it
+                # reads faster than the decode kernel would); the others the decode kernel's.
+                prefill = num_new >= self.prefill_run_rows
+                prompt_rows += [int(prefill and p < request.num_prompt_tokens) for p in range(start, start + num_new)]
+            if not logit_indices:  # K/V only; one row's logits is the least
+                self.decode(input_ids, positions, tables, [0], prompt_rows)
                 return None
-            return self.decode(input_ids, positions, tables, logit_indices)
+            return self.decode(input_ids, positions, tables, logit_indices, prompt_rows)
         input_ids, positions, meta = self.build_inputs(batch, kv)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden[logit_indices]) if logit_indices else None

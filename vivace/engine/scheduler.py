@@ -55,8 +55,10 @@ class Scheduler:
     whole budget may go to prompts."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int | None = None, pacer: Pacer | None = None) -> None:
+                 max_prefill_chunk: int | None = None, pacer: Pacer | None = None,
+                 long_run_rows: int = LONG_RUN_ROWS) -> None:
         self.kv = kv
+        self.long_run_rows = long_run_rows  # a prompt run's rows from which the prefill kernel attends it
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
@@ -95,7 +97,7 @@ class Scheduler:
             if request.num_tokens - request.num_computed_tokens > 1:
                 kpos = prompt_kilopositions(request.num_computed_tokens, num_new)
                 batch.prompt_kpos += kpos
-                batch.long_run_kpos += kpos if num_new >= LONG_RUN_ROWS else 0.0
+                batch.long_run_kpos += kpos if num_new >= self.long_run_rows else 0.0
             else:
                 batch.num_decode_tokens += num_new
         return batch

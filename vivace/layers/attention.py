@@ -25,6 +25,9 @@ class AttentionMetadata:
     seq_lens: list[int]
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     block_size: int
+    # Per sequence, how many of its new tokens (the first ones) are positions of its prompt; None:
+    # a sequence of one new token is a decode, the tokens of a longer one prompt positions.
+    prompt_lens: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -40,6 +43,9 @@ class DecodeMetadata:
     slot_mapping: torch.Tensor  # [num_seqs] int64
     block_tables: torch.Tensor  # [num_seqs, width] int64
     seq_lens: torch.Tensor  # [num_seqs] int64
+    # [num_seqs] int64, 1 where the token is a position of its request's prompt (a prompt chunk
+    # riding the step as rows): attended as a prefill step attends it (paged_attention).
+    prompt_rows: torch.Tensor | None = None
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -57,33 +63,42 @@ def paged_attention(
     """Causal attention for a batch mixing prefill chunks and decodes.
 
     q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
-    Writes k, v to the cache, then returns ``[num_tokens, num_heads, head_dim]``. Decodes
-    (one new token) are attended together in one ``paged_decode_attention`` call; prefill
-    chunks one by one. A ``DecodeMetadata`` batch is that one call and nothing else. With
-    ``window``, each query attends only the last ``window`` positions up to its own (a
-    sliding-window layer); the cache still holds, and the block tables still list, every position.
+    Writes k, v to the cache, then returns ``[num_tokens, num_heads, head_dim]``. Positions of a
+    prompt are attended by the prefill kernel, a sequence's run of them at once; other tokens
+    (the next one, proposals to verify, generated tokens recomputed after a preemption), every
+    sequence's together, by ``paged_decode_attention``, as one-row steps attend them. A
+    ``DecodeMetadata`` batch is one ``paged_decode_attention`` call, which attends its rows
+    flagged ``prompt_rows`` as the prefill kernel does: a position gets the same bits whatever
+    step carries it. With ``window``, each query attends only the last ``window`` positions up to
+    its own (a sliding-window layer); the cache still holds, and the block tables still list,
+    every position.
     """
     if isinstance(meta, DecodeMetadata):
         return torch.ops.vivace.paged_decode_attention(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables,
-                                                       meta.seq_lens, scale, window or 0)
+                                                       meta.seq_lens, scale, window or 0, meta.prompt_rows)
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    starts = [0]
-    for q_len in meta.query_lens:
-        starts.append(starts[-1] + q_len)
-    decodes = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
-    if decodes:
-        # The op stores these rows' K/V again (the same values) before attending them.
-        rows = torch.tensor([starts[i] for i in decodes])
-        seq_lens = torch.tensor([meta.seq_lens[i] for i in decodes])
-        out[rows] = torch.ops.vivace.paged_decode_attention(
-            q[rows], k[rows], v[rows], kv_cache, meta.slot_mapping[rows], meta.block_tables[decodes], seq_lens, scale,
-            window or 0)
-    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
-        if q_len > 1:
-            start = starts[i]
-            out[start:start + q_len] = _prefill_attention(
-                q[start:start + q_len], kv_cache, meta.block_tables[i], seq_len, scale, window)
+    prompt_lens = meta.prompt_lens or [0 if q_len == 1 else q_len for q_len in meta.query_lens]
+    rows: list[int] = []  # the tokens attended as decodes, their sequences and lengths
+    sequences: list[int] = []
+    lengths: list[int] = []
+    start = 0
+    for i, (q_len, seq_len, prompt) in enumerate(zip(meta.query_lens, meta.seq_lens, prompt_lens)):
+        first = seq_len - q_len  # the position of the sequence's first new token
+        if prompt:
+            out[start:start + prompt] = _prefill_attention(
+                q[start:start + prompt], kv_cache, meta.block_tables[i], first + prompt, scale, window)
+        rows += range(start + prompt, start + q_len)
+        sequences += [i] * (q_len - prompt)
+        lengths += range(first + prompt + 1, seq_len + 1)
+        start += q_len
+    if rows:
+        # The op stores these rows' K/V again (the same values) before attending them; flagged as
+        # no prompt rows, a long run of them (a recomputed answer) stays in the decode kernel.
+        index = torch.tensor(rows)
+        out[index] = torch.ops.vivace.paged_decode_attention(
+            q[index], k[index], v[index], kv_cache, meta.slot_mapping[index], meta.block_tables[sequences],
+            torch.tensor(lengths), scale, window or 0, torch.zeros(len(rows), dtype=torch.long))
     return out
 
 

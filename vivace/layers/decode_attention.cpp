@@ -379,7 +379,7 @@ bool attend_run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& 
 template <typename T, typename C>
 void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                       const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq_lens,
-                      double scale, int64_t window, at::Tensor& out, const Layout& s) {
+                      double scale, int64_t window, const int64_t* prompt, at::Tensor& out, const Layout& s) {
   const int64_t num_seqs = q.size(0), row = s.token_stride();
   C* keys = cache.data_ptr<C>();
   C* values = keys + s.num_slots * row;
@@ -413,16 +413,36 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     default: TORCH_CHECK(false, "paged_decode_attention: head_dim ", s.head_dim, " is not a multiple of 16 up to 128, or 256");
   }
   // Tasks: a kv head of a group of rows (one row, or a run of one sequence's consecutive rows)
-  // and up to per_pass of the (row, query head) pairs that share it. Long runs go to the prefill
-  // kernel whole.
+  // and up to per_pass of the (row, query head) pairs that share it. With `prompt` (a flag per
+  // row: a position of the request's prompt), a run's prompt rows go to the prefill kernel
+  // whatever their number, as a step on the prefill path attends them, and its other rows (the
+  // next token, proposals to verify, generated tokens recomputed after a preemption) stay here,
+  // as a one-row step attends them: each position then gets the same bits whatever step carries
+  // it. Without flags, long runs go to the prefill kernel whole. A run whose last row's window
+  // hides some key is attended here a row at a time (each row its own first key).
   struct Task { int64_t row, kvh, first_pair, pairs; };
   std::vector<Task> tasks;
   for (int64_t b = 0; b < num_seqs;) {
-    const int64_t e = window == 0 ? run_end(tables, lens, b, num_seqs, s.block_size) : b + 1;
-    if (e - b >= MIN_PREFILL_RUN && attend_run(q, cache, tables, lens, b, e, scale, out)) {
+    int64_t e = run_end(tables, lens, b, num_seqs, s.block_size);
+    if (prompt != nullptr) {
+      int64_t p = b;
+      while (p < e && prompt[p] != 0) ++p;
+      if (p > b) {
+        // As the prefill path: its kernel where the window hides no key from the chunk's last row.
+        if ((window == 0 || lens[p - 1] <= window) && attend_run(q, cache, tables, lens, b, p, scale, out)) {
+          b = p;
+          continue;
+        }
+        e = p;
+      } else {
+        while (p < e && prompt[p] == 0) ++p;
+        e = p;
+      }
+    } else if (window == 0 && e - b >= MIN_PREFILL_RUN && attend_run(q, cache, tables, lens, b, e, scale, out)) {
       b = e;
       continue;
     }
+    if (window > 0 && lens[e - 1] > window) e = b + 1;
     const int64_t pairs = (e - b) * s.group;
     for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh)
       for (int64_t first = 0; first < pairs; first += per_pass)
@@ -459,7 +479,7 @@ bool rows_dense(const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) ==
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, const c10::optional<at::Tensor>& prompt_rows) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2, "kv_cache must be contiguous [2, N, bs, h, d]");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k and v must share a dtype");
@@ -474,13 +494,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
   const at::Tensor vd = rows_dense(v) ? v : v.contiguous();
   const at::Tensor slots = slot_mapping.contiguous(), lens = seq_lens.contiguous();
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
+  at::Tensor prompt;
+  if (prompt_rows.has_value()) {
+    TORCH_CHECK(prompt_rows->scalar_type() == at::kLong && prompt_rows->numel() == q.size(0),
+                "prompt_rows must be int64, one flag per row");
+    prompt = prompt_rows->contiguous();
+  }
+  const int64_t* flags = prompt.defined() ? prompt.data_ptr<int64_t>() : nullptr;
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
-  if (qt == at::kFloat && ct == at::kFloat) write_and_attend<float, float>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
-  else if (qt == at::kFloat && ct == at::kHalf) write_and_attend<float, at::Half>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
-  else if (qt == at::kFloat && ct == at::kBFloat16) write_and_attend<float, at::BFloat16>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
-  else if (qt == at::kBFloat16 && ct == at::kBFloat16) write_and_attend<at::BFloat16, at::BFloat16>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
-  else if (qt == at::kHalf && ct == at::kHalf) write_and_attend<at::Half, at::Half>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, out, s);
+  if (qt == at::kFloat && ct == at::kFloat) write_and_attend<float, float>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, flags, out, s);
+  else if (qt == at::kFloat && ct == at::kHalf) write_and_attend<float, at::Half>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, flags, out, s);
+  else if (qt == at::kFloat && ct == at::kBFloat16) write_and_attend<float, at::BFloat16>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, flags, out, s);
+  else if (qt == at::kBFloat16 && ct == at::kBFloat16) write_and_attend<at::BFloat16, at::BFloat16>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, flags, out, s);
+  else if (qt == at::kHalf && ct == at::kHalf) write_and_attend<at::Half, at::Half>(qd, kd, vd, kv_cache, slots, tables, lens, scale, window, flags, out, s);
   else TORCH_CHECK(false, "paged_decode_attention: unsupported dtypes ", qt, " (q) and ", ct, " (kv_cache)");
   return out;
 }
@@ -489,7 +516,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
 
 TORCH_LIBRARY_FRAGMENT(vivace, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> Tensor");
+        "Tensor block_tables, Tensor seq_lens, float scale, int window=0, Tensor? prompt_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vivace, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -19,7 +19,7 @@ from vivace.layers import native
 
 def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float, window: int = 0) -> torch.Tensor:
+                               scale: float, window: int = 0, prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Store ``k``, ``v`` ``[num_seqs, kv_heads, d]`` at ``slot_mapping`` in ``kv_cache``
     ``[2, num_blocks, block_size, kv_heads, d]``, then attend ``q`` ``[num_seqs, heads, d]`` over the
     first ``seq_lens[i]`` tokens of blocks ``block_tables[i]`` (with ``window`` > 0, only the last
@@ -27,7 +27,9 @@ def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Each sequence is attended on its own, over exactly its tokens: a row's result is then the same
     bits whatever else is in the batch (a verify step's rows equal the one-row steps they stand
     for, which greedy speculative decoding relies on); batched over the longest sequence's blocks
-    with a mask, PyTorch's attention gave other bits for the same row in another batch."""
+    with a mask, PyTorch's attention gave other bits for the same row in another batch.
+    ``prompt_rows`` (int64, 1 for a row at a position of its request's prompt) tells the native
+    kernel which rows to attend as the prefill kernel does; every row is attended alike here."""
     two, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(two, num_blocks * block_size, kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
@@ -52,7 +54,8 @@ def _register() -> str:
 
     @torch.library.register_fake("vivace::paged_decode_attention")
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
+          prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     return backend
