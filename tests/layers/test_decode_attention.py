@@ -139,11 +139,13 @@ def test_a_verify_steps_rows_equal_one_row_steps_bit_for_bit(cache_dtype, first_
 @pytest.mark.skipif(decode_attention.BACKEND != "native" or prefill_attention.BACKEND != "native",
                     reason="the native kernels did not build here")
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("run, prompt", [(1, 1), (3, 3), (5, 2), (20, 20), (20, 0), (18, 4)])
-def test_flagged_prompt_rows_get_the_prefill_kernels_bits(cache_dtype, run, prompt):
+@pytest.mark.parametrize("run, prompt, window", [(1, 1, 0), (3, 3, 0), (5, 2, 0), (20, 20, 0), (20, 0, 0), (18, 4, 0),
+                                                 (20, 20, 40), (6, 6, 20), (20, 15, 1000)])
+def test_flagged_prompt_rows_get_the_prefill_kernels_bits(cache_dtype, run, prompt, window):
     """Rows flagged ``prompt_rows`` (a prompt chunk riding a compiled step) get the prefill kernel's
     result for that chunk bit for bit (what a step on the prefill path gives them) at any run
-    length; the run's other rows (generated tokens) what one-row steps give, at any run length too."""
+    length, where a ``window`` hides none of their keys; the run's other rows (generated tokens,
+    prompt rows past the window) what one-row steps give, at any run length too."""
     q, k, v, cache, _, tables, _ = random_batch(torch.float32, run, heads=9, kv_heads=3, head_dim=64,
                                                 block_size=16, num_blocks=run * 6, seed=run + prompt, width=6)
     cache = cache.to(cache_dtype)
@@ -151,11 +153,12 @@ def test_flagged_prompt_rows_get_the_prefill_kernels_bits(cache_dtype, run, prom
     seq_lens = torch.arange(30, 30 + run)
     slots = tables[0, (seq_lens - 1) // 16] * 16 + (seq_lens - 1) % 16
     flags = torch.tensor([1] * prompt + [0] * (run - prompt))
-    together = OP(q, k, v, cache, slots, tables, seq_lens, 0.125, 0, flags)  # writes every row's K/V
-    if prompt:
-        chunk = torch.ops.vivace.paged_prefill_attention(q[:prompt], cache, tables[0], int(seq_lens[prompt - 1]), 0.125)
-        assert torch.equal(together[:prompt], chunk)
-    for row in range(prompt, run):
+    together = OP(q, k, v, cache, slots, tables, seq_lens, 0.125, window, flags)  # writes every row's K/V
+    whole = prompt if window == 0 else int((seq_lens[:prompt] <= window).sum())
+    if whole:
+        chunk = torch.ops.vivace.paged_prefill_attention(q[:whole], cache, tables[0], int(seq_lens[whole - 1]), 0.125)
+        assert torch.equal(together[:whole], chunk)
+    for row in range(whole, run):
         alone = OP(q[row:row + 1], k[row:row + 1], v[row:row + 1], cache.clone(), slots[row:row + 1], tables[:1],
-                   seq_lens[row:row + 1], 0.125)
+                   seq_lens[row:row + 1], 0.125, window)
         assert torch.equal(alone[0], together[row]), f"row {row}"

@@ -71,20 +71,24 @@ def paged_attention(
     flagged ``prompt_rows`` as the prefill kernel does: a position gets the same bits whatever
     step carries it. With ``window``, each query attends only the last ``window`` positions up to
     its own (a sliding-window layer); the cache still holds, and the block tables still list,
-    every position.
+    every position. With ``meta.prompt_lens`` (the runner's batch_invariant), prompt positions whose
+    window hides some key are attended as decodes, as they are in a compiled step.
     """
     if isinstance(meta, DecodeMetadata):
         return torch.ops.vivace.paged_decode_attention(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables,
                                                        meta.seq_lens, scale, window or 0, meta.prompt_rows)
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    prompt_lens = meta.prompt_lens or [0 if q_len == 1 else q_len for q_len in meta.query_lens]
+    exact = meta.prompt_lens is not None
+    prompt_lens = meta.prompt_lens if exact else [0 if q_len == 1 else q_len for q_len in meta.query_lens]
     rows: list[int] = []  # the tokens attended as decodes, their sequences and lengths
     sequences: list[int] = []
     lengths: list[int] = []
     start = 0
     for i, (q_len, seq_len, prompt) in enumerate(zip(meta.query_lens, meta.seq_lens, prompt_lens)):
         first = seq_len - q_len  # the position of the sequence's first new token
+        if exact and window is not None:  # prompt rows past the window: as decodes, as in a compiled step
+            prompt = min(prompt, max(window - first, 0))
         if prompt:
             out[start:start + prompt] = _prefill_attention(
                 q[start:start + prompt], kv_cache, meta.block_tables[i], first + prompt, scale, window)

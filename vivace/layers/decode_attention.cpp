@@ -428,12 +428,16 @@ void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       int64_t p = b;
       while (p < e && prompt[p] != 0) ++p;
       if (p > b) {
-        // As the prefill path: its kernel where the window hides no key from the chunk's last row.
-        if ((window == 0 || lens[p - 1] <= window) && attend_run(q, cache, tables, lens, b, p, scale, out)) {
-          b = p;
+        // As the prefill path: its kernel for the rows whose window hides no key, this one for those
+        // past the window (a row at a time, below).
+        int64_t w = p;
+        if (window > 0)
+          for (w = b; w < p && lens[w] <= window;) ++w;
+        if (w > b && attend_run(q, cache, tables, lens, b, w, scale, out)) {
+          b = w;
           continue;
         }
-        e = p;
+        e = w > b ? w : p;
       } else {
         while (p < e && prompt[p] == 0) ++p;
         e = p;
