@@ -163,30 +163,35 @@ def test_prompt_chunks_beside_decodes_ride_the_compiled_step(tiny_model_dir, mon
     compiled.check_integrity()
 
 
-def test_prompt_chunks_riding_the_compiled_step_get_a_prefill_steps_bits(tiny_model_dir):
-    """With batch_invariant, greedy tokens and their logprobs, bit for bit: prompts arriving one by one, their chunks of
-    3 tokens riding compiled steps beside the others' decodes, against each prompt alone on an
-    eager engine (its whole prompt in one step on the prefill path). With int8 activations a
-    last-bit difference in a prompt row's attention moves codes: it shows in the logprobs here and
-    changes greedy tokens on a real model."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    batch = prompts(3, seed=13)
-    eager = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, quantization="int8")
-    compiled = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=4, quantization="int8", compile=True,
-                   max_num_seqs=8, max_prefill_chunk=3, batch_invariant=True)
+def exact_staggered_and_alone(path: str, batch: list[list[int]], max_tokens: int) -> None:
+    """Asserts that greedy tokens and their logprobs are bit for bit the same when ``batch``'s prompts
+    arrive one every two steps at a compiled engine (int8 activations, batch_invariant), their
+    chunks of 3 tokens riding compiled steps beside the others' decodes, as when each runs alone
+    on an eager engine (its whole prompt in one step on the prefill path)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    eager = LLM(path, num_kv_blocks=256, block_size=4, quantization="int8")
+    compiled = LLM(path, num_kv_blocks=256, block_size=4, quantization="int8", compile=True, max_num_seqs=8,
+                   max_prefill_chunk=3, batch_invariant=True)
     engine = compiled.engine
     outputs: dict[str, list] = {}
-    for step in range(200):
-        if step < 6 and step % 2 == 0:
+    for step in range(300):
+        if step < 2 * len(batch) and step % 2 == 0:
             engine.add_request(str(step // 2), batch[step // 2], params)
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.outputs[0].logprobs)
-        if step >= 6 and not engine.has_unfinished():
+        if step >= 2 * len(batch) and not engine.has_unfinished():
             break
-    alone = [eager.generate(prompt, params)[0].outputs[0].logprobs for prompt in batch]
-    for i, expected in enumerate(alone):
-        assert [(lp.token_id, lp.logprob) for lp in outputs[str(i)]] == [(lp.token_id, lp.logprob) for lp in expected]
+    for i, prompt in enumerate(batch):
+        alone = eager.generate(prompt, params)[0].outputs[0].logprobs
+        assert [(lp.token_id, lp.logprob) for lp in outputs[str(i)]] == [(lp.token_id, lp.logprob) for lp in alone]
     compiled.check_integrity()
+
+
+def test_prompt_chunks_riding_the_compiled_step_get_a_prefill_steps_bits(tiny_model_dir):
+    """With batch_invariant, greedy tokens and their logprobs, bit for bit, staggered and alone
+    (``exact_staggered_and_alone``). With int8 activations a last-bit difference in a prompt row's attention moves codes: it shows in the logprobs here and
+    changes greedy tokens on a real model."""
+    exact_staggered_and_alone(str(tiny_model_dir), prompts(3, seed=13), 12)
 
 
 def test_the_pacer_sends_deep_chunks_to_the_prefill_path_and_keeps_greedy_tokens(tiny_model_dir):

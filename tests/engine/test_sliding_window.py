@@ -12,6 +12,8 @@ import transformers
 
 from vivace import LLM, SamplingParams
 
+from tests.engine.test_compiled import exact_staggered_and_alone
+
 # Gemma 3: sliding, global, sliding (two rope bases); Mistral: every layer sliding.
 CONFIGS = {
     "gemma3": (transformers.Gemma3TextConfig, dict(
@@ -78,25 +80,7 @@ def test_chunked_prefill_prefix_cache_and_speculation_keep_outputs(sliding_model
 
 
 def test_prompt_chunks_past_the_window_riding_compiled_steps_keep_bits(sliding_model):
-    """Prompts longer than the window arriving one by one, their chunks of 3 tokens riding compiled
-    steps (int8 activations): tokens and logprobs bit for bit those of each prompt alone on an eager
-    engine, whose prefill step attends the positions past the window as decodes, as the riding rows are."""
-    path, _ = sliding_model
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
-    batch = prompts(3, seed=5)
-    eager = LLM(str(path), num_kv_blocks=256, block_size=4, quantization="int8")
-    compiled = LLM(str(path), num_kv_blocks=256, block_size=4, quantization="int8", compile=True, max_num_seqs=8,
-                   max_prefill_chunk=3)
-    engine = compiled.engine
-    outputs: dict[str, list] = {}
-    for step in range(300):
-        if step < 6 and step % 2 == 0:
-            engine.add_request(str(step // 2), batch[step // 2], params)
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.outputs[0].logprobs)
-        if step >= 6 and not engine.has_unfinished():
-            break
-    for i, prompt in enumerate(batch):
-        alone = eager.generate(prompt, params)[0].outputs[0].logprobs
-        assert [(lp.token_id, lp.logprob) for lp in outputs[str(i)]] == [(lp.token_id, lp.logprob) for lp in alone]
-    compiled.check_integrity()
+    """Prompts longer than the window, staggered and alone (``exact_staggered_and_alone``): bit for
+    bit, the eager prefill step attending the positions past the window as decodes, as the riding
+    rows are."""
+    exact_staggered_and_alone(str(sliding_model[0]), prompts(3, seed=5), 10)
