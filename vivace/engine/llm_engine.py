@@ -19,7 +19,7 @@ from vivace.engine.grammar import GrammarCompiler, TokenMasks, advance
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.limits import RequestLimits
 from vivace.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
-from vivace.engine.pacer import LONG_RUN_ROWS, Pacer, PromptPath, pacer_for
+from vivace.engine.pacer import Pacer, PromptPath, pacer_for
 from vivace.engine.prediction import MATCH_TOKENS, Prediction, prediction_adaptive_k
 from vivace.engine.request import Request
 from vivace.engine.sampler import DeviceSamples, SampledTokens, Sampler, before_min_tokens, score_tokens
@@ -86,8 +86,7 @@ class LLMEngine:
         self.runner = backend.make_runner(config, self.loaded, num_blocks, self.max_model_len,
                                           loaded_from_config=loaded is None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_prefill_chunk, self._new_pacer(),
-                                   getattr(self.runner, "prefill_run_rows", LONG_RUN_ROWS))
+                                   config.max_prefill_chunk, self._new_pacer())
         self.timings = StepTimings()
         self.sampler = Sampler(self.loaded.config.eos_token_ids, config.seed)
         self.spec_stats = SpecStats()

@@ -34,7 +34,7 @@ class ScheduledBatch:
     num_decode_tokens: int = 0  # of total_tokens, those of requests decoding (and verifying proposals)
     prompt_budget: int = 0  # the most prompt tokens this step could take
     prompt_kpos: float = 0.0  # its prompt tokens' positions summed, in thousands (their attention's work)
-    long_run_kpos: float = 0.0  # the part of prompt_kpos in chunks of LONG_RUN_ROWS tokens or more
+    long_run_kpos: float = 0.0  # the part of prompt_kpos in chunks the prefill kernel attends (pacer's long runs)
     prompt_path: PromptPath = PromptPath.ROWS  # how its prompt tokens run beside decode rows
 
     @property
@@ -55,10 +55,8 @@ class Scheduler:
     whole budget may go to prompts."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int | None = None, pacer: Pacer | None = None,
-                 long_run_rows: int = LONG_RUN_ROWS) -> None:
+                 max_prefill_chunk: int | None = None, pacer: Pacer | None = None) -> None:
         self.kv = kv
-        self.long_run_rows = long_run_rows  # a prompt run's rows from which the prefill kernel attends it
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
@@ -93,11 +91,13 @@ class Scheduler:
         prompt_budget = self._schedule_running(prefilling, batch.prompt_budget, batch)
         if not batch.preempted:
             self._admit_waiting(batch, prompt_budget)
+        # The pacer's model says from how many rows a riding prompt run takes the prefill kernel.
+        long_run_rows = LONG_RUN_ROWS if self.pacer is None else self.pacer.model.long_run_rows
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.num_tokens - request.num_computed_tokens > 1:
                 kpos = prompt_kilopositions(request.num_computed_tokens, num_new)
                 batch.prompt_kpos += kpos
-                batch.long_run_kpos += kpos if num_new >= self.long_run_rows else 0.0
+                batch.long_run_kpos += kpos if num_new >= long_run_rows else 0.0
             else:
                 batch.num_decode_tokens += num_new
         return batch
