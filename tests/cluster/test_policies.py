@@ -19,6 +19,9 @@ def test_block_hashes_cover_whole_blocks_and_chain_their_prefix() -> None:
     assert b[0] == a[0] and b[1] != a[1]
     c = block_hashes([99] * 16 + list(range(16, 32)), 16)
     assert c[1] != a[1]  # the same second block after another first one
+    salted = block_hashes(list(range(40)), 16, "tenant-a")
+    assert salted == block_hashes(list(range(40)), 16, "tenant-a")
+    assert not set(salted) & (set(a) | set(block_hashes(list(range(40)), 16, "tenant-b")))
 
 
 def test_table_finds_the_longest_held_prefix_and_forgets() -> None:

@@ -100,3 +100,28 @@ def test_integrity_check_detects_a_double_owner():
     kv.tables["b"].append(kv.tables["a"][0])
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+def test_a_salted_prefix_is_a_hit_only_for_the_same_salt():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    computed_and_freed(kv, Request("a", list(range(13)), SamplingParams(cache_salt="tenant-1")))
+    salted = {salt: Request(f"b-{salt}", list(range(13)), SamplingParams(cache_salt=salt))
+              for salt in ("tenant-1", "tenant-2")}
+    assert len(kv.get_computed_blocks(salted["tenant-1"])) == 3
+    assert kv.get_computed_blocks(salted["tenant-2"]) == []
+    assert kv.get_computed_blocks(make_request("c", list(range(13)))) == []  # no salt: none of them
+    computed_and_freed(kv, make_request("d", list(range(13))))
+    assert len(kv.get_computed_blocks(make_request("e", list(range(13))))) == 3
+    assert kv.get_computed_blocks(salted["tenant-2"]) == []
+    kv.check_integrity()
+
+
+def test_block_hashes_chain_every_parent_block():
+    """A block is a hit only after the very blocks it was computed after: the same tokens after a
+    different first block hash differently (with SHA-256, no prompt can be crafted to collide)."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    computed_and_freed(kv, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert len(kv.get_computed_blocks(make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]))) == 2
+    assert kv.get_computed_blocks(make_request("c", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+    hashes = [b.block_hash for b in kv.blocks if b.block_hash is not None]
+    assert len(hashes) == 2 and all(isinstance(h, bytes) and len(h) == 32 for h in hashes)

@@ -4,6 +4,7 @@ prefix-cache queries and hits in tokens."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from .harness import RunningServer, metric_value
@@ -51,3 +52,20 @@ def test_second_turn_caches_the_first_turns_prompt_and_answer(default_server: Ru
     answer = first.usage.completion_tokens - 1
     shared = first.usage.prompt_tokens + answer
     assert second.usage.prompt_tokens_details.cached_tokens >= shared // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_cache_salt_keeps_each_tenants_prefix_to_itself(server: RunningServer) -> None:
+    client = server.client()
+    prompt = "Salted: " + " ".join(f"word{i}" for i in range(40))
+
+    def cached(**extra) -> int:
+        response = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body=extra)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0  # unsalted requests don't see salted blocks either
+    with pytest.raises(openai.BadRequestError) as bad:
+        cached(cache_salt="")
+    assert bad.value.body["param"] == "cache_salt"

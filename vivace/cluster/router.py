@@ -36,9 +36,10 @@ ROUTERS = {
 _MAX_UNROUTED = 4096  # decisions kept for requests not routed yet (cancelled ones age out)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """One hash per full block, each covering every token before it too."""
-    hashes, previous = [], 0
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+    """One hash per full block, each covering every token before it too (and the request's
+    ``cache_salt``: replicas share cached blocks only among requests of the same salt)."""
+    hashes, previous = [], 0 if salt is None else hash(("cache_salt", salt))
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         previous = hash((previous, tuple(token_ids[start:start + block_size])))
         hashes.append(previous)
@@ -109,7 +110,7 @@ class PrefixAwareRouter(RequestRouter):
         call = pending_request.args[0] if pending_request.args else None
         if not isinstance(call, GenerateCall):
             return [two]
-        hashes = block_hashes(call.prompt_ids, self.block_size)
+        hashes = block_hashes(call.prompt_ids, self.block_size, call.params.cache_salt)
         by_id = {r.replica_id: r for r in candidate_replicas}
         holders, matched = self.table.longest_match(hashes, set(by_id))
         outcome = "no_prefix"

@@ -4,10 +4,19 @@ Only full blocks are hashed, each hash chained to its parent's; a hit is confirm
 the block's token ids. A block whose owners have all finished keeps its hash and sits in the
 free queue (least recently freed first), so a later request can take it back until the pool
 needs it for something else.
+
+The chain is SHA-256 (as vLLM's since its builtin-hash CVE-2025-25183): Python's ``hash`` of a
+tuple of ints is not randomized and can be inverted round by round, so a client could craft a
+prompt whose block hashes collide with another's prefix and take, or plant, K/V computed for a
+different context; the token check alone confirms a block, not its parents. A request's
+``cache_salt`` (vLLM's field) seeds its chain: its blocks are hits only for requests with the
+same salt, so one tenant cannot time another's prompts through the cache.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -18,7 +27,7 @@ from vivace.engine.request import Request
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
 
 
@@ -30,8 +39,15 @@ class KVCacheStats:
     prefix_hits: int = 0     # of those, tokens found
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """The digest of a block of ``token_ids`` after the blocks whose chain ends in ``parent``."""
+    return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
+
+
+def chain_root(request: Request) -> bytes | None:
+    """The ``parent`` of a request's first block: its ``cache_salt``'s digest, None without one."""
+    salt = request.params.cache_salt
+    return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
 
 
 class KVCacheManager:
@@ -42,7 +58,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, Block] = {}
+        self.cached: dict[bytes, Block] = {}
         self.tables: dict[str, list[Block]] = {}
         self.num_hashed: dict[str, int] = {}
         self.stats = KVCacheStats(num_blocks, num_blocks)
@@ -68,15 +84,25 @@ class KVCacheManager:
             return []
         num_full = min(request.num_tokens - 1, request.num_cacheable_tokens) // self.block_size
         hits: list[Block] = []
-        parent = None
         for i in range(num_full):
-            tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = chain_hash(parent, tokens)
-            block = self.cached.get(parent)
-            if block is None or block.token_ids != tokens:
+            block = self.cached.get(self._block_hashes(request, i + 1)[i])
+            if block is None or block.token_ids != self._block_tokens(request, i):
                 break
             hits.append(block)
         return hits
+
+    def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The chain digests of the request's first ``num_blocks`` full blocks (at least), each
+        computed once for its life (a request waiting for room is looked up at every step)."""
+        hashes = request.block_hashes
+        parent = hashes[-1] if hashes else chain_root(request)
+        for i in range(len(hashes), num_blocks):
+            parent = chain_hash(parent, self._block_tokens(request, i))
+            hashes.append(parent)
+        return hashes
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[Block] | None = None) -> bool:
@@ -122,14 +148,13 @@ class KVCacheManager:
         table = self.tables[request.request_id]
         start = self.num_hashed[request.request_id]
         end = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(table))
-        parent = table[start - 1].block_hash if start else None
+        hashes = self._block_hashes(request, end)
         for i in range(start, end):
             block = table[i]
-            tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = chain_hash(parent, tokens)
             if block.block_hash is None:
-                block.block_hash, block.token_ids = parent, tokens
-                self.cached.setdefault(parent, block)
+                block.block_hash = hashes[i]
+                block.token_ids = self._block_tokens(request, i)
+                self.cached.setdefault(hashes[i], block)
         self.num_hashed[request.request_id] = max(start, end)
 
     def forget(self, request: Request) -> list[int]:

@@ -37,6 +37,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
+    # The prefix cache's chain digest of each full block hashed so far (vivace.engine.kv_cache);
+    # tokens are only ever appended, so they stay valid for the request's life.
+    block_hashes: list[bytes] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify next step
     spec_draft_probs: torch.Tensor | None = None  # the draft's distribution per proposal (sampling)
     spec_k: int = 0       # adaptive proposal length (0: not yet set)

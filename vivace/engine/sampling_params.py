@@ -81,6 +81,8 @@ class SamplingParams:
     # The output's expected tokens (OpenAI's predicted outputs): proposals come from them, even on
     # an engine without speculation; the output stays what it would be without (vivace.engine.prediction).
     prediction: list[int] | None = None
+    # Prefix-cache hits come only from requests with the same salt (vivace.engine.kv_cache).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

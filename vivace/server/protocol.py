@@ -257,6 +257,8 @@ class SamplingRequest(_Strict):
     priority: Integer() | None = None  # lower is sooner; the key's tier sets its default and floor
     # vivace's extra: false keeps this request out of speculative decoding (when the server has it)
     speculative: bool | None = True
+    # vLLM's extra: prefix-cache hits only among requests with the same salt (one per tenant)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's extra: each prompt token's logprob and its k most likely alternatives (not streamed)
     prompt_logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
     # Structured output (vivace.server.structured): OpenAI's response_format, vLLM's and llama.cpp's extras.
@@ -309,7 +311,7 @@ class SamplingRequest(_Strict):
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            speculative=self.speculative,
+            speculative=self.speculative, cache_salt=self.cache_salt,
             logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
         )
 

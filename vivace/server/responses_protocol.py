@@ -205,6 +205,7 @@ class ResponsesRequest(_Strict):
     frequency_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
     ignore_eos: bool | None = False
     priority: Integer() | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: prefix-cache hits per salt
 
     def chat_request(self) -> ChatCompletionRequest:
         """The same request as chat completions take it; 400 for a function call's arguments that
@@ -221,7 +222,7 @@ class ResponsesRequest(_Strict):
             seed=self.seed, stop=self.stop, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos, priority=self.priority,
-            reasoning_effort=self.reasoning.effort if self.reasoning is not None else None)
+            cache_salt=self.cache_salt, reasoning_effort=self.reasoning.effort if self.reasoning is not None else None)
 
     def _response_format(self) -> ResponseFormat | None:
         form = self.text.format if self.text is not None else None
