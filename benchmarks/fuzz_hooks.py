@@ -7,7 +7,8 @@ only with echo, prompt_logprobs not in a stream, continue_final_message without
 add_generation_prompt, thinking only in assistant messages, a reasoning effort (chat's or
 the Responses API's) only where the server reasons, prompt plus max_tokens within the context), and
 the grammar-carrying fields (a JSON schema, regex or grammar to constrain the output, tools and
-their calls) are valid only if the grammar engine compiles them, which no JSON schema can say.
+their calls, legacy functions and theirs) are valid only if the grammar engine compiles them,
+which no JSON schema can say.
 For positive cases only, this hook makes such a body obey the rules and drops those fields, and
 keeps each case short (at most 8 tokens, 2 choices) so a bounded run covers many cases; the
 messages of a ``/tokenize`` body get the same care (its tools stay, with unique names, and no tool_choice), and a ``/v1/responses`` body
@@ -33,7 +34,7 @@ PROMPT_CHARS = 400
 
 
 GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "tools", "tool_choice", "parallel_tool_calls")
+                  "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 
 
 def _drop_grammars(body: dict[str, Any]) -> None:
@@ -45,13 +46,14 @@ def _drop_grammars(body: dict[str, Any]) -> None:
 
 
 def _drop_calls(body: dict[str, Any]) -> None:
-    """Messages without tool calls or results (their ids must pair up), and thinking only in
-    assistant messages."""
+    """Messages without tool calls or results (their ids must pair up), legacy function calls or
+    results included, and thinking only in assistant messages."""
     for message in body.get("messages") or []:
         if isinstance(message, dict):
             message.pop("tool_calls", None)
             message.pop("tool_call_id", None)
-            if message.get("role") == "tool":
+            message.pop("function_call", None)
+            if message.get("role") in ("tool", "function"):
                 message["role"] = "user"
             if message.get("role") != "assistant":
                 message.pop("reasoning_content", None)

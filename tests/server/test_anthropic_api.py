@@ -190,6 +190,19 @@ def test_tool_use_and_its_round_trip(server: RunningServer) -> None:
     assert count.input_tokens == tokenized["count"]
 
 
+def test_a_streamed_tool_call_as_the_vercel_ai_sdk_asks_for_it(server: RunningServer) -> None:
+    """@ai-sdk/anthropic's streamText body: each tool with ``eager_input_streaming: true``."""
+    body = {"model": "tiny", "max_tokens": 60, "stream": True, "tool_choice": {"type": "tool", "name": "get_weather"},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}],
+            "tools": [{**WEATHER, "eager_input_streaming": True}]}
+    with server.http() as http, http.stream("POST", "/v1/messages", json=body) as response:
+        assert response.status_code == 200, response.read()
+        events = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+    partial = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta")
+    jsonschema.validate(json.loads(partial), CITY)
+    assert events[-2]["delta"]["stop_reason"] == "tool_use" and events[-1]["type"] == "message_stop"
+
+
 def test_count_tokens_is_the_prompt_of_the_same_request(server: RunningServer) -> None:
     client = _client(server)
     conversation = dict(system="Count me.", messages=[{"role": "user", "content": "A prompt long enough to fill "

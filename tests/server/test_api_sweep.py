@@ -76,10 +76,6 @@ def test_an_answer_sent_back_as_the_client_dumps_it_is_accepted(server: RunningS
         messages=[*HI, dumped, {"role": "user", "content": "and?"},
                   {"role": "assistant", "content": None, "refusal": "I can't."}, {"role": "user", "content": "ok"}])
     assert again.choices[0].message.role == "assistant"
-    with pytest.raises(openai.BadRequestError) as legacy:
-        client.chat.completions.create(model="tiny", max_tokens=2, messages=[
-            *HI, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}])
-    assert legacy.value.body["param"] == "messages.1.function_call"
 
 
 def test_one_model_card_and_unknown_names(server: RunningServer) -> None:

@@ -113,6 +113,35 @@ def test_forced_tool_calls_assemble(server: RunningServer, stream: bool, choice:
     jsonschema.validate(json.loads(assembled[0]["arguments"]), tool["function"]["parameters"])
 
 
+def test_max_tokens_inside_the_next_calls_opener_leaves_no_content(server: RunningServer) -> None:
+    """The bodies the Vercel AI SDK sends for ``toolChoice: "required"`` (chat's ``required``, the
+    Messages API's ``any``), cut by max_tokens inside the opener of a second call: the first call
+    alone, no "<tool" as content (nor as a text block), streamed or whole."""
+    client = server.client()
+    for seed in range(40):  # a seed whose answer makes two calls
+        body = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=seed)
+        tokens = [t.token for t in client.chat.completions.create(
+            **body, max_tokens=120, logprobs=True).choices[0].logprobs.content]
+        if "".join(tokens).count("<tool_call>") > 1:
+            break
+    closed = next(i for i in range(len(tokens)) if "</tool_call>" in "".join(tokens[:i + 1])) + 1
+    cut = next(i for i in range(closed, len(tokens)) if "".join(tokens[closed:i]).strip() not in ("", "<tool_call>")
+               and "<tool_call>".startswith("".join(tokens[closed:i]).strip()))
+    answer = client.chat.completions.create(**body, max_tokens=cut).choices[0]
+    assert answer.finish_reason == "length" and answer.message.content is None
+    assert [c.function.name for c in answer.message.tool_calls] == ["get_weather"]
+    streamed = [c.choices[0].delta for c in client.chat.completions.create(**body, max_tokens=cut, stream=True)
+                if c.choices]
+    assert "".join(d.content or "" for d in streamed) == ""
+    with server.http() as http:
+        message = http.post("/v1/messages", json={
+            "model": "tiny", "max_tokens": cut, "tool_choice": {"type": "any"}, "temperature": 1.0, "seed": seed,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": ASK[0]["content"]}]}],
+            "tools": [{"name": "get_weather", "description": WEATHER["function"]["description"],
+                       "input_schema": WEATHER["function"]["parameters"]}]}).json()
+    assert [block["type"] for block in message["content"]] == ["tool_use"], message
+
+
 def test_tool_round_trip_is_accepted_and_none_means_text(server: RunningServer) -> None:
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {

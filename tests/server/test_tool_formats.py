@@ -104,6 +104,16 @@ def test_text_after_the_calls_is_content_and_a_call_cut_short_keeps_what_it_had(
     assert parser.finish() == ("", [])
 
 
+@pytest.mark.parametrize("form", list(TWO_CALLS))
+def test_a_next_call_cut_off_before_its_name_is_none(form: str) -> None:
+    """max_tokens can end the output anywhere between two calls: the first call stands alone,
+    and nothing of the second leaks into the content."""
+    text, weather = TWO_CALLS[form], json.dumps(WEATHER)
+    for cut in range(text.index(weather) + len(weather), text.index("get_time")):
+        content, calls = parse_tool_calls(text[:cut], FORMS[form].parser())
+        assert content is None and [c.name for c in calls] == ["get_weather"], text[:cut]
+
+
 def test_ids_are_the_familys() -> None:
     ids = {MISTRAL.new_call_id() for _ in range(20)}
     assert len(ids) == 20 and all(len(i) == 9 and i.isalnum() for i in ids)

@@ -64,3 +64,11 @@ def test_a_call_cut_short_keeps_what_was_written():
     assert deltas[0].name == "f" and deltas[-1].arguments.endswith('"ab')
     assert parser.finish() == ("", [])
     assert parser.calls[0].arguments == '{"x": "ab'
+
+
+def test_a_next_call_cut_off_before_its_name_is_none():
+    """max_tokens can end the output inside the next call's opener: that is no content."""
+    for cut in range(len(CALL) + 1, len(CALL) + len("\n<tool_call>\n{\"name") + 1):
+        text = (CALL + "\n" + CALL)[:cut]
+        assert parse_tool_calls(text)[0] is None, text
+        assert stream(text, 1)[0] == "", text

@@ -134,6 +134,9 @@ class ToolDefinition(_Strict):
     input_schema: dict[str, Any] = Field(json_schema_extra={"properties": {"type": {"const": "object"}},
                                                            "required": ["type"]})
     strict: bool | None = None  # vivace holds every call to its schema with a grammar anyway
+    # Anthropic's fine-grained tool streaming (the Vercel AI SDK sends true when it streams): vivace
+    # streams every tool's input as it is written, which its grammar keeps valid, either way.
+    eager_input_streaming: bool | None = None
     cache_control: CacheControl | None = None
 
     @field_validator("input_schema")

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from vivace.engine.outputs import CompletionOutput, TokenLogprob
 from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
+from vivace.server.functions import as_tools, in_function_terms, legacy_choice, legacy_chunk_choice
 from vivace.server.generation import EngineRequest, run_whole, submitted, timings_of, usage_with_thinking
 from vivace.server.prompts import chat_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params
 from vivace.server.reasoning import Split, Thinking, ThoughtSplitter, effort_template_kwargs
@@ -42,14 +43,21 @@ async def create_chat_completion(request: Request) -> Response:
     """OpenAI chat completions; see ``vivace.server.protocol.ChatCompletionRequest``."""
     state = server_state(request)
     body = await parse_body(request, ChatCompletionRequest, state.metrics.work["parse"])
-    chat = await start_chat(request, body, "chatcmpl-")
+    legacy = body.functions is not None
+    try:
+        chat = await start_chat(request, as_tools(body), "chatcmpl-")
+    except APIError as exc:
+        raise in_function_terms(exc) if legacy else exc from None
     if body.stream:
         on_close = submitted([chat.job], chat.ticket.release)
-        return sse_response(_chunks(chat, state.model_name(body.model), body.include_usage(), body.continuous_usage()),
-                            on_close, state.metrics.work["sse_write"])
+        return sse_response(_chunks(chat, state.model_name(body.model), body.include_usage(), body.continuous_usage(),
+                                    legacy), on_close, state.metrics.work["sse_write"])
     if not await run_whole(request, chat.job, chat.ticket.release):
         return Response(status_code=499)
-    return JSONResponse(_response(chat, state.model_name(body.model), body.prompt_logprobs).model_dump(mode="json"))
+    answer = _response(chat, state.model_name(body.model), body.prompt_logprobs)
+    if legacy:
+        answer.choices = [legacy_choice(choice) for choice in answer.choices]
+    return JSONResponse(answer.model_dump(mode="json"))
 
 
 @dataclass(frozen=True)
@@ -247,9 +255,10 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput, held: _HeldBack) 
                            finish_reason=reason, stop_reason=delta.stop_reason)
 
 
-async def _chunks(chat: StartedChat, model: str, include_usage: bool, continuous_usage: bool
+async def _chunks(chat: StartedChat, model: str, include_usage: bool, continuous_usage: bool, legacy: bool = False
                   ) -> AsyncGenerator[str, None]:
-    """The stream's chunks; with ``continuous_usage`` each carries the usage so far."""
+    """The stream's chunks; with ``continuous_usage`` each carries the usage so far; with ``legacy``
+    calls come as legacy function calls."""
     job = chat.job
     held = [_HeldBack(chat.thinking.splitter() if chat.thinking is not None else None,
                       chat.tool_format.parser() if chat.calls else None) for _ in range(job.params.n)]
@@ -267,8 +276,8 @@ async def _chunks(chat: StartedChat, model: str, include_usage: bool, continuous
                  for i in range(job.params.n)])
     async with contextlib.aclosing(job.deltas()) as deltas:
         async for out in deltas:
-            choices = [c for c in (_chunk_choice(job, d, held[d.index]) for d in out.outputs)
-                       if c is not None]
+            choices = [legacy_chunk_choice(c) if legacy else c
+                       for c in (_chunk_choice(job, d, held[d.index]) for d in out.outputs) if c is not None]
             if choices or out.finished:
                 yield chunk(choices, timings=timings_of(job) if out.finished else None)
     if include_usage:

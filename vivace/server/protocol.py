@@ -195,7 +195,8 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": OpenAI's legacy tool result (vivace.server.functions), with the function's ``name``
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # a participant's name; the chat template decides whether it shows
     tool_calls: list[ToolCall] | None = None  # assistant messages only
@@ -209,8 +210,7 @@ class ChatMessage(_Strict):
     annotations: Annotated[list[Any] | None, *_unsupported("annotations", {"maxItems": 0})] = None
     audio: None = None
     parsed: Any = None  # ``chat.completions.parse``'s content read into the response_format's model (ignored)
-    function_call: Annotated[dict[str, Any] | None, *_unsupported(
-        "function_call values (the legacy form of tool_calls)", {"maxProperties": 0})] = None
+    function_call: FunctionCall | None = None  # an assistant's call in OpenAI's legacy form (one, no id)
 
     def text(self) -> str:
         """The content as the chat template gets it: text parts joined by newlines, as vLLM joins them."""
@@ -357,6 +357,9 @@ class ChatCompletionRequest(ChatTemplateRequest, SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
     parallel_tool_calls: bool | None = True
+    # OpenAI's legacy form of tools and tool_choice, still served (vivace.server.functions)
+    functions: Annotated[list[FunctionDefinition], Field(min_length=1)] | None = None
+    function_call: Literal["none", "auto"] | ToolChoiceFunction | None = None
     # OpenAI's: how much a reasoning model thinks (vivace.server.reasoning.effort_template_kwargs)
     reasoning_effort: ReasoningEffort | None = None
     # OpenAI's hints that change nothing here: how long a GPT model's answers run (the served

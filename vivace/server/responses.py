@@ -160,12 +160,14 @@ class AssistantMessage(Thought):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda value: not value)
+    function_call: FunctionCall | None = Field(None, exclude_if=_absent_if_none)  # the legacy form's one call
 
 
 class DeltaMessage(Thought):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda value: not value)
+    function_call: FunctionCallDelta | None = Field(None, exclude_if=_absent_if_none)  # the legacy form's call
 
 
 # vLLM's: the stop string or stop token id that ended a choice (null for the end of text, or its length).

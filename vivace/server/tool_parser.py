@@ -140,9 +140,10 @@ class ToolCallParser:
         return True
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """What is left once the output has ended (an opener's prefix was only text after all)."""
+        """What is left once the output has ended: an opener's prefix was only text after all,
+        unless it follows a call (then it is the next call, cut off before its name: none)."""
         rest, self._pending = self._pending, ""
-        if self._in_call:
+        if self._in_call or (self.calls and CALL_OPEN.startswith(rest.strip())):
             return "", []
         return (rest if not self.calls else rest.strip()), []
 
@@ -217,11 +218,11 @@ class CallParser:
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """What is left once the output has ended: held text that never became a call is content;
-        a call cut short keeps what it had."""
+        a call cut short keeps what it had, and the next one cut off before its name is none."""
         rest, self._pending = self._pending, ""
         if self._state in ("text", "first"):
             return rest, []
-        return (rest.strip() if self._state in ("next", "end") else ""), []
+        return "", []
 
     def _emit(self, size: int) -> None:
         self._content.append(self._pending[:size])

@@ -23,6 +23,7 @@ import jinja2
 import jinja2.meta
 
 from vivace.server.errors import APIError
+from vivace.server.functions import tool_messages
 from vivace.server.protocol import ChatMessage, ChatTemplateRequest
 from vivace.server.tool_formats import HERMES, ToolFormat
 
@@ -161,14 +162,16 @@ def _joined_results(sent: list[ChatMessage], rendered: list[dict[str, Any]]) -> 
 def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str, form: ToolFormat = HERMES
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages for ``apply_chat_template`` and its ``tools`` argument (None when the
-    template doesn't take tools, or no tool may be called); calls are written in ``form``."""
-    for index, message in enumerate(body.messages):
+    template doesn't take tools, or no tool may be called); calls are written in ``form``, legacy
+    function calls and results as tool calls and results."""
+    sent = tool_messages(body.messages)
+    for index, message in enumerate(sent):
         _check_roles(index, message)
     own = template_takes_tools(tokenizer)
     if own:
-        messages = [_template_message(i, m, form) for i, m in enumerate(body.messages)]
+        messages = [_template_message(i, m, form) for i, m in enumerate(sent)]
     else:
-        messages = _joined_results(body.messages, [_convention_message(i, m, form) for i, m in enumerate(body.messages)])
+        messages = _joined_results(sent, [_convention_message(i, m, form) for i, m in enumerate(sent)])
     if choice == "none" or not body.tools:
         return messages, None
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
