@@ -597,9 +597,9 @@ class LLMEngine:
             request.logprobs.append(logprob)
         detokenizer = self.detokenizers[request.request_id]
         is_eos = token_id in self.loaded.config.eos_token_ids and not params.ignore_eos
-        if token_id in params.stop_token_ids or is_eos:
+        if token_id in params.stop_token_set or is_eos:
             request.finish_reason = FinishReason.STOP
-            request.stop_reason = token_id if token_id in params.stop_token_ids else None
+            request.stop_reason = token_id if token_id in params.stop_token_set else None
             if params.include_stop_str_in_output:  # the stop token's text too, as vLLM
                 detokenizer.add_token(token_id, match_stop=False)
         else:
