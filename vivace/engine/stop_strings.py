@@ -32,6 +32,8 @@ class StopStrings:
     def first_match(self, text: str, ends_after: int, starts_from: int) -> tuple[int, str] | None:
         """The earliest occurrence (position, stop string) of a stop string in ``text`` that starts
         at ``starts_from`` or later and ends after ``ends_after``; on a tie, the first listed."""
+        if not self.stops:
+            return None
         best: tuple[int, int] | None = None
         for end in range(max(ends_after, starts_from) + 1, len(text) + 1):
             for size in self._suffix_sizes(text[starts_from:end][::-1]):
