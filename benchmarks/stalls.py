@@ -15,6 +15,14 @@ Settings alternate within each repetition, so a neighbour's load hits them alike
 by the medians over repetitions and the per-repetition ratios. Prints markdown tables.
 
     python benchmarks/stalls.py --settings pacer,chunk16 --reps 3 --streams 8 --prompt-lens 1024
+
+With ``--adversaries`` it measures single requests that the schema accepts but whose handling
+could cost the engine thread or the event loop more than their share instead: one greedy stream
+decodes throughout; for each named request (ADVERSARIES) its ITL is taken for ``--duration`` s
+alone, then for as long while that request is sent again and again. ``--baseline DIR`` serves a
+checkout of the code before a change from DIR too, alternating with this one in every repetition:
+
+    python benchmarks/stalls.py --adversaries plain,stop-strings --baseline ../before --reps 3 --duration 6
 """
 
 from __future__ import annotations
@@ -41,6 +49,40 @@ WORDS = ("harbor light stone river ember cloud maple orbit quiet lantern meadow 
          "thunder willow glacier falcon prism velvet canyon").split()
 SETTINGS = {"pacer": [], "chunk16": ["--max-prefill-chunk", "16"], "chunk64": ["--max-prefill-chunk", "64"],
             "kvf32": ["--kv-cache-dtype", "float32"]}
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz "
+
+
+def _letters(rng: random.Random, count: int) -> str:
+    return "".join(rng.choice(LETTERS) for _ in range(count))
+
+
+def _chat(rng: random.Random, **fields: object) -> tuple[str, dict]:
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 200,
+            "ignore_eos": True, "temperature": 0}
+    return "/v1/chat/completions", {**body, **fields}
+
+
+WEATHER_LIKE = {"type": "object", "properties": {"city": {"type": "string"}}}
+# name -> (path, body): requests that use a field at the size the schema allows (a 4 MB body, the
+# default --max-request-bytes, bounds them); "plain" is the share of the batch any request takes.
+ADVERSARIES: dict[str, Callable[[random.Random], tuple[str, dict]]] = {
+    "plain": lambda rng: _chat(rng),
+    "stop-strings": lambda rng: _chat(rng, stop=[_letters(rng, 1000) for _ in range(1000)]),
+    "stop-strings-n8": lambda rng: _chat(rng, n=8, stop=[_letters(rng, 200) for _ in range(1000)]),
+    "stop-token-ids": lambda rng: _chat(rng, min_tokens=200, stop_token_ids=[rng.randrange(49152) for _ in range(400_000)]),
+    "messages": lambda rng: ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 20_000,
+                                                      "max_tokens": 1}),
+    "tools": lambda rng: _chat(rng, max_tokens=1, tools=[{"type": "function", "function": {
+        "name": f"tool_{i}", "description": _letters(rng, 100), "parameters": WEATHER_LIKE}} for i in range(1000)]),
+    "top-logprobs": lambda rng: _chat(rng, logprobs=True, top_logprobs=20, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}),
+    "prompt-logprobs": lambda rng: ("/v1/completions", {"prompt": words(rng, 3000), "prompt_logprobs": 20, "max_tokens": 1}),
+    "repetition": lambda rng: ("/v1/completions", {"prompt": words(rng, 3000), "max_tokens": 200, "ignore_eos": True,
+                                                   "temperature": 0, "repetition_penalty": 1.1, "frequency_penalty": 0.5}),
+    "n128": lambda rng: _chat(rng, n=128, max_tokens=30),
+    "prompt-batch": lambda rng: ("/v1/completions", {"prompt": [words(rng, 3) for _ in range(5000)], "max_tokens": 1}),
+}
 
 
 @dataclass
@@ -145,16 +187,30 @@ def attribute(scenario: Scenario, timings: dict, big: float) -> None:
             scenario.causes[cause_of(gap, timings, decode_step)] += 1
 
 
-async def run_setting(setting: str, args: argparse.Namespace, rep: int) -> list[Scenario]:
+def start_server(name: str, args: argparse.Namespace, flags: list[str], checkout: Path | None = None
+                 ) -> tuple[Running, str]:
+    """``vivace serve`` with ``flags``, from this checkout or ``checkout`` (its ``vivace``
+    imported first), on a free loopback port; the server and its URL, once it is ready."""
     port = free_port()
-    command = [sys.executable, "-m", "vivace.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--num-threads", str(args.num_threads), "--log-level", "warning", "--compile-wait", *SETTINGS[setting],
+    python = [sys.executable] if checkout is None else [sys.executable, "-P"]  # -P: not this checkout first
+    command = [*python, "-m", "vivace.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--num-threads", str(args.num_threads), "--log-level", "warning", "--compile-wait", *flags,
                *args.serve_args.split()]
-    server = Running(Server(setting, command, "", start_timeout_s=args.ready_timeout),
-                     REPO / "bench-results" / f"stalls-{setting}.log")
+    env = {} if checkout is None else {"PYTHONPATH": str(checkout)}
+    server = Running(Server(name, command, "", env, start_timeout_s=args.ready_timeout),
+                     REPO / "bench-results" / f"stalls-{name}.log")
     url = f"http://127.0.0.1:{port}"
     try:
         server.wait_ready(url)
+    except BaseException:
+        server.stop()
+        raise
+    return server, url
+
+
+async def run_setting(setting: str, args: argparse.Namespace, rep: int) -> list[Scenario]:
+    server, url = start_server(setting, args, SETTINGS[setting])
+    try:
         rng = random.Random(rep * 1000 + 7)
         # Streams are closed at the end of their window; a prompt waits at most this long.
         async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout)) as client:
@@ -182,6 +238,84 @@ async def run_setting(setting: str, args: argparse.Namespace, rep: int) -> list[
         return results
     finally:
         server.stop()
+
+
+@dataclass
+class Exposure:
+    """One adversary in one repetition: the background stream's gaps alone, then beside it."""
+
+    alone: list[float]
+    beside: list[float]
+    sent: int
+    statuses: Counter
+
+
+async def send(client: httpx.AsyncClient, url: str, path: str, body: dict) -> int:
+    """One request, its answer read to the end; its status."""
+    async with client.stream("POST", url + path, json=body) as response:
+        async for _ in response.aiter_raw():
+            pass
+        return response.status_code
+
+
+def gaps_within(streams: list[list[float]], start: float, end: float) -> list[float]:
+    return [b - a for times in streams for a, b in zip(times, times[1:]) if start <= a and b <= end]
+
+
+async def run_adversaries(args: argparse.Namespace, rep: int, checkout: Path | None) -> dict[str, Exposure]:
+    """Every adversary in turn beside one greedy stream (restarted whenever it ends)."""
+    server, url = start_server("baseline" if checkout else "adversaries", args, SETTINGS["pacer"], checkout)
+    rng = random.Random(rep * 1000 + 11)
+    streams: list[list[float]] = []
+
+    async def background(client: httpx.AsyncClient) -> None:
+        while True:
+            streams.append([])
+            await stream(client, url, "Count slowly from one to ten thousand.", 4000, streams[-1])
+
+    results = {}
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout)) as client:
+            task = asyncio.create_task(background(client))
+            while not streams or len(streams[-1]) < 2:
+                await asyncio.sleep(0.05)
+            for name in args.adversaries:
+                path, body = ADVERSARIES[name](rng)
+                start = time.perf_counter()
+                await asyncio.sleep(args.duration)
+                middle, statuses = time.perf_counter(), Counter()
+                while not statuses or time.perf_counter() < middle + args.duration:
+                    statuses[await send(client, url, path, body)] += 1
+                exposure = Exposure(gaps_within(streams, start, middle), gaps_within(streams, middle, time.perf_counter()),
+                                    sum(statuses.values()), statuses)
+                results[name] = exposure
+                print(f"  {'baseline' if checkout else 'this checkout'} {name}: ITL alone median "
+                      f"{statistics.median(exposure.alone) * 1e3:.1f} ms, p99 {percentile(exposure.alone, 99) * 1e3:.1f};"
+                      f" beside median {statistics.median(exposure.beside) * 1e3:.1f} ms, p99 "
+                      f"{percentile(exposure.beside, 99) * 1e3:.1f}, max {max(exposure.beside) * 1e3:.0f}; "
+                      f"{exposure.sent} sent {dict(statuses)}", file=sys.stderr, flush=True)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return results
+    finally:
+        server.stop()
+
+
+def report_adversaries(runs: dict[str, list[dict[str, Exposure]]], args: argparse.Namespace) -> None:
+    print(f"\n## The background stream's ITL beside each request ({args.reps} repetitions, medians over them)\n")
+    print("| request | code | ITL alone: median (ms) | p99 (ms) | beside it: median (ms) | p99 (ms) | max (ms) | "
+          "sent per window | statuses |\n|---|---|---|---|---|---|---|---|---|")
+    for name in args.adversaries:
+        for code, reps in runs.items():
+            rows = [rep[name] for rep in reps]
+
+            def med(figure: Callable[[Exposure], float]) -> float:
+                return statistics.median(figure(e) for e in rows)
+            statuses = sum((e.statuses for e in rows), Counter())
+            print(f"| {name} | {code} | {med(lambda e: statistics.median(e.alone) * 1e3):.1f} | "
+                  f"{med(lambda e: percentile(e.alone, 99) * 1e3):.1f} | {med(lambda e: statistics.median(e.beside) * 1e3):.1f} | "
+                  f"{med(lambda e: percentile(e.beside, 99) * 1e3):.1f} | {med(lambda e: max(e.beside) * 1e3):.0f} | "
+                  f"{med(lambda e: e.sent):.0f} | {', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))} |")
 
 
 async def preemptions(client: httpx.AsyncClient, url: str) -> int:
@@ -245,16 +379,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--dump", type=Path, help="write each scenario's stream gaps and server timings here (JSON)")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a byte before a request fails")
+    parser.add_argument("--adversaries", type=lambda s: s.split(","),
+                        help=f"measure a stream beside each of these requests instead, of {list(ADVERSARIES)}")
+    parser.add_argument("--baseline", type=Path, help="with --adversaries: a checkout of the code before, served in turn")
     args = parser.parse_args()
-    unknown = set(args.settings) - set(SETTINGS)
+    unknown = set(args.settings) - set(SETTINGS) or set(args.adversaries or ()) - set(ADVERSARIES)
     if unknown:
-        parser.error(f"unknown settings {sorted(unknown)}")
+        parser.error(f"unknown settings or adversaries {sorted(unknown)}")
     return args
 
 
 def main() -> None:
     args = parse_args()
     (REPO / "bench-results").mkdir(exist_ok=True)
+    if args.adversaries:
+        checkouts = {"before": args.baseline, "after": None} if args.baseline else {"this": None}
+        exposures: dict[str, list[dict[str, Exposure]]] = {code: [] for code in checkouts}
+        for rep in range(args.reps):
+            for code in checkouts if rep % 2 == 0 else reversed(checkouts):
+                print(f"repetition {rep + 1}/{args.reps}: {code}", file=sys.stderr, flush=True)
+                exposures[code].append(asyncio.run(run_adversaries(args, rep, checkouts[code])))
+        report_adversaries(exposures, args)
+        return
     runs: dict[str, list[list[Scenario]]] = {setting: [] for setting in args.settings}
     for rep in range(args.reps):
         for setting in args.settings if rep % 2 == 0 else reversed(args.settings):

@@ -91,3 +91,20 @@ async def test_a_prompt_too_long_is_a_value_error(engine):
     with pytest.raises(ValueError, match="maximum context length"):
         async for _ in engine.generate([5] * 2000, SamplingParams(max_tokens=10), "too-long"):
             pass
+
+
+def test_a_burst_of_commands_is_taken_in_a_few_per_step():
+    """Adds and aborts are applied COMMANDS_PER_STEP at a time, in order, between steps: 20,000
+    adds at once (one completions request's prompts) would hold every running stream ~1 s."""
+    import queue
+    from types import SimpleNamespace
+
+    from vivace.engine.async_engine import COMMANDS_PER_STEP
+
+    applied = []
+    front = SimpleNamespace(_commands=queue.SimpleQueue(), _apply=applied.append)
+    for i in range(COMMANDS_PER_STEP * 2 + 5):
+        front._commands.put(("add", i))
+    for drained in (COMMANDS_PER_STEP, 2 * COMMANDS_PER_STEP, 2 * COMMANDS_PER_STEP + 5):
+        AsyncEngine._drain_commands(front, block=False)
+        assert [c[1] for c in applied] == list(range(drained))

@@ -43,6 +43,26 @@ def test_min_tokens_forbids_eos_and_stop_ids():
     assert sampler(logits.clone(), [request(temperature=0)]).token_ids == [0]
 
 
+def test_many_stop_token_ids_cost_each_step_the_same_as_a_few(monkeypatch):
+    """Thousands of stop token ids (repeated: a 4 MB body holds ~700,000) are kept once each, and
+    the min_tokens ban gathers them into a tensor once per request, not once per step (that
+    converted the whole list on the engine thread each step: ~80 ms at 700,000)."""
+    sent = [i % 40_000 for i in range(200_000)]
+    params = SamplingParams(stop_token_ids=sent, min_tokens=10, temperature=0)
+    assert params.stop_token_ids == list(range(40_000)) and 39_999 in params.stop_token_set
+    converted = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda data, *a, **k: converted.append(len(data)) or real_tensor(data, *a, **k))
+    sampler, r = Sampler(eos_token_ids=(0,)), Request("r", [5], params)
+    logits = torch.zeros(1, 50_000)
+    logits[0, :40_000] = 1.0
+    for _ in range(10):
+        token_id = sampler(logits.clone(), [r]).token_ids[0]
+        assert token_id >= 40_000
+        r.token_ids.append(token_id)
+    assert sum(converted) <= 40_001
+
+
 def test_seeded_draws_do_not_depend_on_the_batch():
     sampler = Sampler(eos_token_ids=(0,))
     torch.manual_seed(1)

@@ -99,3 +99,29 @@ def test_echoed_offsets_stay_in_the_text_when_tokens_split_characters(server: Ru
     offsets = choice.logprobs.text_offset
     assert offsets[:6] == [0, 0, 0, 1, 1, 1] and offsets == sorted(offsets)
     assert offsets[-2] == len(prompt) and choice.text.startswith(prompt)
+
+
+def test_a_batch_of_prompts_lets_the_event_loop_turn_between_them(server: RunningServer, monkeypatch) -> None:
+    """Each prompt of a batch is prepared in its own turn of the event loop, so other streams'
+    events go out between them (20,000 prompts held the loop ~2 s in one go)."""
+    import asyncio
+
+    from vivace.server import completions
+
+    turns, seen = [0], []
+
+    def tick() -> None:
+        turns[0] += 1
+        if len(seen) < 40:
+            asyncio.get_running_loop().call_soon(tick)
+
+    def counted(tokenizer, prompt):
+        if not seen:
+            asyncio.get_running_loop().call_soon(tick)
+        seen.append(turns[0])
+        return prepare(tokenizer, prompt)
+    prepare = completions.completion_prompt_ids
+    monkeypatch.setattr(completions, "completion_prompt_ids", counted)
+    reply = server.client().completions.create(model="tiny", prompt=["Hi"] * 40, max_tokens=1)
+    assert len(reply.choices) == 40
+    assert len(set(seen)) == 40  # the loop turned before each prompt

@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vivace.engine.stop_strings import StopStrings
 from vivace.engine.tokenization import once_per_tokenizer
 
 # Decoding a few tokens before the new ones gives tokenizers the context they need
@@ -54,7 +55,7 @@ def _rust_decoder(tokenizer) -> object | None:
 class IncrementalDetokenizer:
     tokenizer: object
     token_ids: list[int]
-    stop: list[str]
+    stop: list[str] | StopStrings  # a list is indexed here
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     text: str = ""          # everything decoded so far (cut at a stop string if one matched)
@@ -67,6 +68,9 @@ class IncrementalDetokenizer:
         self.token_ids = list(self.token_ids)
         self.read_offset = len(self.token_ids)
         self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)
+        self.stops = self.stop if isinstance(self.stop, StopStrings) else StopStrings(self.stop)
+        self._held = 0     # characters at the end of ``text`` that could begin a stop string
+        self._checked = 0  # ``text`` up to here was searched for stop strings
 
     def _decode(self, ids: list[int]) -> str:
         return self._decoder(ids, self.skip_special_tokens)
@@ -81,33 +85,34 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return self._match_stop(start) if match_stop else None
-
-    def _match_stop(self, new_start: int) -> str | None:
-        longest = max((len(s) for s in self.stop), default=0)
-        search_from = max(new_start - longest + 1, 0)
-        best: tuple[int, str] | None = None
-        for stop in self.stop:
-            at = self.text.find(stop, search_from)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
-            return None
-        at, stop = best
-        self.text = self.text[:at + len(stop) if self.include_stop_str_in_output else at]
+        stop = self._match_stop(start) if match_stop else None
+        if stop is None:  # a suffix that could begin a stop string extends the one before it
+            self._held = self.stops.held_back(self.text, self._held + len(self.text) - start)
         return stop
 
-    def _held_back(self) -> int:
-        """Length of the longest suffix of ``text`` that begins some stop string."""
-        for n in range(min(max((len(s) for s in self.stop), default=1) - 1, len(self.text)), 0, -1):
-            suffix = self.text[-n:]
-            if any(stop.startswith(suffix) for stop in self.stop):
-                return n
-        return 0
+    def _match_stop(self, new_start: int) -> str | None:
+        """The stop string that now ends the output, as a search from ``longest - 1`` characters
+        before the new text finds it (the earliest; on a tie, the first listed), with ``text`` cut
+        there. Only occurrences that end in text not yet searched can be new; each that begins
+        before the new text does so inside what was held back."""
+        search_from = max(new_start - self.stops.longest + 1, 0)
+        starts_from = max(new_start - self._held, search_from) if self._checked == new_start else search_from
+        match = self.stops.first_match(self.text, self._checked, starts_from)
+        self._checked = len(self.text)
+        if match is None:
+            return None
+        at, stop = match
+        self._cut(at + len(stop) if self.include_stop_str_in_output else at)
+        return stop
+
+    def _cut(self, end: int) -> None:
+        self.text = self.text[:end]
+        self._checked = min(self._checked, end)
+        self._held = self.stops.held_back(self.text, self.stops.longest)
 
     def take_new_text(self, final: bool) -> str:
         """Text not yet handed out; while not final, keep back a possible stop-string start."""
-        end = len(self.text) if final else len(self.text) - self._held_back()
+        end = len(self.text) if final else len(self.text) - self._held
         end = max(end, self.num_emitted)
         delta = self.text[self.num_emitted:end]
         self.num_emitted = end

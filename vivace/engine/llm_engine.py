@@ -27,6 +27,7 @@ from vivace.engine.sampling_params import SamplingParams
 from vivace.engine.scheduler import ScheduledBatch, Scheduler
 from vivace.engine.speculative import AdaptiveK, SpecStats, propose_ngram
 from vivace.engine.step_timing import StepTimings
+from vivace.engine.stop_strings import StopStrings
 from vivace.engine.tokenization import encoder_of
 from vivace.generation_config import served_defaults
 from vivace.layers.packed_linear import prepack_linears
@@ -110,6 +111,7 @@ class LLMEngine:
         self.token_masks = TokenMasks(vocab_size)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._stop_strings: StopStrings | None = None  # the last request's, for its other choices
         self._arrivals = itertools.count()
         # A step the runner has queued on its device whose tokens the host has not read yet.
         self._inflight: Launched | None = None
@@ -168,8 +170,10 @@ class LLMEngine:
         if params.prediction and self._may_speculate(request):
             request.prediction = Prediction(params.prediction)
         self.requests[request_id] = request
+        if self._stop_strings is None or self._stop_strings.stops != params.stop:  # a request's choices come in a row
+            self._stop_strings = StopStrings(params.stop)
         self.detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
+            self.tokenizer, token_ids, self._stop_strings, params.skip_special_tokens,
             params.include_stop_str_in_output)
         self.scheduler.add(request)
         return request
@@ -593,9 +597,9 @@ class LLMEngine:
             request.logprobs.append(logprob)
         detokenizer = self.detokenizers[request.request_id]
         is_eos = token_id in self.loaded.config.eos_token_ids and not params.ignore_eos
-        if token_id in params.stop_token_ids or is_eos:
+        if token_id in params.stop_token_set or is_eos:
             request.finish_reason = FinishReason.STOP
-            request.stop_reason = token_id if token_id in params.stop_token_ids else None
+            request.stop_reason = token_id if token_id in params.stop_token_set else None
             if params.include_stop_str_in_output:  # the stop token's text too, as vLLM
                 detokenizer.add_token(token_id, match_stop=False)
         else:

@@ -54,6 +54,7 @@ class Request:
     # With params.prompt_logprobs: the prompt tokens' logprobs collected so far, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)
     generator: torch.Generator | None = field(init=False)
+    min_tokens_banned: torch.Tensor | None = None  # the ids the sampler forbids before min_tokens, once gathered
     timings: Timings = field(init=False)
 
     def __post_init__(self) -> None:

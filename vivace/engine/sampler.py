@@ -114,13 +114,14 @@ def before_min_tokens(request: Request) -> bool:
 
 
 def mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]) -> None:
-    """Forbid eos and stop tokens until a request has its min_tokens."""
+    """Forbid eos and stop tokens until a request has its min_tokens (their ids gathered once per request)."""
     for row, request in enumerate(requests):
-        params = request.params
         if before_min_tokens(request):
-            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
-            if banned:
-                logits[row, banned] = float("-inf")
+            if request.min_tokens_banned is None:
+                params = request.params
+                eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+                request.min_tokens_banned = torch.tensor(sorted(params.stop_token_set | eos), dtype=torch.long)
+            logits[row].index_fill_(0, request.min_tokens_banned, float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

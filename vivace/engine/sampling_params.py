@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -88,6 +89,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # each id once, whatever was sent
         try:  # token ids as ints, whatever the caller keyed them by ("50256", as JSON has them)
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
         except (TypeError, ValueError):
@@ -118,6 +120,11 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise ParamError(message, param)
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set: checking a token costs the same for thousands as for one."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

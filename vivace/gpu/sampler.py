@@ -110,7 +110,7 @@ class DeviceSampler:
         params = request.params
         if request.num_output_tokens + ahead >= params.min_tokens:
             return []
-        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+        return sorted(params.stop_token_set | (set() if params.ignore_eos else set(self.eos_token_ids)))
 
     def stage(self, rows: list[Request | None], ahead: int = 0) -> SamplerPlan:
         """Fill the parameters of rows ``0..len(rows)-1`` (None: a row nobody samples, drawn

@@ -17,7 +17,8 @@ from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.errors import APIError
 from vivace.server.functions import as_tools, in_function_terms, legacy_choice, legacy_chunk_choice
 from vivace.server.generation import EngineRequest, run_whole, submitted, timings_of, usage_with_thinking
-from vivace.server.prompts import chat_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params
+from vivace.server.prompts import (
+    chat_prompt_ids, fit_max_tokens, off_the_loop, parse_body, sampling_params, template_size)
 from vivace.server.reasoning import Split, Thinking, ThoughtSplitter, effort_template_kwargs
 from vivace.server.request_id import request_id_of
 from vivace.server.protocol import ChatCompletionRequest
@@ -104,7 +105,7 @@ async def render_chat(state: ServerState, engine: AsyncEngine, body: ChatComplet
     if effort_kwargs:  # the request's own chat_template_kwargs win
         body = body.model_copy(update={"chat_template_kwargs": {**effort_kwargs, **(body.chat_template_kwargs or {})}})
     prompt_ids = await off_the_loop(state.metrics.work["prompt"], chat_prompt_ids, engine.tokenizer, body, choice,
-                                    False, form, size=sum(len(m.text()) for m in body.messages))
+                                    False, form, size=template_size(body, choice))
     return ChatPrompt(body, choice, form, prompt_ids)
 
 

@@ -256,8 +256,11 @@ async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[T, Non
         except Exception as exc:  # re-raised in the consumer
             queue.put_nowait((True, exc))
 
-    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    tasks = []
     try:
+        for stream in streams:  # started one per turn of the event loop: each submits its request
+            tasks.append(asyncio.ensure_future(pump(stream)))
+            await asyncio.sleep(0)
         for _ in range(len(tasks)):
             while True:
                 done, item = await queue.get()

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vivace.server.errors import APIError
-from vivace.server.prompts import chat_prompt_ids, off_the_loop, parse_body
+from vivace.server.prompts import chat_prompt_ids, off_the_loop, parse_body, template_size
 from vivace.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from vivace.server.responses import DetokenizeResponse, TokenizeResponse
 from vivace.server.state import server_state
@@ -65,7 +65,7 @@ async def tokenize(request: Request) -> Response:
     if isinstance(body, TokenizeChatRequest):
         ids = await off_the_loop(state.metrics.work["prompt"], chat_prompt_ids, tokenizer, body,
                                  tool_choice(body), body.add_special_tokens, state.tool_format(engine),
-                                 size=sum(len(m.text()) for m in body.messages))
+                                 size=template_size(body, tool_choice(body)))
     else:
         ids = await off_the_loop(state.metrics.work["prompt"],
                                  partial(tokenizer.encode, add_special_tokens=body.add_special_tokens),
