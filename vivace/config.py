@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,28 @@ def resolve_device(device: str) -> str:
             f"torch {torch.__version__} built for CUDA {torch.version.cuda}, but no usable GPU or driver"
         raise ValueError(f"--device cuda: torch sees no CUDA GPU ({build}); use --device cpu or auto")
     return device
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX): elsewhere oneDNN
+    emulates it, slower than float32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@functools.lru_cache(maxsize=16)
+def auto_dtype(model: str, quantization: str, device: str, load_format: str) -> torch.dtype:
+    """``--dtype auto``: bfloat16 where a CPU with native BF16 serves weights stored as 16-bit floats
+    as floats (a bfloat16/float16 Hugging Face checkpoint, an F16/BF16 GGUF), as vLLM's CPU
+    backend serves them: half the bytes a token of float32, the same values for bfloat16
+    checkpoints. float32 for anything else: quantized weights (their kernels take float32
+    activations; ``--quantization none`` of a quantized GGUF stays float32, token-exact against
+    transformers), float32 checkpoints, random weights, a CPU without BF16, a GPU."""
+    if load_format != "auto" or quantization not in ("auto", "none") or resolve_device(device) != "cpu" \
+            or not cpu_has_bf16():
+        return torch.float32
+    from vivace.models.loader import stored_in_16_bits  # models import this module
+
+    return torch.bfloat16 if stored_in_16_bits(model) else torch.float32
 
 
 def fp8_capable(device: str) -> bool:
@@ -170,7 +193,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES["float32" if self.dtype == "auto" else self.dtype]
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        return auto_dtype(self.model, self.quantization, self.device, self.load_format)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -145,3 +146,31 @@ def test_default_model_matches_transformers_gguf_loading(hf_default_model) -> No
     logits = PagedRun(loaded.model, loaded.config, block_size=16).step({"a": ids})["a"]
     assert (logits - hf_logits(hf_default_model, ids)).abs().max().item() <= 1e-3
     assert os.path.basename(path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_auto_dtype_serves_16_bit_float_weights_in_bfloat16_on_a_bf16_cpu(tiny, tmp_path) -> None:
+    """``--dtype auto``: a bfloat16/float16 checkpoint or an F16 GGUF computes in bfloat16 where the
+    CPU has native BF16 (half the bytes a token), anything quantized or float32 in float32."""
+    from vivace.config import EngineConfig, cpu_has_bf16
+
+    from .gguf_export import write_gguf
+
+    half = torch.bfloat16 if cpu_has_bf16() else torch.float32
+    llama = tiny("llama").hf
+
+    def auto(model: str, **config) -> torch.dtype:
+        return EngineConfig(model=model, dtype="auto", device="cpu", **config).torch_dtype
+
+    for stored, expected in (("bfloat16", half), ("float16", half), ("float32", torch.float32)):
+        directory = tmp_path / stored
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({**llama.config.to_dict(), "dtype": stored}))
+        assert auto(str(directory)) == expected, stored
+        assert auto(str(directory), quantization="int8") == torch.float32
+        assert auto(str(directory), load_format="dummy") == torch.float32
+    f16 = write_gguf(llama, tmp_path / "f16.gguf", gguf.GGMLQuantizationType.F16)
+    assert auto(str(f16)) == half and auto(str(f16), quantization="none") == half
+    q8 = write_gguf(llama, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    assert auto(str(q8)) == torch.float32 and auto(str(q8), quantization="none") == torch.float32
+    assert auto("default") == torch.float32  # Q4_1: its kernels take float32 activations
+    assert EngineConfig(model=str(f16), dtype="float32").torch_dtype == torch.float32  # an explicit dtype wins

@@ -10,12 +10,14 @@ import ctypes
 import dataclasses
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
+from gguf import GGMLQuantizationType
 from safetensors import safe_open
 from torch import nn
 
@@ -155,6 +157,23 @@ def check_device(config: ModelConfig, device: str) -> None:
     if device != "cpu" and config.moe is not None:
         raise ValueError(f"--device {device} does not run mixture-of-experts models ({config.architecture}); "
                          "serve it with --device cpu")
+
+
+def stored_in_16_bits(model: str) -> bool:
+    """Whether ``model`` (as ``load_model`` takes it) keeps its weights as 16-bit floats: a Hugging
+    Face checkpoint whose config.json says bfloat16 or float16 (and no quantization), or a GGUF
+    file whose decoder projections are F16/BF16. False for anything else (quantized or float32
+    weights, a name that is no such file)."""
+    path = bundled_model_path(BUNDLED[model]) if model in BUNDLED else Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        config = json.loads((path / "config.json").read_text())
+        dtype = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+        return dtype in ("bfloat16", "float16") and "quantization_config" not in config
+    if path.is_file() and path.suffix == ".gguf" and native_quantization(path) == "none":
+        types = Counter(info.ggml_type for name, info in GGUFFile(path).tensors.items()
+                        if name.startswith("blk.") and name.endswith(".weight") and len(info.shape) == 2)
+        return bool(types) and types.most_common(1)[0][0] in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    return False
 
 
 def _auto_quantization(gguf_path: Path) -> str:
