@@ -85,7 +85,7 @@ class EngineConfig:
     """
 
     model: str = "default"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 for 16-bit float weights on a CPU with BF16, else float32 (auto_dtype)
     # KV cache dtype: float32, bfloat16, float16, or "auto": float16 where the model computes in
     # float32 on the CPU (half the bytes every decode step reads, as llama.cpp's default f16
     # cache), else the model's dtype. Attention always computes in float32. "fp8" (or
