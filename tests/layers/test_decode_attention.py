@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vivace.layers import decode_attention, prefill_attention
+from vivace.layers import decode_attention, native, prefill_attention
 from vivace.layers.decode_attention import reference_decode_attention
 
 OP = torch.ops.vivace.paged_decode_attention
@@ -162,3 +162,48 @@ def test_flagged_prompt_rows_get_the_prefill_kernels_bits(cache_dtype, run, prom
         alone = OP(q[row:row + 1], k[row:row + 1], v[row:row + 1], cache.clone(), slots[row:row + 1], tables[:1],
                    seq_lens[row:row + 1], 0.125, window)
         assert torch.equal(alone[0], together[row]), f"row {row}"
+
+
+def decode_rows_and_prefill(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, group: int,
+                            block_size: int, seq_len: int, q_len: int, seed: int):
+    """The last ``q_len`` positions of one ``seq_len``-token sequence attended three ways: by the
+    prefill kernel as a chunk, by the decode kernel as one pass of rows, and row by row."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, num_blocks = 2, -(-seq_len // block_size) + 3
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    table = torch.randperm(num_blocks, generator=gen)
+    q = torch.randn(q_len, kv_heads * group, head_dim, generator=gen).to(q_dtype)
+    scale = head_dim ** -0.5
+    chunk = torch.ops.vivace.paged_prefill_attention(q, cache, table, seq_len, scale)
+    lens = torch.arange(seq_len - q_len + 1, seq_len + 1)
+    slots = table[(lens - 1) // block_size] * block_size + (lens - 1) % block_size
+    k, v = (cache[i].flatten(0, 1)[slots].to(q_dtype) for i in range(2))  # stored again unchanged
+    tables = table.expand(q_len, -1).contiguous()
+    together = OP(q, k, v, cache, slots, tables, lens, scale, 0, torch.zeros(q_len, dtype=torch.long))
+    alone = [OP(q[i:i + 1], k[i:i + 1], v[i:i + 1], cache, slots[i:i + 1], tables[:1], lens[i:i + 1], scale)[0]
+             for i in range(q_len)]
+    return chunk, together, torch.stack(alone)
+
+
+@pytest.mark.skipif(decode_attention.BACKEND != "native" or prefill_attention.BACKEND != "native",
+                    reason="the native kernels did not build here")
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                                  (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float16, torch.float16)])
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 80, 128, 256])
+def test_decode_rows_equal_the_prefill_kernels_bits(q_dtype, cache_dtype, head_dim):
+    """A row the decode kernel attends (alone, or in a pass with other rows of its sequence) gets the
+    prefill kernel's bits for the same row: one arithmetic in both (attention_math.h), so a position's
+    hidden state, hence the K/V above it, does not depend on which kernel attended it (a prefix-cache
+    hit on an earlier answer against a miss). Groups 1 to 8; lengths across 16-key runs, 64-key
+    chunks and block boundaries, block sizes that divide 64 and ones that do not."""
+    if not native.cpu_has(native.AVX512_CPU_FLAGS):
+        pytest.skip("the AVX2 twins keep their own orders: there the kernels agree to tolerance only")
+    cases = [(16, 1, 1), (16, 17, 5), (8, 64, 4), (4, 65, 7), (24, 130, 9), (32, 300, 12), (64, 129, 3), (48, 200, 2)]
+    for group in range(1, 9):
+        for block_size, seq_len, q_len in cases:
+            chunk, together, alone = decode_rows_and_prefill(q_dtype, cache_dtype, head_dim, group, block_size,
+                                                             seq_len, q_len, seed=group * 1000 + seq_len)
+            where = f"group {group}, block size {block_size}, rows {seq_len - q_len + 1}..{seq_len}"
+            assert torch.equal(together, chunk), where
+            assert torch.equal(alone, chunk), where

@@ -76,11 +76,11 @@ def test_half_precision(dtype, tol, seq_len, q_len):
 @pytest.mark.parametrize("seq_len, q_len", [(17, 17), (300, 40), (513, 5)])
 def test_float32_queries_over_a_half_precision_cache(cache_dtype, seq_len, q_len):
     """The KV cache narrower than the model (--kv-cache-dtype): float32 attention over its values,
-    from the native kernel (float16 cache) or the SDPA path (bfloat16 cache)."""
+    from the native kernel (as the decode kernel attends them)."""
     q, cache, table = random_case(torch.float32, seq_len, q_len, seed=seq_len + q_len)
     cache = cache.to(cache_dtype)
     native = prefill_attention.native_supports(q, cache)
-    assert native == (prefill_attention.USE_NATIVE and cache_dtype == torch.float16)
+    assert native == prefill_attention.USE_NATIVE
     out = attention._prefill_attention(q, cache, table, seq_len, 0.125)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, sdpa(q, cache, table, seq_len, 0.125).float(), rtol=1e-5, atol=1e-5)

@@ -6,8 +6,10 @@
 // [2, num_blocks, block_size, kv_heads, head_dim] (keys, then values); a token's slot is
 // block * block_size + offset. The cache may be narrower than q (float32 queries over a float16
 // or bfloat16 cache: half the bytes a step reads); scores and the softmax are float32 whatever
-// the dtypes. With a
-// window w > 0 a query attends only the last w tokens of its sequence (sliding-window layers).
+// the dtypes. With a window w > 0 a query attends only the last w tokens of its sequence
+// (sliding-window layers). On AVX-512 a row's result is bit for bit the prefill kernel's for the
+// same row (attention_math.h), so a position's K/V do not depend on which kernel made the hidden
+// states under them (a prefix-cache hit on an earlier answer against a miss).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -23,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_math.h"
 #include "simd.h"
 
 namespace {
@@ -34,168 +37,109 @@ struct Layout {
   int64_t token_stride() const { return kv_heads * head_dim; }
 };
 
-// The 16 horizontal sums of v[0..15], in order, as one vector (a transpose-and-add tree).
-inline __m512 hsum16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
-}
-
 // Query heads attended together per kv head: at most 4 (head_dim <= 64), 2 (<= 240) or 1 (256),
 // so a group's queries and accumulators stay in registers.
 template <int ND>
 constexpr int heads_per_pass() { return ND <= 4 ? 4 : (ND < 16 ? 2 : 1); }
 
-// dot[g] = the lane-wise products of query head g with key row k, summed over its ND vectors
-// (16 partial sums), for the first gb heads; the key row is loaded once.
+#ifndef VIVACE_SIMDE
+// dot[g] = the lane-wise products of query head g with key row k, chained over its ND vectors
+// (16 partial sums, the first product a fmadd onto zero as attention_math.h says), for the first
+// gb heads; the key row is loaded once.
 template <typename C, int ND, int GB>
 inline void head_dots(const __m512 (&query)[GB][ND], const C* k, int gb, __m512 (&dot)[GB]) {
   __m512 key[ND];
   for (int i = 0; i < ND; ++i) key[i] = load16(k + 16 * i);
   for (int g = 0; g < GB; ++g) {
     if (g >= gb) break;
-    dot[g] = _mm512_mul_ps(query[g][0], key[0]);
-    for (int i = 1; i < ND; ++i) dot[g] = _mm512_fmadd_ps(query[g][i], key[i], dot[g]);
+    dot[g] = _mm512_setzero_ps();
+    for (int i = 0; i < ND; ++i) dot[g] = _mm512_fmadd_ps(query[g][i], key[i], dot[g]);
   }
 }
 
 // Attend gb query vectors (gb <= heads_per_pass), all of one sequence and kv head `kvh`, query g
 // (qs[g], [head_dim]) over that sequence's tokens [start, lens[g]) into outs[g]; ND = head_dim / 16.
 // The queries are heads of one row, or of consecutive rows (a prompt chunk riding the decode
-// step), whose lengths then differ: every query's scores are computed up to the longest, and a
-// query's softmax covers its own tokens only (the rest weigh zero). Each key and value row is
-// read once for all gb queries. Blocks are walked in table order, so no token needs a division;
-// scores are kept at their token's index (those below `start` are never written or read).
+// step), whose lengths then differ: a query's softmax covers its own tokens only (the rest weigh
+// zero), so its result is the same whatever else the pass holds. Flash-decoding over absolute
+// chunks of BK keys, in the prefill kernel's arithmetic (attention_math.h): a query's output is
+// that kernel's bits for the same row. Each key and value row is read once for all gb queries.
 template <typename T, typename C, int ND>
 void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int gb, const C* keys, const C* values,
                     const int64_t* table, int64_t start, int64_t kvh, float scale, const Layout& s,
-                    std::vector<float>& buf) {
+                    std::vector<float>&) {
+  using vivace_attention::BK;
   constexpr int GB = heads_per_pass<ND>();
   constexpr int64_t D = 16 * ND;
   const int64_t seq_len = *std::max_element(lens, lens + gb);
-  const int64_t stride = s.token_stride(), bs = s.block_size, num_blocks = (seq_len + bs - 1) / bs;
-  const int64_t first_block = start / bs, width = seq_len + 16;
-  // This kv head's rows of block j of the sequence in `cache` (keys or values), and how many there are.
-  const auto head_rows = [&](const C* cache, int64_t j) { return cache + table[j] * bs * stride + kvh * D; };
-  const auto rows_in = [&](int64_t j) { return std::min(bs, seq_len - j * bs); };
-  buf.resize(GB * width);
-  float* scores[GB];
-  for (int g = 0; g < GB; ++g) scores[g] = buf.data() + g * width;
-  __m512 query[GB][ND];
+  const int64_t stride = s.token_stride(), bs = s.block_size;
+  const float qscale = vivace_attention::query_scale(scale);
+  __m512 query[GB][ND], acc[GB][ND];
   for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < ND; ++i)
-      query[g][i] = g < gb ? _mm512_mul_ps(load16(qs[g] + 16 * i), _mm512_set1_ps(scale)) : _mm512_setzero_ps();
-  // Scores, 16 tokens at a time where a block allows: each key row loaded once, dotted with every head.
-  __m512 peak[GB];
-  for (int g = 0; g < GB; ++g) peak[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = first_block; j < num_blocks; ++j) {
-    const C* base = head_rows(keys, j);
-    const int64_t n = rows_in(j), at = j * bs;
-    // The next block's rows of this head (after the last key block, the first value block's).
-    if (j + 1 < num_blocks)
-      prefetch_rows(head_rows(keys, j + 1), rows_in(j + 1), stride, D);
-    else
-      prefetch_rows(head_rows(values, first_block), rows_in(first_block), stride, D);
-    int64_t t = std::max<int64_t>(0, start - at);
-    for (; t + 16 <= n; t += 16) {
+    for (int i = 0; i < ND; ++i) {
+      query[g][i] = g < gb ? _mm512_mul_ps(load16(qs[g] + 16 * i), _mm512_set1_ps(qscale)) : _mm512_setzero_ps();
+      acc[g][i] = _mm512_setzero_ps();
+    }
+  alignas(64) float scores[GB][BK];
+  float peak[GB], total[GB], alpha[GB];
+  for (int g = 0; g < GB; ++g) peak[g] = -std::numeric_limits<float>::infinity(), total[g] = 0.0f;
+  int64_t rows[BK];  // offsets of the chunk's keys' rows of this head (in keys and in values)
+  int64_t next[BK];
+  // The rows of chunk c's keys [lo, n) into offs, the block table walked from the chunk's first key.
+  const auto chunk_rows = [&](int64_t c, int64_t lo, int64_t n, int64_t* offs) {
+    int64_t key = c * BK + lo, j = key / bs, off = key - j * bs;
+    for (int64_t t = lo; t < n; ++t, ++off) {
+      if (off == bs) ++j, off = 0;
+      offs[t] = (table[j] * bs + off) * stride + kvh * D;
+    }
+  };
+  const int64_t first = start / BK, last = (seq_len - 1) / BK;
+  chunk_rows(first, start - first * BK, std::min<int64_t>(BK, seq_len - first * BK), rows);
+  for (int64_t c = first; c <= last; ++c) {
+    const int64_t k0 = c * BK, lo = std::max<int64_t>(0, start - k0), n = std::min<int64_t>(BK, seq_len - k0);
+    // This chunk's values and the next chunk's keys, asked for while the scores are computed.
+    for (int64_t t = lo; t < n; ++t) prefetch_rows(values + rows[t], 1, 0, D);
+    if (c < last) {
+      chunk_rows(c + 1, 0, std::min<int64_t>(BK, seq_len - k0 - BK), next);
+      for (int64_t t = 0; t < std::min<int64_t>(BK, seq_len - k0 - BK); ++t) prefetch_rows(keys + next[t], 1, 0, D);
+    }
+    for (int64_t t0 = lo & ~int64_t{15}; t0 < n; t0 += 16) {
       __m512 part[GB][16];
       for (int u = 0; u < 16; ++u) {
         __m512 dot[GB] = {};
-        head_dots<C, ND, GB>(query, base + (t + u) * stride, gb, dot);
+        if (t0 + u >= lo && t0 + u < n) head_dots<C, ND, GB>(query, keys + rows[t0 + u], gb, dot);
         for (int g = 0; g < GB; ++g) part[g][u] = dot[g];
       }
       for (int g = 0; g < GB; ++g) {
         if (g >= gb) break;
-        const __m512 sums = hsum16(part[g]);
-        peak[g] = _mm512_max_ps(peak[g], sums);
-        _mm512_storeu_ps(scores[g] + at + t, sums);
+        _mm512_storeu_ps(scores[g] + t0, vivace_attention::hsum16(part[g]));
       }
     }
-    if (t < n) {
-      // The block's last tokens, summed by the same tree as a whole run of 16 (the missing ones
-      // zero): a token's score must not depend on how far the longest query of the group reaches,
-      // or a verify step's rows would differ from the one-row steps they stand for (greedy
-      // speculation exact) once their run crosses into a new block.
-      const int64_t rest = n - t;
-      __m512 part[GB][16];
-      for (int u = 0; u < 16; ++u) {
-        __m512 dot[GB] = {};
-        if (u < rest) head_dots<C, ND, GB>(query, base + (t + u) * stride, gb, dot);
-        for (int g = 0; g < GB; ++g) part[g][u] = dot[g];
-      }
-      const __mmask16 m = tail_mask(rest);
-      for (int g = 0; g < GB; ++g) {
-        if (g >= gb) break;
-        const __m512 sums = hsum16(part[g]);
-        peak[g] = _mm512_mask_max_ps(peak[g], m, peak[g], sums);
-        _mm512_mask_storeu_ps(scores[g] + at + t, m, sums);
-      }
+    for (int g = 0; g < GB; ++g) {
+      if (g >= gb) break;
+      alpha[g] = vivace_attention::softmax_chunk(scores[g], lo, lens[g] - k0, peak[g], total[g]);
+      const __m512 a = _mm512_set1_ps(alpha[g]);
+      for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], a);
     }
-  }
-  // Softmax numerators per head; each sum divides its output once at the end.
-  float inv[GB];
-  for (int g = 0; g < GB; ++g) {
-    if (g >= gb) break;
-    float* sc = scores[g];
-    const int64_t len = lens[g];
-    float peak_g = _mm512_reduce_max_ps(peak[g]);
-    if (len < seq_len) {  // the peak may be a token past this query's own: find its own
-      __m512 own = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t t = start; t < len; t += 16)
-        own = _mm512_mask_max_ps(own, tail_mask(len - t), own, _mm512_maskz_loadu_ps(tail_mask(len - t), sc + t));
-      peak_g = _mm512_reduce_max_ps(own);
-      std::fill(sc + len, sc + seq_len, 0.0f);
-    }
-    const __m512 top = _mm512_set1_ps(peak_g);
-    __m512 total = _mm512_setzero_ps();
-    int64_t t = start;
-    for (; t + 16 <= len; t += 16) {
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), top));
-      total = _mm512_add_ps(total, e);
-      _mm512_storeu_ps(sc + t, e);
-    }
-    if (t < len) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), top));
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
-      _mm512_mask_storeu_ps(sc + t, m, e);
-    }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
-  }
-  // Values weighted by the numerators: each value row loaded once for every head.
-  __m512 acc[GB][ND];
-  for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t j = first_block; j < num_blocks; ++j) {
-    const C* base = head_rows(values, j);
-    const int64_t n = rows_in(j), at = j * bs;
-    if (j + 1 < num_blocks) prefetch_rows(head_rows(values, j + 1), rows_in(j + 1), stride, D);
-    for (int64_t u = std::max<int64_t>(0, start - at); u < n; ++u) {
-      const C* v = base + u * stride;
+    for (int64_t t = lo; t < n; ++t) {
+      const C* v = values + rows[t];
       __m512 value[ND];
       for (int i = 0; i < ND; ++i) value[i] = load16(v + 16 * i);
       for (int g = 0; g < GB; ++g) {
         if (g >= gb) break;
-        const __m512 p = _mm512_set1_ps(scores[g][at + u]);
+        const __m512 p = _mm512_set1_ps(scores[g][t]);
         for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_fmadd_ps(p, value[i], acc[g][i]);
       }
     }
+    if (c < last) std::copy(next, next + std::min<int64_t>(BK, seq_len - k0 - BK), rows);
   }
   for (int g = 0; g < GB; ++g) {
     if (g >= gb) break;
-    const __m512 w = _mm512_set1_ps(inv[g]);
+    const __m512 w = _mm512_set1_ps(1.0f / total[g]);
     for (int i = 0; i < ND; ++i) store16(outs[g] + 16 * i, _mm512_mul_ps(acc[g][i], w));
   }
 }
-
-#ifdef VIVACE_SIMDE
+#else
 // AVX2 (the SIMDe build): attend_queries's __m512 values live in pairs of the 16 ymm registers,
 // and its 16-token score passes hold 64 of them: they spill, and the default model's decode
 // attention took ~70 us a layer at 128 tokens. Here the same attention in native 256-bit code,
@@ -343,10 +287,10 @@ int64_t run_end(const at::Tensor& tables, const int64_t* lens, int64_t b, int64_
 // K/V row read once per pass of heads_per_pass (row, head) pairs; the prefill kernel reads each
 // row once for the whole run but first packs the sequence's K/V into float32 tiles, a cost that
 // grows with the sequence, not the run (8 streams beside a run at 3,000 tokens: 4 rows added
-// ~35 ms to the step, 16 rows ~49 ms). A verify step's rows must stay under it (up to 15: a
-// prediction's 14 proposals and the next token, vivace/engine/prediction.py): this kernel's rows
-// compute what one-row steps do, bit for bit, so greedy speculation is exact; the prefill
-// kernel's differ.
+// ~35 ms to the step, 16 rows ~49 ms). On AVX-512 both kernels give a row the same bits
+// (attention_math.h); on AVX2 they do not, and a verify step's rows must stay under it there (up
+// to 15: a prediction's 14 proposals and the next token, vivace/engine/prediction.py): this
+// kernel's rows compute what one-row steps do, bit for bit, so greedy speculation is exact.
 constexpr int64_t MIN_PREFILL_RUN = 16;
 
 using PrefillFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
@@ -367,9 +311,9 @@ std::optional<c10::TypedOperatorHandle<PrefillFn>> native_prefill() {
 // is not loaded or the dtypes or shape are not ones it takes.
 bool attend_run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const int64_t* lens,
                 int64_t b, int64_t e, double scale, at::Tensor& out) {
-  // The dtype pairs the prefill kernel is built for: one dtype, or float32 over a float16 cache.
+  // The dtype pairs the prefill kernel is built for: one dtype, or float32 over a 16-bit cache.
   const auto qt = q.scalar_type(), ct = cache.scalar_type();
-  const bool pair = qt == ct || (qt == at::kFloat && ct == at::kHalf);
+  const bool pair = qt == ct || (qt == at::kFloat && (ct == at::kHalf || ct == at::kBFloat16));
   const auto prefill = pair && (q.size(2) <= 128 || q.size(2) == 256) ? native_prefill() : std::nullopt;
   if (!prefill) return false;
   out.narrow(0, b, e - b).copy_(prefill->call(q.narrow(0, b, e - b), cache, tables.select(0, b), lens[e - 1], scale));

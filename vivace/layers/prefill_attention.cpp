@@ -10,14 +10,15 @@
 // and its values into float32 rows [key][head_dim] (one pass over the cache, no gather copy
 // through PyTorch); (2) one task per (kv head, block of query positions) holding every query head
 // of that kv head's group as its rows, so each K/V chunk is read once for the whole group. For
-// each 64-key chunk at or left of the block's diagonal: scores S = Q Kt (a rows x 64 tile: broadcast
-// q[d], FMA with the Kt row, 16 keys per vector, no horizontal sums), an online softmax per row
-// (running max and sum, base 2: Q is prescaled by scale * log2 e), then O = O * alpha + P V.
+// each 64-key chunk at or left of the block's diagonal: scores S = Q Kt (rows x 16-key tiles,
+// 16 keys per vector, each sum in the decode kernel's order), an online softmax per row (running
+// max and sum, base 2: Q is prescaled by scale * log2 e), then O = O * alpha + P V. On AVX-512 the
+// arithmetic is attention_math.h's, shared with the decode kernel: a row gets the same bits from
+// either (the AVX2 twins below keep their own order: there the two kernels agree to tolerance only).
 // Chunks right of the diagonal are never touched; the diagonal chunk is computed only as far as
 // the tile's last row sees and masked per row. Tasks are balanced over threads by their cost.
 // Scores, softmax and accumulators are float32 whatever the dtypes; the cache may be narrower
-// than q (float32 queries over a float16 cache; a bfloat16 cache under float32 queries is left
-// to the SDPA path, one dtype pair fewer to compile at start-up).
+// than q (float32 queries over a float16 or bfloat16 cache, as the decode kernel takes them).
 // On a CPU with AVX2 only (the SIMDe build) the tiles, softmax and packing are their 256-bit
 // twins below (#else of VIVACE_SIMDE); the plan, tasks and results are the same.
 #include <ATen/core/Tensor.h>
@@ -35,14 +36,14 @@
 #include <utility>
 #include <vector>
 
+#include "attention_math.h"
 #include "simd.h"
 
 namespace {
 
 using namespace vivace_simd;
 
-constexpr int BK = 64;           // keys per chunk
-constexpr int RS = 6;            // query rows per score tile (6 x 4 accumulators)
+using vivace_attention::BK;      // keys per chunk
 constexpr int TARGET_ROWS = 48;  // query rows (positions x group) per task
 
 struct Problem {
@@ -60,7 +61,7 @@ struct Scratch {
   template <typename T>
   void start(const T* queries, int64_t q_stride, int64_t h, int64_t p0, int64_t np, const Problem& t, int64_t D) {
     const int64_t G = t.group, rows = np * G, first = t.seq_len - t.q_len;
-    const float qscale = t.scale * 1.4426950408889634f;
+    const float qscale = vivace_attention::query_scale(t.scale);
     q.resize(rows * D);
     pos.resize(rows);
     for (int64_t p = 0; p < np; ++p) {
@@ -79,59 +80,68 @@ struct Scratch {
 };
 
 #ifndef VIVACE_SIMDE
-// 2^x for x <= 0: x - floor(x) in one VREDUCEPS, a degree-5 fit of 2^r on [0, 1) (relative
-// error 1.6e-7), and 2^floor(x) applied by VSCALEFPS (which floors its second operand itself).
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  const __m512 r = _mm512_reduce_ps(x, 0x09);  // keep 0 fraction bits, round down, no exceptions
-  __m512 p = _mm512_set1_ps(1.8762329127639532e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.99258442223072e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.582360550761223e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4015453457832336e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931529641151428e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999999403953552e-1f));
-  return _mm512_scalef_ps(p, x);
-}
-
-// s[r][0 .. 16C) = q[r] . kt[:, 0 .. 16C) for R rows; q rows of D floats, kt [D][BK], s rows of BK.
-template <int R, int C>
-void score_tile(const float* q, int64_t D, const float* kt, float* s) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m512 k[C];
-    for (int c = 0; c < C; ++c) k[c] = _mm512_loadu_ps(kt + d * BK + 16 * c);
-    for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(q[r * D + d]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b, k[c], acc[r][c]);
+// s[r][0 .. 16C) = q[r] . kt[:, 0 .. 16C) for R rows, each sum in the decode kernel's order
+// (attention_math.h): lane l's products (dims l, 16 + l, ...) chained per key, the 16 chains added by
+// lane_tree. Two chains at a time (l and l + 2, which the tree adds first), C key vectors each.
+template <int ND, int R, int C>
+void score_tile(const float* q, const float* kt, float* s) {
+  constexpr int D = 16 * ND;
+  __m512 quarter[4][R][C];
+  for (int j = 0; j < 4; ++j) {
+    __m512 half[2][R][C];
+    for (int h = 0; h < 2; ++h) {
+      const int a = 4 * j + h;  // lanes a and a + 2
+      __m512 pa[R][C], pb[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) pa[r][c] = pb[r][c] = _mm512_setzero_ps();
+      for (int i = 0; i < ND; ++i) {
+        __m512 ka[C], kb[C];
+        for (int c = 0; c < C; ++c) {
+          ka[c] = _mm512_loadu_ps(kt + (16 * i + a) * BK + 16 * c);
+          kb[c] = _mm512_loadu_ps(kt + (16 * i + a + 2) * BK + 16 * c);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512 qa = _mm512_set1_ps(q[r * D + 16 * i + a]), qb = _mm512_set1_ps(q[r * D + 16 * i + a + 2]);
+          for (int c = 0; c < C; ++c) {
+            pa[r][c] = _mm512_fmadd_ps(qa, ka[c], pa[r][c]);
+            pb[r][c] = _mm512_fmadd_ps(qb, kb[c], pb[r][c]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) half[h][r][c] = _mm512_add_ps(pa[r][c], pb[r][c]);
     }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) quarter[j][r][c] = _mm512_add_ps(half[0][r][c], half[1][r][c]);
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(s + r * BK + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(s + r * BK + 16 * c, _mm512_add_ps(_mm512_add_ps(quarter[0][r][c], quarter[1][r][c]),
+                                                          _mm512_add_ps(quarter[2][r][c], quarter[3][r][c])));
 }
 
-using ScoreTile = void (*)(const float*, int64_t, const float*, float*);
+using ScoreTile = void (*)(const float*, const float*, float*);
 
-template <int R>
-ScoreTile score_tile_for(int c) {
-  switch (c) {
-    case 1: return score_tile<R, 1>;
-    case 2: return score_tile<R, 2>;
-    case 3: return score_tile<R, 3>;
-    default: return score_tile<R, 4>;
-  }
-}
+// Rows of a score tile: 4 x 2 key vectors keep 16 chains in flight and stay fma-bound.
+constexpr int RS = 4;
 
-ScoreTile score_tile_for(int r, int c) {
+template <int ND, int C>
+ScoreTile score_tile_for(int r) {
   switch (r) {
-    case 1: return score_tile_for<1>(c);
-    case 2: return score_tile_for<2>(c);
-    case 3: return score_tile_for<3>(c);
-    case 4: return score_tile_for<4>(c);
-    case 5: return score_tile_for<5>(c);
-    default: return score_tile_for<6>(c);
+    case 1: return score_tile<ND, 1, C>;
+    case 2: return score_tile<ND, 2, C>;
+    case 3: return score_tile<ND, 3, C>;
+    default: return score_tile<ND, 4, C>;
   }
+}
+
+// Scores of R rows over the chunk's first n keys (whole vectors of 16), two vectors per tile.
+template <int ND>
+void score_rows(int64_t R, int64_t n, const float* q, const float* kt, float* s) {
+  const int64_t nv = (n + 15) / 16;
+  int64_t v = 0;
+  for (; v + 2 <= nv; v += 2) score_tile_for<ND, 2>(R)(q, kt + 16 * v, s + 16 * v);
+  if (v < nv) score_tile_for<ND, 1>(R)(q, kt + 16 * v, s + 16 * v);
 }
 
 // o[r] = o[r] * alpha[r] + sum_{k < n} p[r][k] v[k] for R rows; p rows of BK, v[k] and o rows of 16 ND.
@@ -193,37 +203,10 @@ void attend_block(const T* q, int64_t q_stride, T* out, const float* kt_all, con
     for (int64_t r0 = 0; r0 < rows; r0 += RS) {
       const int64_t R = std::min<int64_t>(RS, rows - r0);
       const int64_t n = std::min<int64_t>(BK, pos[r0 + R - 1] - k0 + 1);
-      if (n > 0) score_tile_for(R, (n + 15) / 16)(Q + r0 * D, D, kt, S + r0 * BK);
+      if (n > 0) score_rows<ND>(R, n, Q + r0 * D, kt, S + r0 * BK);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t n = std::min<int64_t>(BK, pos[r] - k0 + 1);
-      float* row = S + r * BK;
-      if (n <= 0) {  // sees none of this chunk: no rescale, and zeros for a value tile that spans it
-        A[r] = 1.0f;
-        for (int v = 0; v < BK / 16; ++v) _mm512_storeu_ps(row + 16 * v, _mm512_setzero_ps());
-        continue;
-      }
-      const int64_t nv = (n + 15) / 16;
-      const __mmask16 tail = static_cast<__mmask16>(0xffffu >> (16 * nv - n));
-      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t v = 0; v < nv; ++v)
-        mx = _mm512_mask_max_ps(mx, v == nv - 1 ? tail : 0xffff, mx, _mm512_loadu_ps(row + 16 * v));
-      const float m_new = std::max(M[r], _mm512_reduce_max_ps(mx));
-      const float alpha = std::exp2(M[r] - m_new);  // 0 on the first chunk (M = -inf)
-      const __m512 top = _mm512_set1_ps(m_new);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t v = 0; v < BK / 16; ++v) {
-        __m512 e = _mm512_setzero_ps();
-        if (v < nv) {
-          e = _mm512_maskz_mov_ps(v == nv - 1 ? tail : 0xffff, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(row + 16 * v), top)));
-          sum = _mm512_add_ps(sum, e);
-        }
-        _mm512_storeu_ps(row + 16 * v, e);
-      }
-      L[r] = L[r] * alpha + _mm512_reduce_add_ps(sum);
-      M[r] = m_new;
-      A[r] = alpha;
-    }
+    for (int64_t r = 0; r < rows; ++r)  // a row that sees none of the chunk: alpha 1, zeros for a tile that spans it
+      A[r] = vivace_attention::softmax_chunk(S + r * BK, 0, pos[r] - k0 + 1, M[r], L[r]);
     for (int64_t r0 = 0; r0 < rows; r0 += RV) {
       const int64_t R = std::min<int64_t>(RV, rows - r0);
       const int64_t n = std::min<int64_t>(BK, pos[r0 + R - 1] - k0 + 1);
@@ -625,6 +608,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
   if (qt == at::kFloat && ct == at::kFloat) dispatch<float, float>(qd, kv_cache, tp, s, D, out);
   else if (qt == at::kFloat && ct == at::kHalf) dispatch<float, at::Half>(qd, kv_cache, tp, s, D, out);
+  else if (qt == at::kFloat && ct == at::kBFloat16) dispatch<float, at::BFloat16>(qd, kv_cache, tp, s, D, out);
   else if (qt == at::kBFloat16 && ct == at::kBFloat16) dispatch<at::BFloat16, at::BFloat16>(qd, kv_cache, tp, s, D, out);
   else if (qt == at::kHalf && ct == at::kHalf) dispatch<at::Half, at::Half>(qd, kv_cache, tp, s, D, out);
   else TORCH_CHECK(false, "paged_prefill_attention: unsupported dtypes ", qt, " (q) and ", ct, " (kv_cache)");

@@ -78,7 +78,8 @@ USE_NATIVE = BACKEND == "native"  # benchmarks turn it off to time the SDPA path
 def native_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the native kernel serves this call (else the caller's SDPA path does)."""
     head_dim = q.shape[-1]
-    return (USE_NATIVE and (q.dtype == kv_cache.dtype or (q.dtype, kv_cache.dtype) == (torch.float32, torch.float16))
+    return (USE_NATIVE and (q.dtype == kv_cache.dtype
+                            or (q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)))
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and head_dim % 16 == 0 and (head_dim <= MAX_HEAD_DIM or head_dim == WIDE_HEAD_DIM)
             and kv_cache.is_contiguous())
