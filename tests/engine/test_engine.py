@@ -75,6 +75,29 @@ def test_chunked_prefill_and_prefix_cache_keep_outputs(tiny_model_dir, llm):
     chunked.check_integrity()
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_prefix_hit_on_an_earlier_answer_keeps_greedy_tokens_and_logprobs(tiny_model_dir, quantization):
+    """Multi-turn chat: turn 2's prompt holds turn 1's answer, whose K/V were made under hidden states
+    the decode kernel attended. Sent to the engine that wrote them (a prefix-cache hit on the answer's
+    blocks) and to a fresh one (a miss: the prefill kernel attends those positions as prompt), it
+    gets the same greedy tokens and logprobs: bit for bit with float activations (any last-bit
+    difference would show in the logprobs), and with int8-quantized ones (where one can move a code)."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    options = dict(num_kv_blocks=256, block_size=4, quantization=quantization)
+    for seed in (21, 22):
+        turn1 = prompts(1, seed=seed)[0]
+        chat = LLM(str(tiny_model_dir), **options)
+        answer = chat.generate(turn1, params)[0].outputs[0].token_ids
+        turn2 = turn1 + answer + prompts(1, seed=seed + 100)[0]
+        hit = chat.generate(turn2, params)[0]
+        miss = LLM(str(tiny_model_dir), **options).generate(turn2, params)[0]
+        assert hit.num_cached_tokens >= (len(turn1) + len(answer) - 1) // 4 * 4 > len(turn1)
+        assert miss.num_cached_tokens == 0
+        assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
+        assert [lp.logprob for lp in hit.outputs[0].logprobs] == [lp.logprob for lp in miss.outputs[0].logprobs]
+        chat.check_integrity()
+
+
 def test_abort_mid_generation_frees_blocks(llm):
     engine = llm.engine
     for i, prompt in enumerate(prompts(4, seed=6)):
