@@ -16,7 +16,7 @@ from vivace.engine.compiled import CompiledDecoder
 from vivace.engine.kv_cache import KVCacheManager
 from vivace.engine.pacer import LONG_RUN_ROWS, PromptPath
 from vivace.engine.scheduler import ScheduledBatch
-from vivace.layers.attention import AttentionMetadata, DecodeMetadata
+from vivace.layers.attention import AttentionMetadata, DecodeMetadata, kernels_agree
 from vivace.models import LoadedModel
 from vivace.models.llama import kv_cache_shape
 
@@ -74,10 +74,12 @@ class ModelRunner:
     chunk through the paged prefill attention). The cache has one
     block more than the pool hands out: the scratch block, which block-table padding points at.
 
-    With ``batch_invariant``, every position of a prompt is attended by the prefill kernel and every
-    other one by the decode kernel, on either path, so a greedy answer does not depend on the steps
-    that carried it; otherwise a prompt chunk of fewer than ``LONG_RUN_ROWS`` tokens riding the
-    compiled step is attended by the decode kernel (cheaper beside decoding streams; other bits).
+    A prompt chunk of fewer than ``LONG_RUN_ROWS`` tokens riding the compiled step is attended by
+    the decode kernel (cheaper beside decoding streams than the prefill kernel's packing of the
+    context), longer ones by the prefill kernel. Where the two kernels do not agree bit for bit
+    (``kernels_agree``: AVX2 builds, the PyTorch fallbacks), ``batch_invariant`` sends every
+    position of a prompt to the prefill kernel and every other one to the decode kernel, on either
+    path, so that a greedy answer does not depend on the steps that carried it.
 
     With ``background_compile`` (the engine's config, which loaded this model), a decode graph
     that is not cached yet is compiled by a low-priority child process while this runner decodes
@@ -90,8 +92,10 @@ class ModelRunner:
                  background_compile: EngineConfig | None = None, batch_invariant: bool = False) -> None:
         self.model = loaded.model
         self.batch_invariant = batch_invariant
-        # The fewest rows of a prompt chunk riding the compiled step that the prefill kernel attends.
-        self.prefill_run_rows = 1 if batch_invariant else LONG_RUN_ROWS
+        # The fewest rows of a prompt chunk riding the compiled step that the prefill kernel attends:
+        # where the two kernels agree bit for bit, a short run costs the decode kernel less than the
+        # prefill kernel's packing of the whole context, and either gives the same bits.
+        self.prefill_run_rows = 1 if batch_invariant and not kernels_agree() else LONG_RUN_ROWS
         self.block_size = block_size
         self.scratch_block = num_blocks
         shape = kv_cache_shape(loaded.config, num_blocks + 1, block_size)

@@ -10,8 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-import vivace.layers.decode_attention  # noqa: F401  (registers torch.ops.vivace.paged_decode_attention)
-from vivace.layers import prefill_attention
+from vivace.layers import decode_attention, native, prefill_attention
+
+
+def kernels_agree() -> bool:
+    """Whether the decode kernel gives a row the very bits the prefill kernel gives it (both
+    native AVX-512 builds share one arithmetic, ``attention_math.h``): then either may attend a
+    prompt position, and the cheaper one does. The AVX2 (SIMDe) builds and the PyTorch fallbacks
+    agree only within rounding."""
+    return (decode_attention.BACKEND == prefill_attention.BACKEND == "native"
+            and native.cpu_has(native.AVX512_CPU_FLAGS))
 
 
 @dataclass
