@@ -6,6 +6,7 @@ SmolLM2's real tokenizer (from the default model's GGUF), which convert_hf_to_gg
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from vivace.models.gguf import open_gguf
 from vivace.models.loader import default_model_path
 
 _COMMON = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -52,7 +54,7 @@ WEIGHT_STD = 0.12  # random weights this large make sharp, non-flat next-token d
 # converter then hashes a Qwen or Gemma pre-tokenizer over SmolLM2's vocabulary: their saved config.json
 # says llama (the converter picks its model class by "architectures", not by "model_type").
 _OWN_TOKENIZER_CLASS = ("qwen2", "qwen3_moe", "gemma3_text")
-END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")  # two turn ends and one control token that is not
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<reponame>", "<|im_start|>")  # turn ends, a FIM one, a control token
 
 
 def smollm2_tokenizer(out: Path) -> Path:
@@ -103,3 +105,24 @@ def hf_logprobs(model: transformers.PreTrainedModel, prompt: list[int], continua
     logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     top = logprobs.topk(top_k)
     return [dict(zip(ids.tolist(), values.tolist())) for values, ids in zip(top.values, top.indices)]
+
+
+def dequantized_model(model: transformers.PreTrainedModel, path: Path) -> transformers.PreTrainedModel:
+    """``model`` with the weights of GGUF ``path`` dequantized (gguf-py's dequantization, as llama.cpp's),
+    the float32 reference for a quantized file. Raises ValueError for a weight it cannot place."""
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, values in open_gguf(path).tensors:
+        if ".mlp.experts." in name:  # transformers 5 keeps an expert layer's gate and up as one [E, 2I, H]
+            prefix, projection = name.split(".mlp.experts.")
+            experts.setdefault(prefix, {})[projection.removesuffix(".weight")] = values
+        else:
+            state[name] = values
+    for prefix, parts in experts.items():
+        state[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat([parts["gate_proj"], parts["up_proj"]], dim=1)
+        state[f"{prefix}.mlp.experts.down_proj"] = parts["down_proj"]
+    reference = copy.deepcopy(model)
+    unexpected = reference.load_state_dict(state, strict=False).unexpected_keys
+    if unexpected:
+        raise ValueError(f"{path.name}: no place in {type(model).__name__} for {unexpected[:3]}")
+    return reference

@@ -4,8 +4,9 @@ so that every K-quant applies), converted by llama.cpp's ``convert_hf_to_gguf.py
 quantized by ``llama-quantize``, then served by vivace and by ``llama-server`` side by side.
 
 For each file and prompt llama-server's greedy continuation (with its ``n_probs`` top logprobs) is
-scored by vivace (``prompt_logprobs`` over prompt + continuation, teacher-forced) and, for F16/BF16,
-by transformers in float32 on the Hugging Face model. The table gives top-1 agreement per position
+scored by vivace (``prompt_logprobs`` over prompt + continuation, teacher-forced) and by transformers
+in float32: on the Hugging Face model for F16/BF16, on the file's weights dequantized by gguf-py (as
+llama.cpp dequantizes them) for the quantized types, the reference for both servers. The table gives top-1 agreement per position
 and the largest |logprob| difference over the tokens both top-k lists hold, plus whether vivace's
 own greedy continuation is llama-server's, its tokenization and chat rendering are llama-server's,
 and both stop at the same end-of-generation tokens.
@@ -28,7 +29,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conformance_models import FAMILIES, build_model, hf_logprobs  # noqa: E402
+from conformance_models import FAMILIES, build_model, dequantized_model, hf_logprobs  # noqa: E402
 from peers import PeerUnavailable, Running, Server, free_port  # noqa: E402
 
 LLAMA_CPP = Path.home() / ".cache/vivace-peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp"
@@ -65,8 +66,8 @@ class Row:
                 self.llama_hf, self.greedy, self.tokens, self.chat, self.stops, self.note]
 
 
-HEADER = ["family", "type", "top-1 = llama.cpp", "max |Δlogprob| llama.cpp", "top-1 = HF", "max |Δlogprob| HF",
-          "llama.cpp vs HF", "greedy = llama.cpp", "tokenize", "chat prompt", "EOG stops", "note"]
+HEADER = ["family", "type", "top-1 = llama.cpp", "max |Δlogprob| llama.cpp", "top-1 = HF ref", "max |Δlogprob| HF ref",
+          "llama.cpp vs HF ref", "greedy = llama.cpp", "tokenize", "chat prompt", "EOG stops", "note"]
 
 
 def convert(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str, add_bos: bool) -> Path:
@@ -187,7 +188,8 @@ def probe_file(path: Path, row: Row, hf_model: transformers.PreTrainedModel | No
     llama_cmd = [str(ARGS.llama_cpp / "build/bin/llama-server"), "-m", str(path), "--host", "127.0.0.1",
                  "--port", str(lport), "-t", "1", "-np", "1", "-c", str(CONTEXT), "--jinja"]
     vivace_cmd = [sys.executable, "-m", "vivace.cli", "serve", str(path), "--host", "127.0.0.1", "--port",
-                  str(vport), "--num-threads", "1", "--eager", "--dtype", ARGS.dtype, "--max-model-len", str(CONTEXT), "--no-ui"]
+                  str(vport), "--num-threads", "1", "--eager", "--dtype", ARGS.dtype, "--max-model-len", str(CONTEXT), "--no-ui",
+                  *ARGS.vivace_args.split()]
     llama, llama_url = start("llama.cpp", llama_cmd, lport, logs / f"{path.stem}.llama.log")
     try:
         try:
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("bench-results/llama-cpp-conformance"),
                         help="models, GGUF files, server logs and results.json")
     parser.add_argument("--dtype", default="float32", help="vivace's --dtype (auto: bfloat16 for F16/BF16 files)")
+    parser.add_argument("--vivace-args", default="", help="more vivace serve flags, e.g. '--quantization none'")
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt")
     ARGS = parser.parse_args(argv)
     ARGS.work.mkdir(parents=True, exist_ok=True)
@@ -259,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                     f16 = f16 or convert(ARGS.llama_cpp, hf_dir, ARGS.work / family / f"{family}-F16.gguf", "F16",
                                         add_bos)
                     path = quantize(ARGS.llama_cpp, f16, out, ggml_type)
-                probe_file(path, row, model if ggml_type in FLOAT_TYPES else None, eog, ARGS.tokens, ARGS.work / family)
-            except (subprocess.CalledProcessError, PeerUnavailable, httpx.HTTPError, KeyError) as error:
+                reference = model if ggml_type in FLOAT_TYPES else dequantized_model(model, path)
+                probe_file(path, row, reference, eog, ARGS.tokens, ARGS.work / family)
+            except (subprocess.CalledProcessError, PeerUnavailable, httpx.HTTPError, KeyError, ValueError) as error:
                 detail = getattr(error, "stderr", b"") or b""
                 row.note = f"{type(error).__name__}: {str(error)[:120]} {detail[-200:].decode(errors='replace')}"
             print(" | ".join(row.cells()), flush=True)

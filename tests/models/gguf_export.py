@@ -44,11 +44,13 @@ ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3
 def write_gguf(model: transformers.PreTrainedModel, path: Path,
                ggml_type: gguf.GGMLQuantizationType = F32,
                types: dict[str, gguf.GGMLQuantizationType] | None = None, eos_id: int = EOS_ID,
-               chat_template: str | list[dict[str, str]] = CHAT_TEMPLATE) -> Path:
+               chat_template: str | list[dict[str, str]] = CHAT_TEMPLATE,
+               token_ids: dict[str, int] | None = None) -> Path:
     """Export ``model`` to ``path``; matrices are stored as ``ggml_type`` (F32, F16, or a quant),
     or as ``types[part]`` for the GGUF tensor part named (``attn_q``, ``token_embd``, ...); the
     metadata's EOS is ``eos_id``, its chat template ``chat_template`` (named ones: a list, as llama.cpp's
-    converter takes tokenizer_config.json's).
+    converter takes tokenizer_config.json's), and ``token_ids`` more keys naming tokens
+    (``tokenizer.ggml.fim_sep_token_id``: id).
     Types the gguf package cannot quantize to (the K-quants) get random codes of that type."""
     config = model.config
     arch = ARCHS[config.model_type]
@@ -56,6 +58,8 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
     writer.add_name(f"tiny-{config.model_type}")
     _add_hparams(writer, config, arch)
     _add_tokenizer(writer, eos_id, chat_template)
+    for key, token_id in (token_ids or {}).items():
+        writer.add_uint32(key, token_id)
     for name, values in _unfused_experts(model.state_dict()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue

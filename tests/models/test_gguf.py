@@ -10,7 +10,9 @@ import torch
 import transformers
 
 from vivace.models import load_model
+from vivace.models.gguf import open_gguf
 from vivace.models.gguf_file import GGUFFile
+from vivace.models.loader import default_model_path
 
 from .gguf_export import write_gguf
 from .test_llama import assert_close
@@ -67,6 +69,18 @@ def test_a_chat_ggufs_turn_end_stops_whatever_its_eos(tiny, tmp_path) -> None:
     end_of_text = TOKENS.index("<|endoftext|>")
     path = write_gguf(tiny("llama").hf, tmp_path / "chat.gguf", eos_id=end_of_text)
     assert load_model(str(path), torch.float32).config.eos_token_ids == (end_of_text, EOS_ID)
+
+
+def test_fill_in_the_middle_separators_end_generation_as_in_llama_cpp(tiny, tmp_path) -> None:
+    """llama.cpp also ends generation at a vocabulary's fill-in-the-middle pad, repository and file
+    separators, found by text (the default model's <reponame>, a control token) or named by
+    ``tokenizer.ggml.fim_*_token_id``: a served model must stop where llama.cpp stops on the same file."""
+    default = open_gguf(default_model_path())
+    assert default.tokenizer.convert_tokens_to_ids("<reponame>") in default.config.eos_token_ids
+    separator = TOKENS.index("he")
+    path = write_gguf(tiny("llama").hf, tmp_path / "fim.gguf", token_ids={"tokenizer.ggml.fim_sep_token_id": separator})
+    assert load_model(str(path), torch.float32).config.eos_token_ids == (EOS_ID, TOKENS.index("<|endoftext|>"),
+                                                                         separator)
 
 
 def test_named_chat_templates_of_a_gguf_are_the_tokenizers(tiny, tmp_path) -> None:

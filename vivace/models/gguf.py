@@ -56,7 +56,13 @@ _EXPERT_NEUTRAL = {"expert_shared_count": (0,), "expert_gating_func": (1,), "exp
 # EOS and EOT: a chat GGUF's EOS is often the end of text while its template ends each turn with
 # another control token (Gemma 3's <end_of_turn>, Phi-3's <|end|>, Llama 3's <|eom_id|>).
 _END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                      "<|end_of_text|>", "<EOT>", "<end_of_utterance>")
+                      "<|end_of_text|>", "<EOT>", "<end_of_utterance>",
+                      # Fill-in-the-middle pad, repository and file separators, which llama.cpp ends on too
+                      # (SmolLM2's <reponame>, Qwen2.5's <|fim_pad|>, <|repo_name|> and <|file_sep|>).
+                      "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
+                      "<reponame>", "<|file_sep|>")
+# Keys naming those separators, which llama.cpp's tokenizer reads before it looks for their text.
+_FIM_END_KEYS = tuple(f"tokenizer.ggml.fim_{kind}_token_id" for kind in ("pad", "rep", "sep"))
 _CHAT_TEMPLATE = "tokenizer.chat_template"
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
 _LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}  # Phi-3
@@ -92,12 +98,15 @@ def open_gguf(path: Path, skip: Collection[str] = ()) -> GGUFModel:
 
 def _turn_ends(file: GGUFFile, tokenizer: transformers.PreTrainedTokenizerFast, config: ModelConfig) -> list[int]:
     """The tokens of ``_END_OF_GENERATION`` the file has as added ones (control, or user-defined as some
-    Gemma GGUFs mark <end_of_turn>: llama.cpp overrides that), but for its EOS and EOT."""
+    Gemma GGUFs mark <end_of_turn>: llama.cpp overrides that) and those ``_FIM_END_KEYS`` name, but for
+    its EOS and EOT."""
     types = file.metadata.get("tokenizer.ggml.token_type") or []
     added = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
     vocab = tokenizer.get_vocab()
     found = [vocab[text] for text in _END_OF_GENERATION if text in vocab]
-    return [i for i in found if i < len(types) and types[i] in added and i not in config.eos_token_ids]
+    found = [i for i in found if i < len(types) and types[i] in added]
+    named = [file.metadata[key] for key in _FIM_END_KEYS if key in file.metadata]
+    return list(dict.fromkeys(i for i in found + named if i not in config.eos_token_ids))
 
 
 def model_config(file: GGUFFile) -> ModelConfig:
