@@ -54,6 +54,9 @@ WEIGHT_STD = 0.12  # random weights this large make sharp, non-flat next-token d
 # converter then hashes a Qwen or Gemma pre-tokenizer over SmolLM2's vocabulary: their saved config.json
 # says llama (the converter picks its model class by "architectures", not by "model_type").
 _OWN_TOKENIZER_CLASS = ("qwen2", "qwen3_moe", "gemma3_text")
+# The converter reads Phi-3's vocabulary from tokenizer.model (SentencePiece) unless the class is GPT-2's, as
+# Phi-4-mini's is.
+_TOKENIZER_CLASS = {"phi3": "GPT2Tokenizer"}
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<reponame>", "<|im_start|>")  # turn ends, a FIM one, a control token
 
 
@@ -89,6 +92,10 @@ def build_model(family: str, out: Path) -> tuple[Path, transformers.PreTrainedMo
         model.save_pretrained(hf_dir)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copy(smollm2_tokenizer(out.parent / "smollm2-tokenizer") / name, hf_dir / name)
+        if config.model_type in _TOKENIZER_CLASS:
+            saved = json.loads((hf_dir / "tokenizer_config.json").read_text())
+            saved["tokenizer_class"] = _TOKENIZER_CLASS[config.model_type]
+            (hf_dir / "tokenizer_config.json").write_text(json.dumps(saved, indent=1))
         if config.model_type in _OWN_TOKENIZER_CLASS:
             saved = json.loads((hf_dir / "config.json").read_text())
             (hf_dir / "config.json").write_text(json.dumps({**saved, "model_type": "llama"}, indent=1))

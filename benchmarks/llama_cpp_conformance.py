@@ -34,6 +34,7 @@ from peers import PeerUnavailable, Running, Server, free_port  # noqa: E402
 
 LLAMA_CPP = Path.home() / ".cache/vivace-peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 FLOAT_TYPES = ("F16", "BF16")
+FUSED_QKV = "+fuse-qkv"  # a float type converted with --fuse-qkv (q, k, v stored as one attn_qkv)
 QUANT_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q4_0", "Q5_0", "Q4_1")
 PROMPTS = ["The quick brown fox jumps over the lazy dog. Then",
            "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -70,13 +71,13 @@ HEADER = ["family", "type", "top-1 = llama.cpp", "max |Δlogprob| llama.cpp", "t
           "llama.cpp vs HF ref", "greedy = llama.cpp", "tokenize", "chat prompt", "EOG stops", "note"]
 
 
-def convert(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str, add_bos: bool) -> Path:
+def convert(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str, add_bos: bool, *options: str) -> Path:
     """The converter's file; with ``add_bos`` its tokenizer.ggml.add_bos_token set by gguf-py's own script
     (the converter takes the flag from tokenizer.json's post-processor, and one that adds a BOS changes
     the tokenizer's hash, which the converter then does not know)."""
     if not out.exists():
         subprocess.run([str(ARGS.convert_python), str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype",
-                        outtype.lower(), "--outfile", str(out)], check=True, capture_output=True)
+                        outtype.lower(), "--outfile", str(out), *options], check=True, capture_output=True)
         if add_bos:
             subprocess.run([sys.executable, str(llama_cpp / "gguf-py/gguf/scripts/gguf_set_metadata.py"), "--force",
                             str(out), "tokenizer.ggml.add_bos_token", "1"], check=True, capture_output=True)
@@ -234,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     global ARGS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated; known: " + ", ".join(FAMILIES))
-    parser.add_argument("--types", default=",".join(FLOAT_TYPES + QUANT_TYPES), help="GGUF types to make and compare")
+    parser.add_argument("--types", default=",".join(FLOAT_TYPES + (FLOAT_TYPES[0] + FUSED_QKV,) + QUANT_TYPES),
+                        help=f"GGUF types to make and compare (F16{FUSED_QKV}: converted with --fuse-qkv)")
     parser.add_argument("--llama-cpp", type=Path, default=LLAMA_CPP,
                         help="llama.cpp checkout with convert_hf_to_gguf.py and build/bin/llama-{server,quantize}")
     parser.add_argument("--convert-python", type=Path, default=Path(sys.executable),
@@ -258,11 +260,13 @@ def main(argv: list[str] | None = None) -> int:
                 out = ARGS.work / family / f"{family}-{ggml_type}.gguf"
                 if ggml_type in FLOAT_TYPES:
                     path = convert(ARGS.llama_cpp, hf_dir, out, ggml_type, add_bos)
+                elif ggml_type.endswith(FUSED_QKV):
+                    path = convert(ARGS.llama_cpp, hf_dir, out, ggml_type.removesuffix(FUSED_QKV), add_bos, "--fuse-qkv")
                 else:
                     f16 = f16 or convert(ARGS.llama_cpp, hf_dir, ARGS.work / family / f"{family}-F16.gguf", "F16",
                                         add_bos)
                     path = quantize(ARGS.llama_cpp, f16, out, ggml_type)
-                reference = model if ggml_type in FLOAT_TYPES else dequantized_model(model, path)
+                reference = model if ggml_type.removesuffix(FUSED_QKV) in FLOAT_TYPES else dequantized_model(model, path)
                 probe_file(path, row, reference, eog, ARGS.tokens, ARGS.work / family)
             except (subprocess.CalledProcessError, PeerUnavailable, httpx.HTTPError, KeyError, ValueError) as error:
                 detail = getattr(error, "stderr", b"") or b""

@@ -71,6 +71,25 @@ def test_a_chat_ggufs_turn_end_stops_whatever_its_eos(tiny, tmp_path) -> None:
     assert load_model(str(path), torch.float32).config.eos_token_ids == (end_of_text, EOS_ID)
 
 
+@pytest.mark.parametrize("ggml_type", [F32, gguf.GGMLQuantizationType.Q8_0], ids=["f32", "q8_0"])
+@pytest.mark.parametrize("kind", ["llama_bias", "qwen2"])
+def test_fused_qkv_gguf_matches_original_weights(tiny, tmp_path, kind: str, ggml_type) -> None:
+    """convert_hf_to_gguf's --fuse-qkv stores q, k and v as one attn_qkv for every architecture (llama's
+    q and k rows permuted within it), and llama.cpp serves such files: so must vivace."""
+    model = tiny(kind)
+    path = write_gguf(model.hf, tmp_path / f"{kind}.gguf", ggml_type, fuse_qkv=True)
+    assert "blk.0.attn_qkv.weight" in GGUFFile(path).tensors and "blk.0.attn_qkv.bias" in GGUFFile(path).tensors
+    unfused = write_gguf(model.hf, tmp_path / f"{kind}-unfused.gguf", ggml_type)
+    quantization = "none" if ggml_type == F32 else "gguf"  # Q8_0: the quantized layers read the file's rows
+    ids = prompt(21, seed=6)
+    reference = load_model(str(unfused), torch.float32, quantization)
+    expected = PagedRun(reference.model, reference.config).step({"s": ids})["s"]
+    loaded = load_model(str(path), torch.float32, quantization)
+    assert_close(PagedRun(loaded.model, loaded.config).step({"s": ids})["s"], expected)
+    if ggml_type == F32:
+        assert_close(expected, hf_logits(model.hf, ids))
+
+
 def test_fill_in_the_middle_separators_end_generation_as_in_llama_cpp(tiny, tmp_path) -> None:
     """llama.cpp also ends generation at a vocabulary's fill-in-the-middle pad, repository and file
     separators, found by text (the default model's <reponame>, a control token) or named by

@@ -35,6 +35,7 @@ _LAYER_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's, and any architecture's from convert_hf_to_gguf --fuse-qkv
     # A mixture of experts' router and experts (one [num_experts, out, in] tensor a projection).
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
@@ -43,7 +44,7 @@ _LAYER_NAMES = {
 _ARCH_LAYER_NAMES = {
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # stored fused, as vivace runs them
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # stored fused, as vivace runs it
 }
 # llama.cpp's Gemma 3: every 6th layer global, sliding layers rotate with base 10000.
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
@@ -144,7 +145,7 @@ def model_config(file: GGUFFile) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=context_length(context, scaling, architecture),
         tie_word_embeddings="output.weight" not in file.tensors,
-        attention_bias="blk.0.attn_q.bias" in file.tensors,
+        attention_bias="blk.0.attn_q.bias" in file.tensors or "blk.0.attn_qkv.bias" in file.tensors,
         attention_out_bias="blk.0.attn_output.bias" in file.tensors,
         bos_token_id=file.metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(token for token in eos if token is not None)),
@@ -287,11 +288,18 @@ def _tensors(file: GGUFFile, config: ModelConfig, arch: str,
 def hf_rows(values: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
     """Rows of GGUF tensor ``name`` (float values or block bytes, one row per output) in Hugging
     Face order: llama.cpp permutes the q/k rows of llama-arch models (Llama, Mistral, Mixtral) and
-    smollm3 only."""
+    smollm3 only, within a fused ``attn_qkv`` (``--fuse-qkv``: q, k, v stacked) too."""
     rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     part = name.split(".")[-2]
-    if config.architecture in _PERMUTED and part in rotary_heads:
+    if config.architecture not in _PERMUTED:
+        return values
+    if part in rotary_heads:
         return _unpermute(values, rotary_heads[part])
+    if part == "attn_qkv":
+        q_end = config.num_attention_heads * config.head_dim
+        k_end = q_end + config.num_key_value_heads * config.head_dim
+        return np.concatenate([_unpermute(values[:q_end], config.num_attention_heads),
+                               _unpermute(values[q_end:k_end], config.num_key_value_heads), values[k_end:]])
     return values
 
 
