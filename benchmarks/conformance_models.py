@@ -20,6 +20,10 @@ from vivace.models.loader import default_model_path
 _COMMON = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+PHI3 = dict(partial_rotary_factor=0.75, sliding_window=None, pad_token_id=None, max_position_embeddings=16384,
+            original_max_position_embeddings=4096, rope_theta=10000.0, rope_scaling={
+                "rope_type": "longrope", "short_factor": [1.0 + i / 16 for i in range(24)],
+                "long_factor": [1.5 + i / 4 for i in range(24)]})
 # family -> (config class, overrides, the GGUF asks for a BOS (tokenizer.ggml.add_bos_token))
 FAMILIES = {
     "llama": (transformers.LlamaConfig, dict(rope_scaling={
@@ -31,11 +35,10 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_theta=1e6, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}), False),
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=128, rope_theta=1e6), False),
-    "phi3": (transformers.Phi3Config, dict(
-        partial_rotary_factor=0.75, sliding_window=16, pad_token_id=None, max_position_embeddings=16384,
-        original_max_position_embeddings=4096, rope_theta=10000.0, rope_scaling={
-            "rope_type": "longrope", "short_factor": [1.0 + i / 16 for i in range(24)],
-            "long_factor": [1.5 + i / 4 for i in range(24)]}), False),
+    # Phi-4-mini's rope (3/4 of each head rotating, LongRoPE) without a window, and with a short one
+    # (llama.cpp turns Phi-3's windows off: transformers and vivace keep them).
+    "phi3": (transformers.Phi3Config, PHI3, False),
+    "phi3_window": (transformers.Phi3Config, {**PHI3, "sliding_window": 16}, False),
     "gemma3": (transformers.Gemma3TextConfig, dict(
         num_hidden_layers=6, head_dim=128, query_pre_attn_scalar=128, sliding_window=8, tie_word_embeddings=True,
         rope_theta=1e6, rope_local_base_freq=1e4), False),

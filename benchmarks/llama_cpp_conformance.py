@@ -28,7 +28,7 @@ import httpx
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this vivace
 from conformance_models import FAMILIES, build_model, dequantized_model, hf_logprobs  # noqa: E402
 from peers import PeerUnavailable, Running, Server, free_port  # noqa: E402
 
@@ -44,7 +44,6 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
           {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Count to three."}]]
 TOP_K = 8
-CONTEXT = 2048
 
 
 @dataclass
@@ -187,9 +186,9 @@ def probe_file(path: Path, row: Row, hf_model: transformers.PreTrainedModel | No
                tokens: int, logs: Path) -> None:
     lport, vport = free_port(), free_port()
     llama_cmd = [str(ARGS.llama_cpp / "build/bin/llama-server"), "-m", str(path), "--host", "127.0.0.1",
-                 "--port", str(lport), "-t", "1", "-np", "1", "-c", str(CONTEXT), "--jinja"]
+                 "--port", str(lport), "-t", "1", "-np", "1", "-c", str(ARGS.context), "--jinja"]
     vivace_cmd = [sys.executable, "-m", "vivace.cli", "serve", str(path), "--host", "127.0.0.1", "--port",
-                  str(vport), "--num-threads", "1", "--eager", "--dtype", ARGS.dtype, "--max-model-len", str(CONTEXT), "--no-ui",
+                  str(vport), "--num-threads", "1", "--dtype", ARGS.dtype, "--max-model-len", str(ARGS.context), "--no-ui",
                   *ARGS.vivace_args.split()]
     llama, llama_url = start("llama.cpp", llama_cmd, lport, logs / f"{path.stem}.llama.log")
     try:
@@ -244,9 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("bench-results/llama-cpp-conformance"),
                         help="models, GGUF files, server logs and results.json")
     parser.add_argument("--dtype", default="float32", help="vivace's --dtype (auto: bfloat16 for F16/BF16 files)")
-    parser.add_argument("--vivace-args", default="", help="more vivace serve flags, e.g. '--quantization none'")
+    parser.add_argument("--vivace-args", default="--eager",
+                        help="more vivace serve flags, e.g. '--eager --quantization none' ('' compiles the decode step)")
+    parser.add_argument("--context", type=int, default=2048,
+                        help="both servers' context (-c, --max-model-len); past 4096 Phi-3's LongRoPE takes its long "
+                             "factors in llama.cpp and vivace, while transformers takes them by sequence length")
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt")
     ARGS = parser.parse_args(argv)
+    ARGS.work = ARGS.work.resolve()  # the servers run in the repository root
     ARGS.work.mkdir(parents=True, exist_ok=True)
     rows = []
     for family in ARGS.families.split(","):

@@ -175,11 +175,22 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray,
         writer.add_tensor(name, values.astype(np.float32))
     elif ggml_type == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, values.astype(np.float16))
+    elif ggml_type == gguf.GGMLQuantizationType.Q1_0:
+        writer.add_tensor(name, quantize_q1_0(values), raw_dtype=ggml_type)
     elif ggml_type in GGUF_HALF_FIELDS and ggml_type not in QUANTIZABLE:
         blocks = random_blocks(ggml_type, math.prod(values.shape[:-1]), values.shape[-1])
         writer.add_tensor(name, blocks.reshape(*values.shape[:-1], -1), raw_dtype=ggml_type)
     else:
         writer.add_tensor(name, gguf.quants.quantize(values, ggml_type), raw_dtype=ggml_type)
+
+
+def quantize_q1_0(values: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantize_row_q1_0_ref (the gguf package has no Q1_0): per 128 weights the float16
+    mean of |w| as d, then each weight's sign as one bit (set for w >= 0), least significant first."""
+    blocks = values.astype(np.float32).reshape(*values.shape[:-1], -1, 128)
+    scales = np.abs(blocks).mean(axis=-1, keepdims=True).astype(np.float16).view(np.uint8)
+    bits = np.packbits(blocks >= 0, axis=-1, bitorder="little")
+    return np.concatenate([scales, bits], axis=-1).reshape(*values.shape[:-1], -1)
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
