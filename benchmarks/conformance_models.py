@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -83,28 +84,33 @@ def build_model(family: str, out: Path) -> tuple[Path, transformers.PreTrainedMo
     F16 and BF16 files hold them losslessly), the model, and the ids of ``END_TOKENS``."""
     config_class, overrides, _ = FAMILIES[family]
     config = config_class(**{**_COMMON, **overrides})
-    torch.manual_seed(sorted(FAMILIES).index(family))
+    torch.manual_seed(zlib.crc32(family.encode()))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf_dir = out / "hf"
+    if (hf_dir / "model.safetensors").exists():  # made before: read back as transformers reads it
+        saved = type(model).from_pretrained(hf_dir, config=config, dtype=torch.float32).eval()
+        return hf_dir, saved, _end_tokens(hf_dir)
     with torch.no_grad():
         for name, param in model.named_parameters():
             is_norm = "norm" in name
             param.normal_(0.0 if is_norm and family == "gemma3" else float(is_norm), 0.2 if is_norm else WEIGHT_STD)
             param.copy_(param.bfloat16().half().float())
-    hf_dir = out / "hf"
-    if not (hf_dir / "config.json").exists():
-        model.save_pretrained(hf_dir)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(smollm2_tokenizer(out.parent / "smollm2-tokenizer") / name, hf_dir / name)
-        if config.model_type in _TOKENIZER_CLASS:
-            saved = json.loads((hf_dir / "tokenizer_config.json").read_text())
-            saved["tokenizer_class"] = _TOKENIZER_CLASS[config.model_type]
-            (hf_dir / "tokenizer_config.json").write_text(json.dumps(saved, indent=1))
-        if config.model_type in _OWN_TOKENIZER_CLASS:
-            saved = json.loads((hf_dir / "config.json").read_text())
-            (hf_dir / "config.json").write_text(json.dumps({**saved, "model_type": "llama"}, indent=1))
-    vocab = json.loads((hf_dir / "tokenizer.json").read_text())["added_tokens"]
-    ids = {token["content"]: token["id"] for token in vocab}
-    return hf_dir, model, [ids[text] for text in END_TOKENS]
+    model.save_pretrained(hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_tokenizer(out.parent / "smollm2-tokenizer") / name, hf_dir / name)
+    if config.model_type in _TOKENIZER_CLASS:
+        saved = json.loads((hf_dir / "tokenizer_config.json").read_text())
+        saved["tokenizer_class"] = _TOKENIZER_CLASS[config.model_type]
+        (hf_dir / "tokenizer_config.json").write_text(json.dumps(saved, indent=1))
+    if config.model_type in _OWN_TOKENIZER_CLASS:
+        saved = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**saved, "model_type": "llama"}, indent=1))
+    return hf_dir, model, _end_tokens(hf_dir)
+
+
+def _end_tokens(hf_dir: Path) -> list[int]:
+    ids = {token["content"]: token["id"] for token in json.loads((hf_dir / "tokenizer.json").read_text())["added_tokens"]}
+    return [ids[text] for text in END_TOKENS]
 
 
 @torch.no_grad()
