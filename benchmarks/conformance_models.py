@@ -43,7 +43,8 @@ FAMILIES = {
     "gemma3": (transformers.Gemma3TextConfig, dict(
         num_hidden_layers=6, head_dim=128, query_pre_attn_scalar=128, sliding_window=8, tie_word_embeddings=True,
         rope_theta=1e6, rope_local_base_freq=1e4), False),
-    "smollm3": (transformers.SmolLM3Config, dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=None), False),
+    "smollm3": (transformers.SmolLM3Config, dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=None),
+                False),
     "granite": (transformers.GraniteConfig, dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                                                  attention_multiplier=0.015625, logits_scaling=0.5,
                                                  tie_word_embeddings=True), False),
@@ -109,7 +110,8 @@ def build_model(family: str, out: Path) -> tuple[Path, transformers.PreTrainedMo
 
 
 def _end_tokens(hf_dir: Path) -> list[int]:
-    ids = {token["content"]: token["id"] for token in json.loads((hf_dir / "tokenizer.json").read_text())["added_tokens"]}
+    added = json.loads((hf_dir / "tokenizer.json").read_text())["added_tokens"]
+    ids = {token["content"]: token["id"] for token in added}
     return [ids[text] for text in END_TOKENS]
 
 

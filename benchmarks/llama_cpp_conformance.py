@@ -6,13 +6,13 @@ quantized by ``llama-quantize``, then served by vivace and by ``llama-server`` s
 For each file and prompt llama-server's greedy continuation (with its ``n_probs`` top logprobs) is
 scored by vivace (``prompt_logprobs`` over prompt + continuation, teacher-forced) and by transformers
 in float32: on the Hugging Face model for F16/BF16, on the file's weights dequantized by gguf-py (as
-llama.cpp dequantizes them) for the quantized types, the reference for both servers. The table gives top-1 agreement per position
-and the largest |logprob| difference over the tokens both top-k lists hold, plus whether vivace's
-own greedy continuation is llama-server's, its tokenization and chat rendering are llama-server's,
-and both stop at the same end-of-generation tokens.
+llama.cpp dequantizes them) for the quantized types, the reference for both servers. The table gives
+top-1 agreement per position and the largest |logprob| difference over the tokens both top-k lists
+hold, plus whether vivace's own greedy continuation is llama-server's, its tokenization and chat
+rendering are llama-server's, and both stop at the same end-of-generation tokens.
 
     python benchmarks/llama_cpp_conformance.py [--families llama,qwen3] [--types F16,Q4_K_M]
-        [--llama-cpp DIR] [--convert-python PYTHON] [--work DIR] [--tokens 16]
+        [--llama-cpp DIR] [--convert-python PYTHON] [--work DIR] [--vivace-args '--eager'] [--tokens 16]
 """
 
 from __future__ import annotations
@@ -66,20 +66,22 @@ class Row:
                 self.llama_hf, self.greedy, self.tokens, self.chat, self.stops, self.note]
 
 
-HEADER = ["family", "type", "top-1 = llama.cpp", "max |Δlogprob| llama.cpp", "top-1 = HF ref", "max |Δlogprob| HF ref",
+HEADER = ["family", "type", "top-1 = llama.cpp", "max |Δlogprob| llama.cpp", "top-1 = HF ref",
+          "max |Δlogprob| HF ref",
           "llama.cpp vs HF ref", "greedy = llama.cpp", "tokenize", "chat prompt", "EOG stops", "note"]
 
 
-def convert(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str, add_bos: bool, *options: str) -> Path:
+def convert(args: argparse.Namespace, hf_dir: Path, out: Path, outtype: str, add_bos: bool, *options: str) -> Path:
     """The converter's file; with ``add_bos`` its tokenizer.ggml.add_bos_token set by gguf-py's own script
     (the converter takes the flag from tokenizer.json's post-processor, and one that adds a BOS changes
     the tokenizer's hash, which the converter then does not know)."""
     if not out.exists():
-        subprocess.run([str(ARGS.convert_python), str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype",
-                        outtype.lower(), "--outfile", str(out), *options], check=True, capture_output=True)
+        subprocess.run([str(args.convert_python), str(args.llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir),
+                        "--outtype", outtype.lower(), "--outfile", str(out), *options], check=True, capture_output=True)
         if add_bos:
-            subprocess.run([sys.executable, str(llama_cpp / "gguf-py/gguf/scripts/gguf_set_metadata.py"), "--force",
-                            str(out), "tokenizer.ggml.add_bos_token", "1"], check=True, capture_output=True)
+            script = args.llama_cpp / "gguf-py/gguf/scripts/gguf_set_metadata.py"
+            subprocess.run([sys.executable, str(script), "--force", str(out), "tokenizer.ggml.add_bos_token", "1"],
+                           check=True, capture_output=True)
     return out
 
 
@@ -182,14 +184,15 @@ def eog_stops(vivace: str, llama: str, eog: list[int]) -> str:
     return f"{same}/{len(eog)}"
 
 
-def probe_file(path: Path, row: Row, hf_model: transformers.PreTrainedModel | None, eog: list[int],
-               tokens: int, logs: Path) -> None:
+def probe_file(args: argparse.Namespace, path: Path, row: Row, hf_model: transformers.PreTrainedModel,
+               eog: list[int], logs: Path) -> None:
     lport, vport = free_port(), free_port()
-    llama_cmd = [str(ARGS.llama_cpp / "build/bin/llama-server"), "-m", str(path), "--host", "127.0.0.1",
-                 "--port", str(lport), "-t", "1", "-np", "1", "-c", str(ARGS.context), "--jinja"]
+    llama_cmd = [str(args.llama_cpp / "build/bin/llama-server"), "-m", str(path), "--host", "127.0.0.1",
+                 "--port", str(lport), "-t", "1", "-np", "1", "-c", str(args.context), "--jinja"]
     vivace_cmd = [sys.executable, "-m", "vivace.cli", "serve", str(path), "--host", "127.0.0.1", "--port",
-                  str(vport), "--num-threads", "1", "--dtype", ARGS.dtype, "--max-model-len", str(ARGS.context), "--no-ui",
-                  *ARGS.vivace_args.split()]
+                  str(vport), "--num-threads", "1", "--dtype", args.dtype, "--max-model-len", str(args.context),
+                  "--no-ui",
+                  *args.vivace_args.split()]
     llama, llama_url = start("llama.cpp", llama_cmd, lport, logs / f"{path.stem}.llama.log")
     try:
         try:
@@ -204,21 +207,19 @@ def probe_file(path: Path, row: Row, hf_model: transformers.PreTrainedModel | No
             totals = {"llama": [0, 0, 0.0], "hf": [0, 0, 0.0], "llama_hf": [0, 0, 0.0]}
             greedy_same = 0
             for prompt in prompts:
-                text, continuation, theirs = llama_greedy(llama_url, prompt, tokens)
+                text, continuation, theirs = llama_greedy(llama_url, prompt, args.tokens)
                 ours = vivace_scores(vivace_url, prompt, continuation)
-                greedy_same += vivace_greedy(vivace_url, prompt, tokens) == text
-                results = {"llama": compare(ours, theirs)}
-                if hf_model is not None:
-                    reference = hf_logprobs(hf_model, prompt, continuation, 8 * TOP_K)
-                    results["hf"], results["llama_hf"] = compare(ours, reference), compare(theirs, reference)
+                greedy_same += vivace_greedy(vivace_url, prompt, args.tokens) == text
+                reference = hf_logprobs(hf_model, prompt, continuation, 8 * TOP_K)
+                results = {"llama": compare(ours, theirs), "hf": compare(ours, reference),
+                           "llama_hf": compare(theirs, reference)}
                 for key, (agree, count, worst) in results.items():
                     total = totals[key]
                     total[0], total[1], total[2] = total[0] + agree, total[1] + count, max(total[2], worst)
             row.greedy = f"{greedy_same}/{len(prompts)}"
             row.top1_llama, row.lp_llama = f"{totals['llama'][0]}/{totals['llama'][1]}", f"{totals['llama'][2]:.3f}"
-            if hf_model is not None:
-                row.top1_hf, row.lp_hf = f"{totals['hf'][0]}/{totals['hf'][1]}", f"{totals['hf'][2]:.3f}"
-                row.llama_hf = f"{totals['llama_hf'][0]}/{totals['llama_hf'][1]}, {totals['llama_hf'][2]:.3f}"
+            row.top1_hf, row.lp_hf = f"{totals['hf'][0]}/{totals['hf'][1]}", f"{totals['hf'][2]:.3f}"
+            row.llama_hf = f"{totals['llama_hf'][0]}/{totals['llama_hf'][1]}, {totals['llama_hf'][2]:.3f}"
         finally:
             vivace.stop()
     finally:
@@ -231,8 +232,8 @@ def markdown(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global ARGS
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated; known: " + ", ".join(FAMILIES))
     parser.add_argument("--types", default=",".join(FLOAT_TYPES + (FLOAT_TYPES[0] + FUSED_QKV,) + QUANT_TYPES),
                         help=f"GGUF types to make and compare (F16{FUSED_QKV}: converted with --fuse-qkv)")
@@ -244,39 +245,41 @@ def main(argv: list[str] | None = None) -> int:
                         help="models, GGUF files, server logs and results.json")
     parser.add_argument("--dtype", default="float32", help="vivace's --dtype (auto: bfloat16 for F16/BF16 files)")
     parser.add_argument("--vivace-args", default="--eager",
-                        help="more vivace serve flags, e.g. '--eager --quantization none' ('' compiles the decode step)")
+                        help="more vivace serve flags, e.g. '--eager --quantization none' "
+                             "('' compiles the decode step)")
     parser.add_argument("--context", type=int, default=2048,
                         help="both servers' context (-c, --max-model-len); past 4096 Phi-3's LongRoPE takes its long "
                              "factors in llama.cpp and vivace, while transformers takes them by sequence length")
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt")
-    ARGS = parser.parse_args(argv)
-    ARGS.work = ARGS.work.resolve()  # the servers run in the repository root
-    ARGS.work.mkdir(parents=True, exist_ok=True)
+    args = parser.parse_args(argv)
+    args.work = args.work.resolve()  # the servers run in the repository root
+    args.work.mkdir(parents=True, exist_ok=True)
     rows = []
-    for family in ARGS.families.split(","):
-        hf_dir, model, eog = build_model(family, ARGS.work / family)
+    for family in args.families.split(","):
+        hf_dir, model, eog = build_model(family, args.work / family)
         add_bos = FAMILIES[family][2]
         f16 = None
-        for ggml_type in ARGS.types.split(","):
+        for ggml_type in args.types.split(","):
             row = Row(family, ggml_type)
             rows.append(row)
             try:
-                out = ARGS.work / family / f"{family}-{ggml_type}.gguf"
+                out = args.work / family / f"{family}-{ggml_type}.gguf"
                 if ggml_type in FLOAT_TYPES:
-                    path = convert(ARGS.llama_cpp, hf_dir, out, ggml_type, add_bos)
+                    path = convert(args, hf_dir, out, ggml_type, add_bos)
                 elif ggml_type.endswith(FUSED_QKV):
-                    path = convert(ARGS.llama_cpp, hf_dir, out, ggml_type.removesuffix(FUSED_QKV), add_bos, "--fuse-qkv")
+                    path = convert(args, hf_dir, out, ggml_type.removesuffix(FUSED_QKV), add_bos, "--fuse-qkv")
                 else:
-                    f16 = f16 or convert(ARGS.llama_cpp, hf_dir, ARGS.work / family / f"{family}-F16.gguf", "F16",
+                    f16 = f16 or convert(args, hf_dir, args.work / family / f"{family}-F16.gguf", "F16",
                                         add_bos)
-                    path = quantize(ARGS.llama_cpp, f16, out, ggml_type)
-                reference = model if ggml_type.removesuffix(FUSED_QKV) in FLOAT_TYPES else dequantized_model(model, path)
-                probe_file(path, row, reference, eog, ARGS.tokens, ARGS.work / family)
+                    path = quantize(args.llama_cpp, f16, out, ggml_type)
+                is_float = ggml_type.removesuffix(FUSED_QKV) in FLOAT_TYPES
+                reference = model if is_float else dequantized_model(model, path)
+                probe_file(args, path, row, reference, eog, args.work / family)
             except (subprocess.CalledProcessError, PeerUnavailable, httpx.HTTPError, KeyError, ValueError) as error:
                 detail = getattr(error, "stderr", b"") or b""
                 row.note = f"{type(error).__name__}: {str(error)[:120]} {detail[-200:].decode(errors='replace')}"
             print(" | ".join(row.cells()), flush=True)
-            (ARGS.work / "results.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+            (args.work / "results.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     print(markdown(rows))
     return 0
 
