@@ -35,7 +35,8 @@ from peers import PeerUnavailable, Running, Server, free_port  # noqa: E402
 LLAMA_CPP = Path.home() / ".cache/vivace-peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 FLOAT_TYPES = ("F16", "BF16")
 FUSED_QKV = "+fuse-qkv"  # a float type converted with --fuse-qkv (q, k, v stored as one attn_qkv)
-QUANT_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q4_0", "Q5_0", "Q4_1")
+QUANT_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q4_0", "Q5_0", "Q4_1",
+               "Q1_0")
 PROMPTS = ["The quick brown fox jumps over the lazy dog. Then",
            "def fibonacci(n):\n    if n < 2:\n        return n\n",
            "Numbers: 3.14159, 2,718 and 1e-9; émigré naïve 東京 🦊!",
