@@ -33,6 +33,7 @@ _LAYER = {
 }
 _GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
+_QKV = ("attn_q", "attn_k", "attn_v")
 # The quantized types the gguf package writes from float values; others get random codes.
 QUANTIZABLE = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
                gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1)
@@ -44,11 +45,14 @@ ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3
 def write_gguf(model: transformers.PreTrainedModel, path: Path,
                ggml_type: gguf.GGMLQuantizationType = F32,
                types: dict[str, gguf.GGMLQuantizationType] | None = None, eos_id: int = EOS_ID,
-               chat_template: str | list[dict[str, str]] = CHAT_TEMPLATE) -> Path:
+               chat_template: str | list[dict[str, str]] = CHAT_TEMPLATE,
+               token_ids: dict[str, int] | None = None, fuse_qkv: bool = False) -> Path:
     """Export ``model`` to ``path``; matrices are stored as ``ggml_type`` (F32, F16, or a quant),
     or as ``types[part]`` for the GGUF tensor part named (``attn_q``, ``token_embd``, ...); the
     metadata's EOS is ``eos_id``, its chat template ``chat_template`` (named ones: a list, as llama.cpp's
-    converter takes tokenizer_config.json's).
+    converter takes tokenizer_config.json's), and ``token_ids`` more keys naming tokens
+    (``tokenizer.ggml.fim_sep_token_id``: id); ``fuse_qkv`` stores each layer's q, k and v (weights
+    and biases, after the q/k permutation) as one ``attn_qkv``, as the converter's ``--fuse-qkv`` does.
     Types the gguf package cannot quantize to (the K-quants) get random codes of that type."""
     config = model.config
     arch = ARCHS[config.model_type]
@@ -56,6 +60,9 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
     writer.add_name(f"tiny-{config.model_type}")
     _add_hparams(writer, config, arch)
     _add_tokenizer(writer, eos_id, chat_template)
+    qkv: dict[str, dict[str, np.ndarray]] = {}
+    for key, token_id in (token_ids or {}).items():
+        writer.add_uint32(key, token_id)
     for name, values in _unfused_experts(model.state_dict()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -64,6 +71,13 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
             values = values + 1.0
         gguf_name = _gguf_name(name, arch)
         part = gguf_name.split(".")[-2]
+        if fuse_qkv and part in _QKV:
+            fused = qkv.setdefault(gguf_name.replace(part, "attn_qkv"), {})
+            fused[part] = values
+            if len(fused) < len(_QKV):
+                continue
+            gguf_name, part, values = gguf_name.replace(part, "attn_qkv"), "attn_qkv", np.concatenate(
+                [fused[p] for p in _QKV])
         _add_tensor(writer, gguf_name, values, F32 if part == "ffn_gate_inp" else (types or {}).get(part, ggml_type))
     rope = config.rope_parameters
     if rope.get("rope_type") == "llama3":
@@ -161,11 +175,22 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray,
         writer.add_tensor(name, values.astype(np.float32))
     elif ggml_type == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, values.astype(np.float16))
+    elif ggml_type == gguf.GGMLQuantizationType.Q1_0:
+        writer.add_tensor(name, quantize_q1_0(values), raw_dtype=ggml_type)
     elif ggml_type in GGUF_HALF_FIELDS and ggml_type not in QUANTIZABLE:
         blocks = random_blocks(ggml_type, math.prod(values.shape[:-1]), values.shape[-1])
         writer.add_tensor(name, blocks.reshape(*values.shape[:-1], -1), raw_dtype=ggml_type)
     else:
         writer.add_tensor(name, gguf.quants.quantize(values, ggml_type), raw_dtype=ggml_type)
+
+
+def quantize_q1_0(values: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantize_row_q1_0_ref (the gguf package has no Q1_0): per 128 weights the float16
+    mean of |w| as d, then each weight's sign as one bit (set for w >= 0), least significant first."""
+    blocks = values.astype(np.float32).reshape(*values.shape[:-1], -1, 128)
+    scales = np.abs(blocks).mean(axis=-1, keepdims=True).astype(np.float16).view(np.uint8)
+    bits = np.packbits(blocks >= 0, axis=-1, bitorder="little")
+    return np.concatenate([scales, bits], axis=-1).reshape(*values.shape[:-1], -1)
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:

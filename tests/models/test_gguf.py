@@ -5,18 +5,21 @@ from __future__ import annotations
 import dataclasses
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
 
 from vivace.models import load_model
-from vivace.models.gguf_file import GGUFFile
+from vivace.models.gguf import open_gguf
+from vivace.models.gguf_file import GGUFFile, dequantize_blocks
+from vivace.models.loader import default_model_path
 
 from .gguf_export import write_gguf
 from .test_llama import assert_close
-from .tiny import CHAT_TEMPLATE, EOS_ID, KINDS, TOKENS, PagedRun, hf_logits, prompt, tiny_tokenizer
+from .tiny import CHAT_TEMPLATE, EOS_ID, KINDS, TOKENS, PagedRun, hf_logits, prompt, tiny_model, tiny_tokenizer
 
-F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
+F32, F16, Q1_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q1_0
 # llama.cpp has no window for its llama arch, and a fixed Gemma 3 layer pattern and attention scale.
 GGUF_LESS = ("mistral_sliding", "gemma3_pattern2")
 
@@ -67,6 +70,64 @@ def test_a_chat_ggufs_turn_end_stops_whatever_its_eos(tiny, tmp_path) -> None:
     end_of_text = TOKENS.index("<|endoftext|>")
     path = write_gguf(tiny("llama").hf, tmp_path / "chat.gguf", eos_id=end_of_text)
     assert load_model(str(path), torch.float32).config.eos_token_ids == (end_of_text, EOS_ID)
+
+
+@pytest.mark.parametrize("ggml_type", [F32, gguf.GGMLQuantizationType.Q8_0], ids=["f32", "q8_0"])
+@pytest.mark.parametrize("kind", ["llama_bias", "qwen2"])
+def test_fused_qkv_gguf_matches_original_weights(tiny, tmp_path, kind: str, ggml_type) -> None:
+    """convert_hf_to_gguf's --fuse-qkv stores q, k and v as one attn_qkv for every architecture (llama's
+    q and k rows permuted within it), and llama.cpp serves such files: so must vivace."""
+    model = tiny(kind)
+    path = write_gguf(model.hf, tmp_path / f"{kind}.gguf", ggml_type, fuse_qkv=True)
+    assert "blk.0.attn_qkv.weight" in GGUFFile(path).tensors and "blk.0.attn_qkv.bias" in GGUFFile(path).tensors
+    unfused = write_gguf(model.hf, tmp_path / f"{kind}-unfused.gguf", ggml_type)
+    quantization = "none" if ggml_type == F32 else "gguf"  # Q8_0: the quantized layers read the file's rows
+    ids = prompt(21, seed=6)
+    reference = load_model(str(unfused), torch.float32, quantization)
+    expected = PagedRun(reference.model, reference.config).step({"s": ids})["s"]
+    loaded = load_model(str(path), torch.float32, quantization)
+    assert_close(PagedRun(loaded.model, loaded.config).step({"s": ids})["s"], expected)
+    if ggml_type == F32:
+        assert_close(expected, hf_logits(model.hf, ids))
+
+
+def test_q1_0_gguf_loads_as_llama_cpp_dequantizes(tmp_path) -> None:
+    """llama-quantize's Q1_0 (a float16 d per 128 weights, each weight +d or -d by its bit), which the
+    gguf package sizes but cannot dequantize: llama.cpp serves such files, vivace rejected them."""
+    block = np.zeros((1, 18), np.uint8)
+    block[0, :2] = np.array([0.5], np.float16).view(np.uint8)
+    block[0, 2], block[0, 17] = 0b101, 0b10000000  # weights 0, 2 and 127 positive
+    expected = np.full(128, -0.5, np.float32)
+    expected[[0, 2, 127]] = 0.5
+    np.testing.assert_array_equal(dequantize_blocks(block, Q1_0), expected[None])
+    model = tiny_model("llama", hidden_size=128, intermediate_size=256)
+    path = write_gguf(model, tmp_path / "q1_0.gguf", types={"attn_q": Q1_0, "ffn_down": Q1_0})
+    stored = GGUFFile(path).tensors["blk.0.ffn_down.weight"]
+    assert stored.ggml_type == Q1_0
+    weight = model.state_dict()["model.layers.0.mlp.down_proj.weight"].numpy()
+    means = np.abs(weight.reshape(128, 2, 128)).mean(axis=-1, keepdims=True).astype(np.float16).astype(np.float32)
+    dequantized = (np.where(weight.reshape(128, 2, 128) >= 0, 1.0, -1.0) * means).reshape(128, 256)
+    floats = load_model(str(path), torch.float32, "none")
+    assert torch.equal(floats.model.layers[0].mlp.down_proj.weight, torch.from_numpy(dequantized))
+    ids = prompt(21, seed=6)
+    expected_logits = PagedRun(floats.model, floats.config).step({"s": ids})["s"]
+    native = load_model(str(path), torch.float32, "gguf")  # run as Q8_0: +-d as codes +-127, d/127 in float16
+    torch.testing.assert_close(native.model.layers[0].mlp.down_proj.dequantize(torch.float32),
+                               floats.model.layers[0].mlp.down_proj.weight, rtol=1e-3, atol=0)
+    logits = PagedRun(native.model, native.config).step({"s": ids})["s"]
+    assert (logits.argmax(-1) == expected_logits.argmax(-1)).float().mean() > 0.9
+
+
+def test_fill_in_the_middle_separators_end_generation_as_in_llama_cpp(tiny, tmp_path) -> None:
+    """llama.cpp also ends generation at a vocabulary's fill-in-the-middle pad, repository and file
+    separators, found by text (the default model's <reponame>, a control token) or named by
+    ``tokenizer.ggml.fim_*_token_id``: a served model must stop where llama.cpp stops on the same file."""
+    default = open_gguf(default_model_path())
+    assert default.tokenizer.convert_tokens_to_ids("<reponame>") in default.config.eos_token_ids
+    separator = TOKENS.index("he")
+    path = write_gguf(tiny("llama").hf, tmp_path / "fim.gguf", token_ids={"tokenizer.ggml.fim_sep_token_id": separator})
+    assert load_model(str(path), torch.float32).config.eos_token_ids == (EOS_ID, TOKENS.index("<|endoftext|>"),
+                                                                         separator)
 
 
 def test_named_chat_templates_of_a_gguf_are_the_tokenizers(tiny, tmp_path) -> None:

@@ -35,6 +35,7 @@ _LAYER_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's, and any architecture's from convert_hf_to_gguf --fuse-qkv
     # A mixture of experts' router and experts (one [num_experts, out, in] tensor a projection).
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
@@ -43,7 +44,7 @@ _LAYER_NAMES = {
 _ARCH_LAYER_NAMES = {
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # stored fused, as vivace runs them
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # stored fused, as vivace runs it
 }
 # llama.cpp's Gemma 3: every 6th layer global, sliding layers rotate with base 10000.
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
@@ -56,7 +57,13 @@ _EXPERT_NEUTRAL = {"expert_shared_count": (0,), "expert_gating_func": (1,), "exp
 # EOS and EOT: a chat GGUF's EOS is often the end of text while its template ends each turn with
 # another control token (Gemma 3's <end_of_turn>, Phi-3's <|end|>, Llama 3's <|eom_id|>).
 _END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                      "<|end_of_text|>", "<EOT>", "<end_of_utterance>")
+                      "<|end_of_text|>", "<EOT>", "<end_of_utterance>",
+                      # Fill-in-the-middle pad, repository and file separators, which llama.cpp ends on too
+                      # (SmolLM2's <reponame>, Qwen2.5's <|fim_pad|>, <|repo_name|> and <|file_sep|>).
+                      "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
+                      "<reponame>", "<|file_sep|>")
+# Keys naming those separators, which llama.cpp's tokenizer reads before it looks for their text.
+_FIM_END_KEYS = tuple(f"tokenizer.ggml.fim_{kind}_token_id" for kind in ("pad", "rep", "sep"))
 _CHAT_TEMPLATE = "tokenizer.chat_template"
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
 _LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}  # Phi-3
@@ -92,12 +99,15 @@ def open_gguf(path: Path, skip: Collection[str] = ()) -> GGUFModel:
 
 def _turn_ends(file: GGUFFile, tokenizer: transformers.PreTrainedTokenizerFast, config: ModelConfig) -> list[int]:
     """The tokens of ``_END_OF_GENERATION`` the file has as added ones (control, or user-defined as some
-    Gemma GGUFs mark <end_of_turn>: llama.cpp overrides that), but for its EOS and EOT."""
+    Gemma GGUFs mark <end_of_turn>: llama.cpp overrides that) and those ``_FIM_END_KEYS`` name, but for
+    its EOS and EOT."""
     types = file.metadata.get("tokenizer.ggml.token_type") or []
     added = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
     vocab = tokenizer.get_vocab()
     found = [vocab[text] for text in _END_OF_GENERATION if text in vocab]
-    return [i for i in found if i < len(types) and types[i] in added and i not in config.eos_token_ids]
+    found = [i for i in found if i < len(types) and types[i] in added]
+    named = [file.metadata[key] for key in _FIM_END_KEYS if key in file.metadata]
+    return list(dict.fromkeys(i for i in found + named if i not in config.eos_token_ids))
 
 
 def model_config(file: GGUFFile) -> ModelConfig:
@@ -135,7 +145,7 @@ def model_config(file: GGUFFile) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=context_length(context, scaling, architecture),
         tie_word_embeddings="output.weight" not in file.tensors,
-        attention_bias="blk.0.attn_q.bias" in file.tensors,
+        attention_bias="blk.0.attn_q.bias" in file.tensors or "blk.0.attn_qkv.bias" in file.tensors,
         attention_out_bias="blk.0.attn_output.bias" in file.tensors,
         bos_token_id=file.metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(token for token in eos if token is not None)),
@@ -278,11 +288,18 @@ def _tensors(file: GGUFFile, config: ModelConfig, arch: str,
 def hf_rows(values: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
     """Rows of GGUF tensor ``name`` (float values or block bytes, one row per output) in Hugging
     Face order: llama.cpp permutes the q/k rows of llama-arch models (Llama, Mistral, Mixtral) and
-    smollm3 only."""
+    smollm3 only, within a fused ``attn_qkv`` (``--fuse-qkv``: q, k, v stacked) too."""
     rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     part = name.split(".")[-2]
-    if config.architecture in _PERMUTED and part in rotary_heads:
+    if config.architecture not in _PERMUTED:
+        return values
+    if part in rotary_heads:
         return _unpermute(values, rotary_heads[part])
+    if part == "attn_qkv":
+        q_end = config.num_attention_heads * config.head_dim
+        k_end = q_end + config.num_key_value_heads * config.head_dim
+        return np.concatenate([_unpermute(values[:q_end], config.num_attention_heads),
+                               _unpermute(values[q_end:k_end], config.num_key_value_heads), values[k_end:]])
     return values
 
 

@@ -83,7 +83,7 @@ class GGUFFile:
         """The tensor as a new, writable float32 array of shape ``info.shape``."""
         raw = self.blocks(info)
         try:
-            values = gguf.quants.dequantize(raw, info.ggml_type)
+            values = dequantize_blocks(raw, info.ggml_type)
         except NotImplementedError as error:
             raise ValueError(f"cannot dequantize {info.name} ({info.ggml_type.name}): {error}") from error
         return values if values.flags.writeable else values.copy()  # F32 comes back as a view of the map
@@ -124,6 +124,19 @@ class GGUFFile:
             raise ValueError(f"tensor {name} has ggml type {kind}, which the gguf package does not know "
                              f"(a newer llama.cpp format?); known: {known}") from None
         return name, tuple(reversed(dims)), ggml_type, offset
+
+
+def dequantize_blocks(blocks: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Blocks ``[..., row bytes]`` of ``ggml_type`` as float32 values ``[..., row length]``: gguf's
+    dequantization, and llama.cpp's Q1_0, which gguf sizes but cannot dequantize (a float16 scale d
+    per 128 weights, then one bit a weight, least significant first: +d if set, else -d).
+    Raises NotImplementedError for a type neither knows."""
+    if ggml_type != gguf.GGMLQuantizationType.Q1_0:
+        return gguf.quants.dequantize(blocks, ggml_type)
+    raw = np.asarray(blocks).reshape(*blocks.shape[:-1], -1, gguf.GGML_QUANT_SIZES[ggml_type][1])
+    scales = raw[..., :2].copy().view(np.float16).astype(np.float32)
+    signs = np.unpackbits(raw[..., 2:], axis=-1, bitorder="little").astype(np.float32) * 2.0 - 1.0
+    return (signs * scales).reshape(*blocks.shape[:-1], -1)
 
 
 def _nbytes(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType) -> int:

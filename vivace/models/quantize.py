@@ -34,7 +34,7 @@ from vivace.layers.gguf_blocks import NATIVE_TYPES, from_gguf_blocks
 from vivace.layers.linear import QuantizedLinear, StackedLinear
 from vivace.layers.quant_format import QuantizedWeight
 from vivace.models.gguf import _hf_name, hf_rows
-from vivace.models.gguf_file import GGUFFile
+from vivace.models.gguf_file import GGUFFile, dequantize_blocks
 from vivace.models.llama import LlamaForCausalLM
 from vivace.models.moe import SparseMoeBlock, expert_name
 from vivace.models.partial_rotary import to_vivace_rows
@@ -204,7 +204,7 @@ def _decoded(blocks: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> Quanti
     but a quarter of the float32 weight the type would otherwise run as."""
     if ggml_type in NATIVE_TYPES:
         return from_gguf_blocks(blocks, ggml_type)
-    values = gguf.quants.dequantize(np.asarray(blocks), ggml_type)
+    values = dequantize_blocks(np.asarray(blocks), ggml_type)
     return from_gguf_blocks(gguf.quants.quantize(values, T.Q8_0), T.Q8_0)
 
 
