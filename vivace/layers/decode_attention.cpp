@@ -99,10 +99,9 @@ void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int
     const int64_t k0 = c * BK, lo = std::max<int64_t>(0, start - k0), n = std::min<int64_t>(BK, seq_len - k0);
     // This chunk's values and the next chunk's keys, asked for while the scores are computed.
     for (int64_t t = lo; t < n; ++t) prefetch_rows(values + rows[t], 1, 0, D);
-    if (c < last) {
-      chunk_rows(c + 1, 0, std::min<int64_t>(BK, seq_len - k0 - BK), next);
-      for (int64_t t = 0; t < std::min<int64_t>(BK, seq_len - k0 - BK); ++t) prefetch_rows(keys + next[t], 1, 0, D);
-    }
+    const int64_t next_n = c < last ? std::min<int64_t>(BK, seq_len - k0 - BK) : 0;  // the next chunk's keys
+    chunk_rows(c + 1, 0, next_n, next);
+    for (int64_t t = 0; t < next_n; ++t) prefetch_rows(keys + next[t], 1, 0, D);
     for (int64_t t0 = lo & ~int64_t{15}; t0 < n; t0 += 16) {
       __m512 part[GB][16];
       for (int u = 0; u < 16; ++u) {
@@ -131,7 +130,7 @@ void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int
         for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_fmadd_ps(p, value[i], acc[g][i]);
       }
     }
-    if (c < last) std::copy(next, next + std::min<int64_t>(BK, seq_len - k0 - BK), rows);
+    std::copy(next, next + next_n, rows);
   }
   for (int g = 0; g < GB; ++g) {
     if (g >= gb) break;
