@@ -108,3 +108,26 @@ def test_a_burst_of_commands_is_taken_in_a_few_per_step():
     for drained in (COMMANDS_PER_STEP, 2 * COMMANDS_PER_STEP, 2 * COMMANDS_PER_STEP + 5):
         AsyncEngine._drain_commands(front, block=False)
         assert [c[1] for c in applied] == list(range(drained))
+
+
+async def test_a_steps_tokens_reach_their_stream_before_the_next_step_starts(engine):
+    """With ``delivery_wait`` (on where a step fills every core) the engine thread starts a step
+    only once the event loop has handed the last step's tokens to their streams: between two
+    tokens of a lone stream exactly one step starts; none is sent one step late with the next."""
+    import time
+
+    from vivace.engine.async_engine import steps_fill_the_cores
+
+    assert not steps_fill_the_cores("cuda")
+    saved, engine.delivery_wait = engine.delivery_wait, 60.0  # unbounded: the order is certain
+    try:
+        received = []
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        async for out in engine.generate("The lighthouse keeper", params, "delivery"):
+            received.append(time.perf_counter())
+    finally:
+        engine.delivery_wait = saved
+    assert len(received) == 24
+    starts = [step["start"] for step in engine.timings.steps.rows(received[0])]
+    between = [sum(a < s < b for s in starts) for a, b in zip(received, received[1:])]
+    assert between == [1] * 23

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
 
-from vivace.config import EngineConfig
+import torch
+
+from vivace.config import EngineConfig, resolve_device
 from vivace.engine.deadlines import DeadlineQueue, Deadlines, QueueTimeoutError, RequestTimeoutError
 from vivace.engine.errors import EngineDeadError, EngineStepError, RequestFailedError
 from vivace.engine.llm_engine import EngineStats, LLMEngine
@@ -23,12 +26,31 @@ from vivace.models import LoadedModel
 logger = logging.getLogger(__name__)
 # Adds and aborts applied between two steps at most: ~50 us each, a few milliseconds in all.
 COMMANDS_PER_STEP = 64
+# How long the engine thread waits, at most, for the event loop to send a step's tokens before it
+# starts the next step (see ``AsyncEngine.delivery_wait``). At batch 1 the loop needs ~0.5 ms.
+DELIVERY_WAIT_S = 0.002
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]], timings: StepTimings, sent_at: float) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]], timings: StepTimings, sent_at: float,
+             delivered: threading.Event) -> None:
     timings.record_handoff(sent_at)
     for sink, output in batch:
         sink.put_nowait(output)
+    # Queued behind the steps of the stream tasks the puts woke, so it runs once they have written
+    # their frames (or reached their next wait).
+    asyncio.get_running_loop().call_soon(delivered.set)
+
+
+def steps_fill_the_cores(device: str) -> bool:
+    """Whether a step keeps every core this process may run on busy: a CPU step with as many
+    threads as cores. The event loop then only gets a core by preempting a step thread, which
+    the scheduler grants a slice or two late (1.5-4 ms here) and which stalls the step's other
+    threads at their next barrier meanwhile."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return device == "cpu" and torch.get_num_threads() >= cores
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -99,6 +121,11 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._deadlines = DeadlineQueue()
+        # Seconds the engine thread waits after a step for the event loop to send its tokens, so
+        # that a token leaves before the next step starts rather than one step late with the next
+        # one (a doubled gap, then none). Only where the loop would otherwise wait for a core; the
+        # loop's work costs the step the same time whether it runs before or inside it.
+        self.delivery_wait = DELIVERY_WAIT_S if steps_fill_the_cores(resolve_device(config.device)) else 0.0
         self.error: BaseException | None = None
         start = time.perf_counter()
         self.warm_up()
@@ -198,8 +225,15 @@ class AsyncEngine:
                 loop, sink, index = stream
                 output.outputs[0].index = index
                 batches.setdefault(loop, []).append((sink, output))
+        sent_at = time.perf_counter()
+        delivered = []
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch, self.timings, time.perf_counter())
+            delivered.append(threading.Event())
+            loop.call_soon_threadsafe(_put_all, batch, self.timings, sent_at, delivered[-1])
+        if self.delivery_wait:
+            deadline = sent_at + self.delivery_wait
+            for event in delivered:
+                event.wait(max(deadline - time.perf_counter(), 0.0))
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)

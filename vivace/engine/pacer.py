@@ -97,6 +97,9 @@ GROWTH_FACTOR = 2
 FILL_FACTOR = 1.0
 # Steps of each kind (decode-only, with prompt) the cost model must have seen to be warm.
 WARM_STEPS = 8
+# Observations a warm model may bound a step's time with the fit of before, unsolved (a solve
+# costs ~60 us; the bound is three times the prediction, which a few steps do not move).
+RESOLVE_EVERY = 16
 # With fill_eager, the steps with a prompt after which the fit caps a cold model's growing fill.
 FILL_FIT_STEPS = 3
 
@@ -158,9 +161,22 @@ class StepCostModel:
         self.decay = 0.5 ** (1.0 / half_life)
         self.gram = np.zeros((len(prior), len(prior)))
         self.moment = np.zeros(len(prior))
-        self.coefficients = self.prior.copy()
+        self._coefficients = self.prior.copy()
+        self._unsolved = 0  # observations since the coefficients were last solved for
         self.num_decode_only = 0
         self.num_with_prompt = 0
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        """The fit of every observation so far, solved when read (a solve is ~60 us, and a
+        decode-only step at batch 1 observes one and reads none)."""
+        if self._unsolved:
+            self._solve()
+        return self._coefficients
+
+    def _solve(self) -> None:
+        self._coefficients = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ self.prior)
+        self._unsolved = 0
 
     @property
     def warm(self) -> bool:
@@ -172,11 +188,13 @@ class StepCostModel:
         """Adds one measured step (``prompt_kpos``: its prompt tokens' positions summed, in
         thousands; ``long_run_kpos``: as in :func:`step_features`)."""
         x = step_features(decode_tokens, prompt_tokens, prompt_kpos, path, long_run_kpos, self.long_run_rows)
-        if self.warm:
-            seconds = min(seconds, 3.0 * max(float(self.coefficients @ x), 0.0))
+        if self.warm:  # against the fit of at most RESOLVE_EVERY observations ago: a 3x bound
+            if self._unsolved >= RESOLVE_EVERY:
+                self._solve()
+            seconds = min(seconds, 3.0 * max(float(self._coefficients @ x), 0.0))
         self.gram = self.decay * self.gram + np.outer(x, x)
         self.moment = self.decay * self.moment + seconds * x
-        self.coefficients = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ self.prior)
+        self._unsolved += 1
         if prompt_tokens:
             self.num_with_prompt += 1
         else:
