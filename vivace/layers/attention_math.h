@@ -65,12 +65,6 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
 }
 
-// Lanes [lo, n) of the 16 keys from 16 v on, as a mask.
-inline __mmask16 key_mask(int64_t v, int64_t lo, int64_t n) {
-  const int64_t a = std::clamp<int64_t>(lo - 16 * v, 0, 16), b = std::clamp<int64_t>(n - 16 * v, 0, 16);
-  return static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
-}
-
 // One row's online-softmax step over a chunk: row[k] holds the score of the chunk's key k; keys
 // [lo, n) count. Updates the row's running max m and sum l, leaves row[k] = 2^(score - m) for
 // those keys and 0 for the other BK, and returns alpha (1 when no key counts: nothing changes).
@@ -80,16 +74,22 @@ inline float softmax_chunk(float* row, int64_t lo, int64_t n, float& m, float& l
     for (int v = 0; v < BK / 16; ++v) _mm512_storeu_ps(row + 16 * v, _mm512_setzero_ps());
     return 1.0f;
   }
+  static_assert(BK == 64, "a chunk's keys are one 64-bit mask");
+  const uint64_t keys = (n == BK ? ~uint64_t{0} : (uint64_t{1} << n) - 1) & ~((uint64_t{1} << lo) - 1);
+  __mmask16 mask[BK / 16];
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int v = 0; v < BK / 16; ++v) mx = _mm512_mask_max_ps(mx, key_mask(v, lo, n), mx, _mm512_loadu_ps(row + 16 * v));
+  for (int v = 0; v < BK / 16; ++v) {
+    mask[v] = static_cast<__mmask16>(keys >> (16 * v));
+    mx = _mm512_mask_max_ps(mx, mask[v], mx, _mm512_loadu_ps(row + 16 * v));
+  }
   const float m_new = std::max(m, _mm512_reduce_max_ps(mx));
-  const float alpha = std::exp2(m - m_new);  // 0 on a row's first chunk (m = -inf)
+  // exp2(0) is 1 exactly: a chunk that leaves the max where it was (most, past the first few)
+  // skips the libm call. 0 on a row's first chunk (m = -inf).
+  const float alpha = m == m_new ? 1.0f : std::exp2(m - m_new);
   const __m512 top = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int v = 0; v < BK / 16; ++v) {
-    const __mmask16 k = key_mask(v, lo, n);
-    const __m512 e = k ? _mm512_maskz_mov_ps(k, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(row + 16 * v), top)))
-                       : _mm512_setzero_ps();
+    const __m512 e = _mm512_maskz_mov_ps(mask[v], exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(row + 16 * v), top)));
     sum = _mm512_add_ps(sum, e);
     _mm512_storeu_ps(row + 16 * v, e);
   }

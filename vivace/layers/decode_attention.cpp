@@ -42,6 +42,33 @@ struct Layout {
 template <int ND>
 constexpr int heads_per_pass() { return ND <= 4 ? 4 : (ND < 16 ? 2 : 1); }
 
+// One kv head's rows of one sequence's blocks [first, end) in the cache, walked in table order: a
+// paged sequence's blocks lie anywhere in the pool, so each block's rows are asked for ahead.
+template <typename C>
+struct HeadBlocks {
+  const C *keys, *values;
+  const int64_t* table;
+  int64_t block_size, stride, column, head_dim, seq_len, first, end;  // column: the head's first element in a row
+
+  HeadBlocks(const C* keys, const C* values, const int64_t* table, const Layout& s, int64_t kvh, int64_t seq_len,
+             int64_t start)
+      : keys(keys), values(values), table(table), block_size(s.block_size), stride(s.token_stride()),
+        column(kvh * s.head_dim), head_dim(s.head_dim), seq_len(seq_len), first(start / s.block_size),
+        end((seq_len + s.block_size - 1) / s.block_size) {}
+
+  // Block j's first row of this head in `cache` (keys or values), and how many rows of the sequence it holds.
+  const C* rows(const C* cache, int64_t j) const { return cache + table[j] * block_size * stride + column; }
+  int64_t count(int64_t j) const { return std::min(block_size, seq_len - j * block_size); }
+  // Asks for the rows that follow block j of `cache`: the next block's, or after the last key
+  // block the first value block's.
+  void prefetch_after(const C* cache, int64_t j) const {
+    if (j + 1 < end)
+      prefetch_rows(rows(cache, j + 1), count(j + 1), stride, head_dim);
+    else if (cache == keys)
+      prefetch_rows(rows(values, first), count(first), stride, head_dim);
+  }
+};
+
 #ifndef VIVACE_SIMDE
 // dot[g] = the lane-wise products of query head g with key row k, chained over its ND vectors
 // (16 partial sums, the first product a fmadd onto zero as attention_math.h says), for the first
@@ -61,76 +88,90 @@ inline void head_dots(const __m512 (&query)[GB][ND], const C* k, int gb, __m512 
 // (qs[g], [head_dim]) over that sequence's tokens [start, lens[g]) into outs[g]; ND = head_dim / 16.
 // The queries are heads of one row, or of consecutive rows (a prompt chunk riding the decode
 // step), whose lengths then differ: a query's softmax covers its own tokens only (the rest weigh
-// zero), so its result is the same whatever else the pass holds. Flash-decoding over absolute
-// chunks of BK keys, in the prefill kernel's arithmetic (attention_math.h): a query's output is
-// that kernel's bits for the same row. Each key and value row is read once for all gb queries.
+// zero), so its result is the same whatever else the pass holds. The prefill kernel's arithmetic
+// (attention_math.h), so a query's output is that kernel's bits for the same row, in three passes:
+// every score (the blocks walked in table order, each key row read once for all gb queries), the
+// online softmax over absolute chunks of BK keys, then the values, each accumulator scaled by its
+// chunk's alpha where a chunk starts. Apart, the passes pay no per-chunk latency the others wait on.
 template <typename T, typename C, int ND>
 void attend_queries(const T* const* qs, T* const* outs, const int64_t* lens, int gb, const C* keys, const C* values,
                     const int64_t* table, int64_t start, int64_t kvh, float scale, const Layout& s,
-                    std::vector<float>&) {
+                    std::vector<float>& buf) {
   using vivace_attention::BK;
   constexpr int GB = heads_per_pass<ND>();
   constexpr int64_t D = 16 * ND;
   const int64_t seq_len = *std::max_element(lens, lens + gb);
+  const HeadBlocks<C> blocks(keys, values, table, s, kvh, seq_len, start);
   const int64_t stride = s.token_stride(), bs = s.block_size;
+  const int64_t first_chunk = start / BK, chunks = (seq_len - 1) / BK + 1 - first_chunk;
+  const int64_t width = (first_chunk + chunks) * BK;  // scores at their key's index, whole chunks
+  buf.resize(GB * (width + chunks));
+  float* scores[GB];
+  float* alpha[GB];  // per chunk from first_chunk
+  for (int g = 0; g < GB; ++g) scores[g] = buf.data() + g * width, alpha[g] = buf.data() + GB * width + g * chunks;
   const float qscale = vivace_attention::query_scale(scale);
-  __m512 query[GB][ND], acc[GB][ND];
+  __m512 query[GB][ND];
   for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < ND; ++i) {
+    for (int i = 0; i < ND; ++i)
       query[g][i] = g < gb ? _mm512_mul_ps(load16(qs[g] + 16 * i), _mm512_set1_ps(qscale)) : _mm512_setzero_ps();
-      acc[g][i] = _mm512_setzero_ps();
-    }
-  alignas(64) float scores[GB][BK];
-  float peak[GB], total[GB], alpha[GB];
-  for (int g = 0; g < GB; ++g) peak[g] = -std::numeric_limits<float>::infinity(), total[g] = 0.0f;
-  int64_t rows[BK];  // offsets of the chunk's keys' rows of this head (in keys and in values)
-  int64_t next[BK];
-  // The rows of chunk c's keys [lo, n) into offs, the block table walked from the chunk's first key.
-  const auto chunk_rows = [&](int64_t c, int64_t lo, int64_t n, int64_t* offs) {
-    int64_t key = c * BK + lo, j = key / bs, off = key - j * bs;
-    for (int64_t t = lo; t < n; ++t, ++off) {
-      if (off == bs) ++j, off = 0;
-      offs[t] = (table[j] * bs + off) * stride + kvh * D;
-    }
-  };
-  const int64_t first = start / BK, last = (seq_len - 1) / BK;
-  chunk_rows(first, start - first * BK, std::min<int64_t>(BK, seq_len - first * BK), rows);
-  for (int64_t c = first; c <= last; ++c) {
-    const int64_t k0 = c * BK, lo = std::max<int64_t>(0, start - k0), n = std::min<int64_t>(BK, seq_len - k0);
-    // This chunk's values and the next chunk's keys, asked for while the scores are computed.
-    for (int64_t t = lo; t < n; ++t) prefetch_rows(values + rows[t], 1, 0, D);
-    const int64_t next_n = c < last ? std::min<int64_t>(BK, seq_len - k0 - BK) : 0;  // the next chunk's keys
-    chunk_rows(c + 1, 0, next_n, next);
-    for (int64_t t = 0; t < next_n; ++t) prefetch_rows(keys + next[t], 1, 0, D);
-    for (int64_t t0 = lo & ~int64_t{15}; t0 < n; t0 += 16) {
+  // Scores, 16 tokens at a time where a block allows; a key's score is its own lanes' tree
+  // (hsum16), whatever keys share its vector.
+  for (int64_t j = blocks.first; j < blocks.end; ++j) {
+    const C* base = blocks.rows(keys, j);
+    const int64_t n = blocks.count(j), at = j * bs;
+    blocks.prefetch_after(keys, j);
+    for (int64_t t = std::max<int64_t>(0, start - at); t < n; t += 16) {
+      const int64_t rest = n - t;
       __m512 part[GB][16];
       for (int u = 0; u < 16; ++u) {
         __m512 dot[GB] = {};
-        if (t0 + u >= lo && t0 + u < n) head_dots<C, ND, GB>(query, keys + rows[t0 + u], gb, dot);
+        if (u < rest) head_dots<C, ND, GB>(query, base + (t + u) * stride, gb, dot);
         for (int g = 0; g < GB; ++g) part[g][u] = dot[g];
       }
       for (int g = 0; g < GB; ++g) {
         if (g >= gb) break;
-        _mm512_storeu_ps(scores[g] + t0, vivace_attention::hsum16(part[g]));
+        _mm512_mask_storeu_ps(scores[g] + at + t, tail_mask(rest), vivace_attention::hsum16(part[g]));
       }
     }
-    for (int g = 0; g < GB; ++g) {
-      if (g >= gb) break;
-      alpha[g] = vivace_attention::softmax_chunk(scores[g], lo, lens[g] - k0, peak[g], total[g]);
-      const __m512 a = _mm512_set1_ps(alpha[g]);
-      for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], a);
+  }
+  // Softmax numerators, chunk by chunk; each sum divides its output once at the end.
+  float total[GB];
+  for (int g = 0; g < GB; ++g) {
+    if (g >= gb) break;
+    float peak = -std::numeric_limits<float>::infinity();
+    total[g] = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k0 = (first_chunk + c) * BK;
+      alpha[g][c] = vivace_attention::softmax_chunk(scores[g] + k0, std::max<int64_t>(0, start - k0), lens[g] - k0,
+                                                    peak, total[g]);
     }
-    for (int64_t t = lo; t < n; ++t) {
-      const C* v = values + rows[t];
+  }
+  // Values weighted by the numerators: each value row loaded once for every head. The first
+  // chunk's accumulators are zero (alpha changes nothing).
+  __m512 acc[GB][ND];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t j = blocks.first; j < blocks.end; ++j) {
+    const C* base = blocks.rows(values, j);
+    const int64_t n = blocks.count(j), at = j * bs;
+    blocks.prefetch_after(values, j);
+    for (int64_t u = std::max<int64_t>(0, start - at); u < n; ++u) {
+      const int64_t key = at + u;
+      if (key % BK == 0 && key > start)
+        for (int g = 0; g < GB; ++g) {
+          if (g >= gb) break;
+          const __m512 a = _mm512_set1_ps(alpha[g][key / BK - first_chunk]);
+          for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], a);
+        }
+      const C* v = base + u * stride;
       __m512 value[ND];
       for (int i = 0; i < ND; ++i) value[i] = load16(v + 16 * i);
       for (int g = 0; g < GB; ++g) {
         if (g >= gb) break;
-        const __m512 p = _mm512_set1_ps(scores[g][t]);
+        const __m512 p = _mm512_set1_ps(scores[g][key]);
         for (int i = 0; i < ND; ++i) acc[g][i] = _mm512_fmadd_ps(p, value[i], acc[g][i]);
       }
     }
-    std::copy(next, next + next_n, rows);
   }
   for (int g = 0; g < GB; ++g) {
     if (g >= gb) break;
@@ -183,23 +224,18 @@ void attend_queries_avx2(const T* const* qs, T* const* outs, const int64_t* lens
   constexpr int N8 = 2 * ND;
   constexpr int64_t D = 16 * ND;
   const int64_t seq_len = *std::max_element(lens, lens + gb);
-  const int64_t stride = s.token_stride(), bs = s.block_size, num_blocks = (seq_len + bs - 1) / bs;
-  const int64_t first_block = start / bs, width = seq_len + 8;
-  const auto head_rows = [&](const C* cache, int64_t j) { return cache + table[j] * bs * stride + kvh * D; };
-  const auto rows_in = [&](int64_t j) { return std::min(bs, seq_len - j * bs); };
+  const HeadBlocks<C> blocks(keys, values, table, s, kvh, seq_len, start);
+  const int64_t stride = s.token_stride(), bs = s.block_size, width = seq_len + 8;
   buf.resize(gb * (width + D));
   float* query = buf.data() + gb * width;  // [gb, D]: the queries times the scale, in float32
   for (int g = 0; g < gb; ++g)
     for (int i = 0; i < N8; ++i)
       _mm256_storeu_ps(query + g * D + 8 * i, _mm256_mul_ps(load8(qs[g] + 8 * i), _mm256_set1_ps(scale)));
   const auto scores = [&](int g) { return buf.data() + g * width; };
-  for (int64_t j = first_block; j < num_blocks; ++j) {
-    const C* base = head_rows(keys, j);
-    const int64_t n = rows_in(j), at = j * bs;
-    if (j + 1 < num_blocks)
-      prefetch_rows(head_rows(keys, j + 1), rows_in(j + 1), stride, D);
-    else
-      prefetch_rows(head_rows(values, first_block), rows_in(first_block), stride, D);
+  for (int64_t j = blocks.first; j < blocks.end; ++j) {
+    const C* base = blocks.rows(keys, j);
+    const int64_t n = blocks.count(j), at = j * bs;
+    blocks.prefetch_after(keys, j);
     for (int64_t t = std::max<int64_t>(0, start - at); t < n; t += 8) {
       const int rest = static_cast<int>(std::min<int64_t>(8, n - t));
       for (int g = 0; g < gb; ++g) {
@@ -240,10 +276,10 @@ void attend_queries_avx2(const T* const* qs, T* const* outs, const int64_t* lens
       const int cw = std::min(8, N8 - c);
       __m256 acc[8];
       for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t j = first_block; j < num_blocks; ++j) {
-        const C* base = head_rows(values, j) + 8 * c;
-        const int64_t n = rows_in(j), at = j * bs;
-        if (g == 0 && c == 0 && j + 1 < num_blocks) prefetch_rows(head_rows(values, j + 1), rows_in(j + 1), stride, D);
+      for (int64_t j = blocks.first; j < blocks.end; ++j) {
+        const C* base = blocks.rows(values, j) + 8 * c;
+        const int64_t n = blocks.count(j), at = j * bs;
+        if (g == 0 && c == 0) blocks.prefetch_after(values, j);
         for (int64_t u = std::max<int64_t>(0, start - at); u < n; ++u) {
           const __m256 p = _mm256_set1_ps(sc[at + u]);
           const C* v = base + u * stride;
