@@ -3,8 +3,9 @@
 A voice agent reads a stream token by token: a token sent one step late, then together with the
 next, is a stutter even when the median ITL is good. Per server and repetition, in turn:
 
-1. start ``vivace serve`` (default model, ``--num-threads``) from this checkout, and from each
-   ``--baseline DIR`` (a checkout of the code before a change) given;
+1. start ``vivace serve`` (default model, ``--num-threads``) from this checkout, from each
+   ``--baseline DIR`` (a checkout of the code before a change) and again with each ``--also-with
+   FLAGS``; with ``--busy N``, N processes spin on the CPU beside it while it is measured;
 2. stream ``--requests`` greedy chat answers of ``--max-tokens`` tokens, ``--streams`` at a time
    (default one: a lone stream), timing each content chunk's arrival;
 3. read ``/debug/timings`` (same monotonic clock) and split every token's trip after its step
@@ -18,6 +19,7 @@ the p99 of each part of the trip, and output tokens a second. The client shares 
 ``peers.py``; its part is what this machine's scheduler adds to the reading.
 
     python benchmarks/lone_stream.py --baseline ../before --reps 3 --requests 12
+    python benchmarks/lone_stream.py --also-with --no-adaptive-threads --busy 1
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import bisect
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,20 +89,29 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--also-with", action="append", default=[], metavar="FLAGS",
+                        help="serve this checkout again with these extra flags (repeatable)")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="processes spinning on the CPU beside the server while it is measured (other work)")
     parser.add_argument("--streams", type=int, default=1, help="streams at once, each sending its share of the requests")
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--serve-args", default="", help="more flags for vivace serve")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--request-timeout", type=float, default=120.0)
     args = parser.parse_args()
-    checkouts = {"this checkout": None, **{path.resolve().name: path.resolve() for path in args.baseline}}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
+    servers = {"this checkout": (None, []), **{path.resolve().name: (path.resolve(), []) for path in args.baseline},
+               **{f"this checkout {flags}": (None, flags.split()) for flags in args.also_with}}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     for rep in range(args.reps):
-        for name, checkout in checkouts.items():
-            server, url = start_server(name.replace(" ", "-"), args, [], checkout)
+        for name, (checkout, flags) in servers.items():
+            server, url = start_server("".join(c if c.isalnum() else "-" for c in name), args, flags, checkout)
+            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
             try:
                 figures = asyncio.run(measure(url, args, rep))
             finally:
+                for process in busy:
+                    process.kill()
+                    process.wait()
                 server.stop()
             runs[name].append(figures)
             print(f"  rep {rep} {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()),

@@ -95,6 +95,9 @@ ENGINE_FLAGS = (
     Flag("--no-prefix-caching", False, "do not reuse KV blocks of shared prefixes", kind="switch",
          aliases=("--no-enable-prefix-caching",), negation="--enable-prefix-caching"),
     Flag("--num-threads", None, "torch CPU threads (default: torch's choice)", int),
+    Flag("--no-adaptive-threads", False, "keep every CPU step on --num-threads threads even while other work "
+         "holds some of the cores (default: fewer until those come free)", kind="switch",
+         negation="--adaptive-threads"),
     Flag("--speculative", None, "speculative decoding: 'ngram' or 'draft:<model>' (default: off)"),
     Flag("--num-speculative-tokens", 4, "tokens proposed per speculative step", int),
     Flag("--speculative-max-batch", 4, "no speculation when more requests are decoding", int),
@@ -243,7 +246,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_prefill_chunk=args.max_prefill_chunk, itl_target_ms=args.itl_target_ms,
         ttft_target_ms=args.ttft_target_ms,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.num_threads, speculative=args.speculative,
+        num_threads=args.num_threads, adaptive_threads=not args.no_adaptive_threads, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch, seed=args.seed,
         quantization=args.quantization, compile=args.compile and not args.eager,

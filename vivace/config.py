@@ -109,6 +109,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    # Serving on the CPU: fewer step threads while other work holds some of the cores, all of
+    # them again once those come free (vivace.engine.core_share).
+    adaptive_threads: bool = True
     speculative: str | None = None  # "ngram" or "draft:<model>"
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 4  # no speculation when more requests are decoding

@@ -15,6 +15,7 @@ import uuid
 import torch
 
 from vivace.config import EngineConfig, resolve_device
+from vivace.engine.core_share import CoreShare
 from vivace.engine.deadlines import DeadlineQueue, Deadlines, QueueTimeoutError, RequestTimeoutError
 from vivace.engine.errors import EngineDeadError, EngineStepError, RequestFailedError
 from vivace.engine.llm_engine import EngineStats, LLMEngine
@@ -125,7 +126,10 @@ class AsyncEngine:
         # that a token leaves before the next step starts rather than one step late with the next
         # one (a doubled gap, then none). Only where the loop would otherwise wait for a core; the
         # loop's work costs the step the same time whether it runs before or inside it.
-        self.delivery_wait = DELIVERY_WAIT_S if steps_fill_the_cores(resolve_device(config.device)) else 0.0
+        self.cpu = cpu = resolve_device(config.device) == "cpu"
+        self.delivery_wait = DELIVERY_WAIT_S if cpu and steps_fill_the_cores("cpu") else 0.0
+        # Fewer step threads while other work holds some of the cores (vivace.engine.core_share).
+        self.core_share = CoreShare(torch.get_num_threads() if cpu and config.adaptive_threads else 1)
         self.error: BaseException | None = None
         start = time.perf_counter()
         self.warm_up()
@@ -151,6 +155,7 @@ class AsyncEngine:
             while not self._stopped.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
                 self._expire_deadlines()
+                self._share_cores()
                 with self._lock:
                     try:
                         outputs = self.engine.step()
@@ -167,6 +172,13 @@ class AsyncEngine:
             self._stopped.set()
             for request_id in list(self._streams):
                 self._deliver_error(request_id, exc)
+
+    def _share_cores(self) -> None:
+        threads = self.core_share.check()
+        if threads is not None:
+            torch.set_num_threads(threads)
+            logger.info("vivace: steps on %d of %d threads (%s)", threads, self.core_share.full,
+                        "other work holds cores" if threads < self.core_share.full else "the cores are free again")
 
     def _fail_in_flight(self, exc: Exception) -> None:
         for request_id in list(self.engine.requests):
@@ -292,7 +304,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return self.engine.stats()
+            return dataclasses.replace(self.engine.stats(), step_threads=self.core_share.threads if self.cpu else 0)
 
     def check_integrity(self) -> None:
         with self._lock:
@@ -302,4 +314,6 @@ class AsyncEngine:
         self._stopped.set()
         self._thread.join(timeout=10)
         self.engine.token_masks.shutdown()
+        if not self._thread.is_alive():
+            self.core_share.close()
         self.timings.unwatch_gc()

@@ -61,6 +61,7 @@ class EngineStats:
     spec_accepted: int = 0
     prediction_accepted: int = 0  # of the above, tokens proposed from requests' predictions (emitted)
     prediction_rejected: int = 0
+    step_threads: int = 0  # the CPU threads steps run on now (AsyncEngine; 0 where not told)
 
 
 class LLMEngine:

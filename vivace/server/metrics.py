@@ -61,6 +61,8 @@ _ENGINE_SERIES: tuple[tuple[str, type[Metric], str, Callable[[Any], float]], ...
      "that verification accepted (and the output kept).", lambda s: s.prediction_accepted),
     ("rejected_prediction_tokens", CounterMetricFamily, "Tokens proposed from a request's prediction "
      "that verification rejected.", lambda s: s.prediction_rejected),
+    ("cpu_step_threads", GaugeMetricFamily, "Threads the CPU steps run on now: fewer than configured "
+     "while other work holds some of the cores (0 on a GPU).", lambda s: s.step_threads),
 )
 
 
