@@ -1,6 +1,7 @@
-"""Decode-step latency of the default model: eager (plain or prepacked linears) against compiled.
+"""Decode-step latency of a model (the default one unless ``--model``): eager (plain or prepacked
+linears) against compiled.
 
-    python benchmarks/decode_step.py [--dtypes float32 bfloat16] [--batch-sizes 1 16]
+    python benchmarks/decode_step.py [--model PATH] [--dtypes float32 bfloat16] [--batch-sizes 1 16]
         [--context 128] [--rounds 20] [--threads N] [--variants default cpp_wrapper ...]
         [--quantization none|int8|int4|auto] [--profile] [--start]
 
@@ -93,7 +94,7 @@ def run_latency(args: argparse.Namespace, variant: str) -> None:
     process: dynamo would hand a second variant the graphs the first compiled, whatever its settings."""
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        plain, loaded = (load_model("default", dtype, args.quantization) for _ in range(2))
+        plain, loaded = (load_model(args.model, dtype, args.quantization) for _ in range(2))
         prepack_linears(loaded.model)
         runners = {"eager F.linear": make_runner(plain, dtype, args.batch_sizes, args.context, None),
                    "eager packed": make_runner(loaded, dtype, args.batch_sizes, args.context, None)}
@@ -116,7 +117,7 @@ def run_latency(args: argparse.Namespace, variant: str) -> None:
 def time_start(args: argparse.Namespace) -> None:
     """Print the seconds building a compiled runner takes in this process (model already loaded)."""
     dtype = getattr(torch, args.dtypes[0])
-    loaded = load_model("default", dtype, args.quantization)
+    loaded = load_model(args.model, dtype, args.quantization)
     prepack_linears(loaded.model)
     start = time.perf_counter()
     make_runner(loaded, dtype, args.batch_sizes, args.context, VARIANTS[args.variants[0]])
@@ -129,7 +130,8 @@ def run_start(args: argparse.Namespace) -> None:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         for label in ("cold", "warm"):
             for dtype_name in args.dtypes:
-                command = [sys.executable, __file__, "--time-start", "--dtypes", dtype_name, "--batch-sizes",
+                command = [sys.executable, __file__, "--time-start", "--model", args.model, "--dtypes", dtype_name,
+                           "--batch-sizes",
                            *map(str, args.batch_sizes), "--variants", args.variants[0],
                            "--quantization", args.quantization]
                 if args.threads:
@@ -140,7 +142,8 @@ def run_start(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--model", default="default", help="a .gguf file, a model directory or a bundled name")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--context", type=int, default=128)

@@ -54,6 +54,13 @@ namespace {
 constexpr int kTile = 16;   // output rows per vector
 constexpr int kGroup = 32;  // activation quantization group
 constexpr int64_t kMinWorkPerThread = 128 * 1024;
+// How far ahead of the group it multiplies the first row pass asks for a tile's codes, into L2
+// (_MM_HINT_T1). With the hardware prefetchers alone, the 73 GEMVs of a Llama-3.2-1B Q4_K_M batch-1
+// step took 1.2-1.4x as long as a plain prefetching read of the same codes in the same calls; with
+// this, 1.1-1.2x. Measured on two threads, alternating: 0.86-0.92x the GEMVs' time at 4 KiB,
+// 2 KiB into L1 0.90-0.91x, 3-8 KiB into L2 within 2% of 4 KiB. (Weights already in L3 run
+// slower with it, 1.2x: a batch-1 step never finds them there.)
+constexpr int64_t kPrefetchBytes = 4096;
 
 // Per-thread scratch for the quantized activations, reused across calls (no allocation).
 struct QuantizedActivations {
@@ -188,7 +195,14 @@ void tile_block(const Problem& p, int64_t tile0, int64_t m0) {
       ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codebook))) : nibble;
   __m512 accf[MB][NT];
   for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) accf[i][t] = _mm512_setzero_ps();
+  constexpr int kGroupBytes = kGroup * kTile * BITS / 8;  // a tile's codes of one group, contiguous
   for (int64_t g = 0; g < groups; ++g) {
+    if (m0 == 0) {  // later row passes find the codes in cache
+      for (int t = 0; t < NT; ++t) {
+        const char* ahead = reinterpret_cast<const char*>(p.codes + (tile0 + t) * tile_bytes + g * kGroupBytes);
+        for (int line = 0; line < kGroupBytes; line += 64) _mm_prefetch(ahead + kPrefetchBytes + line, _MM_HINT_T1);
+      }
+    }
     __m512i acc[MB][NT], acc_hi[MB][NT];  // acc_hi: the second 16-k sub-block (sub16)
     for (int i = 0; i < MB; ++i) for (int t = 0; t < NT; ++t) acc[i][t] = acc_hi[i][t] = _mm512_setzero_si512();
     const int8_t* xg = p.xq + m0 * p.k + g * kGroup;
