@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,14 @@ def resolve_device(device: str) -> str:
             f"torch {torch.__version__} built for CUDA {torch.version.cuda}, but no usable GPU or driver"
         raise ValueError(f"--device cuda: torch sees no CUDA GPU ({build}); use --device cpu or auto")
     return device
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity; every core the OS counts elsewhere)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def cpu_has_bf16() -> bool:

@@ -65,7 +65,7 @@ def test_default_tokenizer_encodes_in_pieces_as_transformers(default_tokenizer_d
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
     assert tokenization._piecewise_safe(tokenizer, tokenizer._tokenizer)
-    monkeypatch.setattr(tokenization, "_threads", lambda: 8)  # several pieces even on a 2-core machine
+    monkeypatch.setattr(tokenization, "available_cores", lambda: 8)  # several pieces even on a 2-core machine
     texts = random_texts(2) + [(Path(__file__).parents[1] / "data" / "moby_dick_loomings.txt").read_text()]
     assert_same_ids(tokenizer, texts)
     # The chat template's special tokens, as a chat prompt carries them.
@@ -82,7 +82,7 @@ def test_llama3_style_tokenizer_with_bos(monkeypatch: pytest.MonkeyPatch) -> Non
     tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
         single="<|bos|> $A", special_tokens=[("<|bos|>", tokenizer.bos_token_id)])
     assert tokenization._piecewise_safe(tokenizer, tokenizer._tokenizer)
-    monkeypatch.setattr(tokenization, "_threads", lambda: 8)
+    monkeypatch.setattr(tokenization, "available_cores", lambda: 8)
     texts = random_texts(3)
     assert_same_ids(tokenizer, texts)
     ids = encoder_of(tokenizer)(texts[0], True)
@@ -92,7 +92,7 @@ def test_llama3_style_tokenizer_with_bos(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_tokenizers_not_safe_to_cut_keep_whole_encodes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A normalizer that prepends a space (Llama 2's) or an added token with a space in it: never
     cut, still the same ids."""
-    monkeypatch.setattr(tokenization, "_threads", lambda: 8)
+    monkeypatch.setattr(tokenization, "available_cores", lambda: 8)
     prepending = trained(pre_tokenizers.ByteLevel(add_prefix_space=False),
                          normalizer=normalizers.Prepend(" "))
     assert not tokenization._piecewise_safe(prepending, prepending._tokenizer)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -14,7 +13,7 @@ import uuid
 
 import torch
 
-from vivace.config import EngineConfig, resolve_device
+from vivace.config import EngineConfig, available_cores, resolve_device
 from vivace.engine.core_share import CoreShare
 from vivace.engine.deadlines import DeadlineQueue, Deadlines, QueueTimeoutError, RequestTimeoutError
 from vivace.engine.errors import EngineDeadError, EngineStepError, RequestFailedError
@@ -47,11 +46,7 @@ def steps_fill_the_cores(device: str) -> bool:
     threads as cores. The event loop then only gets a core by preempting a step thread, which
     the scheduler grants a slice or two late (1.5-4 ms here) and which stalls the step's other
     threads at their next barrier meanwhile."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return device == "cpu" and torch.get_num_threads() >= cores
+    return device == "cpu" and torch.get_num_threads() >= available_cores()
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -126,10 +121,11 @@ class AsyncEngine:
         # that a token leaves before the next step starts rather than one step late with the next
         # one (a doubled gap, then none). Only where the loop would otherwise wait for a core; the
         # loop's work costs the step the same time whether it runs before or inside it.
-        self.cpu = cpu = resolve_device(config.device) == "cpu"
-        self.delivery_wait = DELIVERY_WAIT_S if cpu and steps_fill_the_cores("cpu") else 0.0
+        device = resolve_device(config.device)
+        self.cpu = device == "cpu"
+        self.delivery_wait = DELIVERY_WAIT_S if steps_fill_the_cores(device) else 0.0
         # Fewer step threads while other work holds some of the cores (vivace.engine.core_share).
-        self.core_share = CoreShare(torch.get_num_threads() if cpu and config.adaptive_threads else 1)
+        self.core_share = CoreShare(torch.get_num_threads() if self.cpu and config.adaptive_threads else 1)
         self.error: BaseException | None = None
         start = time.perf_counter()
         self.warm_up()

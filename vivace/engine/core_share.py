@@ -56,20 +56,14 @@ class ThreadWaits:
     def read(self) -> tuple[float, float] | None:
         if not self._relist():
             return None
-        ran, waited = self._ended
         for tid, fd in list(self._files.items()):
             try:
                 fields = os.pread(fd, 128, 0).split()
-                figures = (int(fields[0]), int(fields[1]))
+                self._last[tid] = (int(fields[0]), int(fields[1]))
             except (OSError, IndexError, ValueError):  # the thread ended: its last figures stay
-                os.close(fd)
-                del self._files[tid]
-                last = self._last.pop(tid, (0, 0))
-                self._ended = (self._ended[0] + last[0], self._ended[1] + last[1])
-                ran, waited = ran + last[0], waited + last[1]
-                continue
-            self._last[tid] = figures
-            ran, waited = ran + figures[0], waited + figures[1]
+                self._forget(tid)
+        ran = self._ended[0] + sum(figures[0] for figures in self._last.values())
+        waited = self._ended[1] + sum(figures[1] for figures in self._last.values())
         return ran / 1e9, waited / 1e9
 
     def _relist(self) -> bool:
@@ -78,15 +72,19 @@ class ThreadWaits:
         except OSError:
             return False
         for tid in set(self._files) - tids:
-            os.close(self._files.pop(tid))
-            last = self._last.pop(tid, (0, 0))
-            self._ended = (self._ended[0] + last[0], self._ended[1] + last[1])
+            self._forget(tid)
         for tid in tids - set(self._files):
             try:
                 self._files[tid] = os.open(f"{TASKS}/{tid}/schedstat", os.O_RDONLY)
             except OSError:
                 continue
         return bool(self._files)
+
+    def _forget(self, tid: str) -> None:
+        """Close an ended thread's file; its last figures join those of the threads ended before."""
+        os.close(self._files.pop(tid))
+        ran, waited = self._last.pop(tid, (0, 0))
+        self._ended = (self._ended[0] + ran, self._ended[1] + waited)
 
     def close(self) -> None:
         for fd in self._files.values():

@@ -12,10 +12,11 @@ checked once against ``tokenizer.encode`` on a probe text before either is used 
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from typing import TypeVar
+
+from vivace.config import available_cores
 
 # Text that exercises what an encoder could get wrong: runs of spaces, newlines, tabs,
 # contractions, digits, punctuation, accents, CJK, an emoji, markup.
@@ -81,7 +82,7 @@ def _fast_encoder(tokenizer) -> Encoder | None:
         def encode(text: str, add_special_tokens: bool) -> list[int]:
             if len(text) < PARALLEL_CHARS:
                 return whole(text, add_special_tokens)
-            return in_pieces(text, add_special_tokens, max(PIECE_CHARS, -(-len(text) // _threads())))
+            return in_pieces(text, add_special_tokens, max(PIECE_CHARS, -(-len(text) // available_cores())))
         return encode
     except Exception:  # a tokenizer of another make: its own encode
         return None
@@ -120,10 +121,3 @@ def word_pieces(text: str, piece_chars: int) -> list[str]:
             at += 1
     cuts.append(len(text))
     return [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
-
-
-def _threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return os.cpu_count() or 1
