@@ -49,13 +49,14 @@ def package_dir(runner, tmp_path_factory):
     return cache
 
 
-def decode_both(runner: ModelRunner, decoder: AOTDecoder) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_both(runner: ModelRunner, decoder: AOTDecoder, ids=(11, 12, 13), positions=(9, 6, 2),
+                tables=((0, 1, 2), (4, 5), (6,))) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of the same decode batch from ``decoder`` and eagerly, from the same caches."""
+    ids, positions, tables = list(ids), list(positions), [list(table) for table in tables]
     generator = torch.Generator().manual_seed(0)
     for cache in runner.kv_caches:
         cache.copy_(torch.randn(cache.shape, generator=generator).to(cache.dtype))
     before = [cache.clone() for cache in runner.kv_caches]
-    ids, positions, tables = [11, 12, 13], [9, 6, 2], [[0, 1, 2], [4, 5], [6]]
     with torch.inference_mode():
         input_ids, pos, meta = runner.build_decode_inputs(ids, positions, tables, runner.max_blocks_per_seq)
         compiled = decoder(input_ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.prompt_rows)
@@ -128,6 +129,14 @@ def test_a_package_that_cannot_be_built_raises(runner, tmp_path, monkeypatch):
     monkeypatch.setattr(aot_decode, "build", lambda *args: (_ for _ in ()).throw(RuntimeError("no compiler")))
     with pytest.raises(RuntimeError, match="no compiler"):
         AOTDecoder(runner.model, runner.kv_caches, MAX_BATCH, tmp_path)
+
+
+def test_a_one_sequence_server_gets_its_package(runner, tmp_path):
+    """``--max-num-seqs 1`` (a lone voice agent's server): the package builds for that range too,
+    rather than falling back to torch.compile, and its one row matches eager."""
+    decoder = AOTDecoder(runner.model, runner.kv_caches, 1, tmp_path)
+    compiled, eager = decode_both(runner, decoder, ids=[11], positions=[9], tables=[[0, 1, 2]])
+    torch.testing.assert_close(compiled, eager, **LOGITS)
 
 
 def test_decoder_falls_back_to_torch_compile(runner, tmp_path, monkeypatch):

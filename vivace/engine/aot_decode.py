@@ -205,13 +205,16 @@ def build(model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int, path:
     import torch._inductor
     from torch.export import Dim
 
-    batch, pool, width = Dim("batch", min=1, max=max(max_batch, 2)), Dim("num_blocks", min=2), Dim("width", min=1)
-    rows = Dim("logit_rows", min=1, max=max(max_batch, 2))
-    example_batch = 2  # not 1, which export would specialize on
+    # The example is 2 rows asking for 3 logit rows (not 1 and 2, which export would specialize
+    # on), so each range holds its example even where max_batch is 1 or 2.
+    example_batch, example_rows = 2, 3
+    batch, pool, width = (Dim("batch", min=1, max=max(max_batch, example_batch)), Dim("num_blocks", min=2),
+                          Dim("width", min=1))
+    rows = Dim("logit_rows", min=1, max=max(max_batch, example_rows))
     longs = [torch.zeros(example_batch, dtype=torch.long) for _ in range(4)]
     scratch = kv_caches[0].shape[1] - 1
     tables = torch.full((example_batch, 2), scratch, dtype=torch.long)
-    args = (longs[0], longs[1], kv_caches, longs[2], tables, longs[2] + 1, longs[3], torch.arange(3) % example_batch)
+    args = (longs[0], longs[1], kv_caches, longs[2], tables, longs[2] + 1, longs[3], torch.arange(example_rows) % example_batch)
     dynamic = ({0: batch}, {0: batch}, [{1: pool}] * len(kv_caches), {0: batch}, {0: batch, 1: width}, {0: batch},
                {0: batch}, {0: rows})
     with torch.no_grad():
