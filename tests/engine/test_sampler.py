@@ -24,6 +24,28 @@ def test_top_k_top_p_min_p_keep_the_right_tokens():
     assert kept(filter_logits(logits, -1, 1.0, 0.0)) == [0, 1, 2, 3, 4]
 
 
+def sorted_nucleus(logits: torch.Tensor, top_p: float) -> list[int]:
+    """The top-p nucleus by sorting the whole row: the reference ``filter_logits`` must agree with."""
+    values, order = logits.sort(descending=True)
+    probs = values.softmax(-1)
+    keep = (probs.cumsum(-1) - probs) < top_p
+    keep[0] = True
+    return sorted(order[keep].tolist())
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat (the nucleus is most of the row) to peaked
+@pytest.mark.parametrize("top_p", [1e-9, 0.5, 0.9, 0.999])
+def test_the_nucleus_is_the_one_a_full_sort_gives(scale: float, top_p: float):
+    """The nucleus is looked for among the largest 64, 512, ... values; wherever it ends, it is the
+    set a sort of the whole row keeps."""
+    logits = torch.randn(20_000, generator=torch.Generator().manual_seed(int(scale * 100))) * scale
+    kept = torch.isfinite(filter_logits(logits, 0, top_p, 0.0)).nonzero().flatten().tolist()
+    assert kept == sorted_nucleus(logits, top_p)
+    masked = filter_logits(logits, 300, top_p, 0.0)  # top_k first: the nucleus of what it keeps
+    want = sorted_nucleus(logits.masked_fill(logits < logits.topk(300).values[-1], float("-inf")), top_p)
+    assert torch.isfinite(masked).nonzero().flatten().tolist() == want
+
+
 def test_penalties_follow_their_definitions():
     sampler = Sampler(eos_token_ids=(0,))
     logits = torch.tensor([[1.0, 2.0, -1.0, 3.0, 0.5, 0.0, 0.0]])

@@ -125,7 +125,9 @@ def mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_token_id
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Set tokens outside the top-k / top-p nucleus / min-p floor to -inf (one row)."""
+    """Set tokens outside the top-k / min-p floor / top-p nucleus to -inf (one row). Each filter
+    keeps the values down to a cut (ties at the cut too), as ``vivace.gpu.sampler.filter_scores``
+    does for a batch; no filter sorts the whole row unless its nucleus is most of it."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -133,12 +135,32 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
-        drop[0] = False  # and always the most likely one (a top_p below float32's range is 0 here)
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        logits = logits.masked_fill(logits < nucleus_cut(logits, top_p), float("-inf"))
     return logits
+
+
+# How many of a row's largest values the nucleus is first looked for in, and the factor it grows
+# by when they hold less than top_p. A model's distribution is usually peaked (a top_p of 0.9 at
+# temperature 1 keeps tens of tokens), and topk of 64 over 128k values costs ~0.1 ms where sorting
+# the row costs ~10 ms.
+NUCLEUS_FIRST, NUCLEUS_GROWTH = 64, 8
+
+
+def nucleus_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest value the top-p nucleus of ``logits`` (one row) keeps: the largest values
+    while the probability before them is below ``top_p`` (so the one that crosses it too), and
+    always the largest."""
+    vocab = logits.shape[-1]
+    log_total = torch.logsumexp(logits, -1)
+    k = NUCLEUS_FIRST
+    while True:
+        k = vocab if k * NUCLEUS_GROWTH > vocab else k  # past an eighth of the row: sort it all
+        values = logits.topk(k).values
+        probs = (values - log_total).exp()
+        inside = int(((probs.cumsum(-1) - probs) < top_p).sum())
+        if inside < k or k == vocab:
+            return values[max(inside, 1) - 1]
+        k *= NUCLEUS_GROWTH
 
 
 class Sampler:
