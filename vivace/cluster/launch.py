@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
 import ray
 from ray import serve
+from ray.serve import context as serve_context
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
@@ -70,26 +72,67 @@ def build_application(config: ClusterConfig, settings: ServerSettings) -> Applic
     return ingress.bind(config, settings, engines)
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: raised in the main thread wherever it then is (a BaseException,
+    as KeyboardInterrupt, so that no `except Exception` on the way swallows it)."""
+
+
+def _stop_on_signals() -> None:
+    """From now on the first SIGTERM/SIGINT raises _Stopped in the main thread (start-up waits
+    included), later ones are ignored (the drain they would interrupt is under way). Set again
+    after ``ray.init``: Ray's core worker puts a handler on SIGTERM that aborts the process,
+    leaving the cluster's processes behind."""
+    def stop(signum: int, frame: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise _Stopped(signal.Signals(signum).name)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        signal.signal(sig, stop)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise ValueError unless ``host:port`` can be listened on (as Ray's HTTP proxy binds it),
+    before seconds go into starting Ray."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _check_proxy_address(host: str, port: int) -> None:
+    """On a joined cluster whose Serve already runs, its HTTP proxy stays where it listens:
+    raise ValueError when that is not ``host:port`` (the application would be served there)."""
+    proxy = serve_context._get_global_client().http_config
+    if (proxy.host, proxy.port) != (host, port):
+        raise ValueError(f"Ray Serve already runs on this cluster with its HTTP proxy on "
+                         f"{proxy.host}:{proxy.port}, which a new application cannot move to "
+                         f"{host}:{port}: serve there (--host {proxy.host} --port {proxy.port}) "
+                         f"or stop Serve first (serve shutdown)")
 
 
 def run_cluster(config: ClusterConfig, settings: ServerSettings) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status (0 clean, 1 failed to deploy).
     A cluster started here is stopped on the way out; on a joined one (``ray_address``) only
-    this application is deleted."""
+    this application is deleted. A signal during start-up stops it the same way. Raises
+    ValueError when the HTTP address cannot be served."""
     local = config.ray_address is None
     if local:
+        _check_port_free(settings.host, settings.port)
         for name, value in _METRICS_PUSH.items():
             os.environ.setdefault(name, value)
-    ray.init(address=config.ray_address, include_dashboard=False,
-             logging_level=settings.log_level.upper(), log_to_driver=True)
+    deploying = False
+    _stop_on_signals()
     try:
+        ray.init(address=config.ray_address, include_dashboard=False,
+                 logging_level=settings.log_level.upper(), log_to_driver=True)
+        _stop_on_signals()
         serve.start(http_options={"host": settings.host, "port": settings.port},
                     logging_config={"log_level": settings.log_level.upper()})
+        if not local:
+            _check_proxy_address(settings.host, settings.port)
+        deploying = True
         try:
             serve.run(build_application(config, settings), name=APP_NAME, route_prefix="/")
         except RuntimeError as exc:
@@ -97,10 +140,13 @@ def run_cluster(config: ClusterConfig, settings: ServerSettings) -> int:
             logger.error("the application failed to deploy (models from %s): %s", origins, exc)
             return 1
         logger.info("serving on http://%s:%d", settings.host, settings.port)
-        _wait_for_signal()
-        serve.delete(APP_NAME)  # drains: replicas finish what they have in flight
-        return 0
+        threading.Event().wait()
+    except _Stopped as stopped:
+        logger.info("%s: stopping", stopped)
     finally:
-        if local:
+        if deploying:
+            serve.delete(APP_NAME)  # drains: replicas finish what they have in flight
+        if local and ray.is_initialized():
             serve.shutdown()
         ray.shutdown()
+    return 0
