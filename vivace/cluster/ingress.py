@@ -22,6 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 from vivace.cluster.client import (
     PLACEMENT, ROUTING_DECISIONS, Placement, RemoteEngine, ServedModel, Version)
 from vivace.cluster.config import ClusterConfig
+from vivace.cluster.proxy import DropServeRequestIds
 from vivace.engine.llm_engine import EngineStats
 from vivace.engine.step_timing import StepTimings
 from vivace.server.app import build_app, require_api_key
@@ -209,4 +210,5 @@ class Ingress:
         app = build_app(None, self.settings, state)
         app.add_api_route("/replicas", list_replicas, methods=["GET"], dependencies=[Depends(require_api_key)])
         app.add_middleware(PlacementHeaders)
+        app.add_middleware(DropServeRequestIds)
         return app

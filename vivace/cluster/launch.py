@@ -16,6 +16,7 @@ from ray.serve import context as serve_context
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
+from vivace.cluster import proxy
 from vivace.cluster.config import ClusterConfig, Scaling, VersionSpec
 from vivace.cluster.ingress import Ingress
 from vivace.cluster.replica import EngineReplica
@@ -26,9 +27,11 @@ logger = logging.getLogger("vivace.cluster")
 
 APP_NAME = "vivace"
 MAX_ONGOING = 1024  # per replica: the engine queues and admission control bounds, not Serve
-# Serve pushes autoscaling metrics every 10 s by default: too slow to follow queue depth.
-_METRICS_PUSH = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
-                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
+# The variables a cluster started here runs with. Serve pushes autoscaling metrics every 10 s
+# by default: too slow to follow queue depth. Its HTTP proxy gets vivace's request ids.
+_CLUSTER_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": proxy.CALLBACK}
 
 
 def _scaling_options(scaling: Scaling) -> dict[str, Any]:
@@ -120,7 +123,7 @@ def run_cluster(config: ClusterConfig, settings: ServerSettings) -> int:
     local = config.ray_address is None
     if local:
         _check_port_free(settings.host, settings.port)
-        for name, value in _METRICS_PUSH.items():
+        for name, value in _CLUSTER_ENV.items():
             os.environ.setdefault(name, value)
     deploying = False
     _stop_on_signals()
