@@ -186,8 +186,9 @@ class Cluster:
             self.log.close()
 
     def log_text(self) -> str:
-        self.log.flush()
-        return self.log.name and Path(self.log.name).read_text()[-4000:]
+        if not self.log.closed:  # stop() closes it
+            self.log.flush()
+        return Path(self.log.name).read_text()[-4000:]
 
 
 @pytest.fixture(scope="session")

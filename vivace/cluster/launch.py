@@ -75,23 +75,58 @@ def build_application(config: ClusterConfig, settings: ServerSettings) -> Applic
     return ingress.bind(config, settings, engines)
 
 
-class _Stopped(BaseException):
-    """SIGTERM or SIGINT arrived: raised in the main thread wherever it then is (a BaseException,
-    as KeyboardInterrupt, so that no `except Exception` on the way swallows it)."""
+class _Signals:
+    """SIGTERM and SIGINT, heard in the main thread: the first one sets ``stopping`` and wakes
+    :meth:`wait`; later ones are ignored (the drain they would interrupt is under way)."""
 
+    def __init__(self) -> None:
+        self.stopping: str | None = None
+        self._wake = threading.Event()
 
-def _stop_on_signals() -> None:
-    """From now on the first SIGTERM/SIGINT raises _Stopped in the main thread (start-up waits
-    included), later ones are ignored (the drain they would interrupt is under way). Set again
-    after ``ray.init``: Ray's core worker puts a handler on SIGTERM that aborts the process,
-    leaving the cluster's processes behind."""
-    def stop(signum: int, frame: object) -> None:
+    def install(self) -> None:
+        """Puts the handlers on; again after ``ray.init``, as Ray's core worker then puts a
+        handler on SIGTERM that aborts the process, leaving the cluster's processes behind."""
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        raise _Stopped(signal.Signals(signum).name)
+            signal.signal(sig, self._heard)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop)
+    def _heard(self, signum: int, frame: object) -> None:
+        if self.stopping is None:
+            self.stopping = signal.Signals(signum).name
+            self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def wait(self) -> None:
+        """Until a signal (or :meth:`wake`) since the last call."""
+        self._wake.wait()
+        self._wake.clear()
+
+
+class _Deployment(threading.Thread):
+    """Starts Serve and deploys the application off the main thread, where a signal can stop
+    the start-up at any point (one raised into Ray's calls would not unwind them cleanly).
+    ``error`` is what failed; ``submitted`` whether the application was handed to Serve."""
+
+    def __init__(self, config: ClusterConfig, settings: ServerSettings, signals: _Signals) -> None:
+        super().__init__(name="vivace-deploy", daemon=True)
+        self.config, self.settings, self.signals = config, settings, signals
+        self.error: BaseException | None = None
+        self.submitted = False
+
+    def run(self) -> None:
+        settings = self.settings
+        try:
+            serve.start(http_options={"host": settings.host, "port": settings.port},
+                        logging_config={"log_level": settings.log_level.upper()})
+            if self.config.ray_address is not None:
+                _check_proxy_address(settings.host, settings.port)
+            self.submitted = True
+            serve.run(build_application(self.config, settings), name=APP_NAME, route_prefix="/")
+        except BaseException as exc:  # handed to the main thread
+            self.error = exc
+        finally:
+            self.signals.wake()
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -118,38 +153,36 @@ def _check_proxy_address(host: str, port: int) -> None:
 def run_cluster(config: ClusterConfig, settings: ServerSettings) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status (0 clean, 1 failed to deploy).
     A cluster started here is stopped on the way out; on a joined one (``ray_address``) only
-    this application is deleted. A signal during start-up stops it the same way. Raises
+    this application is deleted; the same when a signal comes during start-up. Raises
     ValueError when the HTTP address cannot be served."""
     local = config.ray_address is None
     if local:
         _check_port_free(settings.host, settings.port)
         for name, value in _CLUSTER_ENV.items():
             os.environ.setdefault(name, value)
-    deploying = False
-    _stop_on_signals()
+    signals = _Signals()
+    signals.install()
+    deployment = _Deployment(config, settings, signals)
     try:
         ray.init(address=config.ray_address, include_dashboard=False,
                  logging_level=settings.log_level.upper(), log_to_driver=True)
-        _stop_on_signals()
-        serve.start(http_options={"host": settings.host, "port": settings.port},
-                    logging_config={"log_level": settings.log_level.upper()})
-        if not local:
-            _check_proxy_address(settings.host, settings.port)
-        deploying = True
-        try:
-            serve.run(build_application(config, settings), name=APP_NAME, route_prefix="/")
-        except RuntimeError as exc:
-            origins = "; ".join(v.origin for m in config.models for v in m.versions)
-            logger.error("the application failed to deploy (models from %s): %s", origins, exc)
-            return 1
-        logger.info("serving on http://%s:%d", settings.host, settings.port)
-        threading.Event().wait()
-    except _Stopped as stopped:
-        logger.info("%s: stopping", stopped)
+        signals.install()
+        deployment.start()
+        signals.wait()
+        if signals.stopping is None:
+            if isinstance(deployment.error, RuntimeError):
+                origins = "; ".join(v.origin for m in config.models for v in m.versions)
+                logger.error("the application failed to deploy (models from %s): %s", origins, deployment.error)
+                return 1
+            if deployment.error is not None:
+                raise deployment.error
+            logger.info("serving on http://%s:%d", settings.host, settings.port)
+            signals.wait()
+        logger.info("%s: stopping", signals.stopping)
+        return 0
     finally:
-        if deploying:
+        if deployment.submitted:
             serve.delete(APP_NAME)  # drains: replicas finish what they have in flight
         if local and ray.is_initialized():
             serve.shutdown()
         ray.shutdown()
-    return 0
