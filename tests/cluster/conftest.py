@@ -145,7 +145,8 @@ class Cluster:
             self.running = self.start()
         return self.running
 
-    def start(self) -> ClusterServer:
+    def launch(self) -> ClusterServer:
+        """Starts ``vivace serve`` and returns at once (its server is not up yet)."""
         port = free_port()
         self.log = (self.workdir / f"serve-{port}.log").open("w")
         self.process = subprocess.Popen(
@@ -154,8 +155,11 @@ class Cluster:
              "--log-level", "warning"],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy(),
             start_new_session=True)  # its own process group, with the Ray processes it starts
-        server = ClusterServer(f"http://127.0.0.1:{port}", None,
-                               SimpleNamespace(tokenizer=self.tokenizer))
+        return ClusterServer(f"http://127.0.0.1:{port}", None, SimpleNamespace(tokenizer=self.tokenizer))
+
+    def start(self) -> ClusterServer:
+        server = self.launch()
+        assert self.process is not None
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             while not _healthy(server.base_url):
@@ -182,8 +186,9 @@ class Cluster:
             self.log.close()
 
     def log_text(self) -> str:
-        self.log.flush()
-        return self.log.name and Path(self.log.name).read_text()[-4000:]
+        if not self.log.closed:  # stop() closes it
+            self.log.flush()
+        return Path(self.log.name).read_text()[-4000:]
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """A bad deployment file is refused before anything starts, naming the file, the line and
-the key; and the single-process server never imports Ray."""
+the key, as is an address already in use; and the single-process server never imports Ray."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,18 @@ def test_bad_deployment_file_names_file_line_and_key(tmp_path: Path, capsys: pyt
     assert main(["serve", "--config", str(path)]) == 2
     error = capsys.readouterr().err
     assert f"{path}:{line}: {key}: " in error and problem in error, error
+
+
+def test_a_port_in_use_is_refused_before_ray_starts(capsys: pytest.CaptureFixture) -> None:
+    import ray
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--replicas", "1", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert not ray.is_initialized()
 
 
 def test_single_process_serve_never_imports_ray() -> None:

@@ -13,6 +13,7 @@ from tests.server.test_completions import (  # noqa: F401
     test_default_max_tokens_is_sixteen, test_echo_prepends_the_prompt, test_logprobs_per_token,
     test_min_tokens_and_extras_are_accepted, test_prompt_shapes_give_one_choice_per_prompt_and_n,
     test_streamed_multi_prompt_covers_every_choice, test_whole_and_streamed_text_agree)
+from tests.server.test_contract import test_request_ids_run_through_body_header_and_stream  # noqa: F401
 from tests.server.test_errors import (  # noqa: F401
     test_bad_input_is_answered_then_serving_goes_on, test_context_overflow_names_both_numbers,
     test_malformed_json_is_a_400, test_unknown_route_and_method_get_error_bodies)

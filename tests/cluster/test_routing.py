@@ -30,6 +30,8 @@ def test_health_models_and_replicas_cover_every_model(server: ClusterServer) -> 
         assert {m["id"] for m in http.get("/v1/models").json()["data"]} == {"tiny", "split", "auto"}
         per_engine = http.get("/debug/timings")  # the replicas' timings are in /metrics
         assert per_engine.status_code == 404 and "/metrics" in per_engine.json()["error"]["message"]
+    unkeyed = httpx.get(f"{server.base_url}/replicas", timeout=60)  # as /debug/timings: keys only
+    assert unkeyed.status_code == 401 and unkeyed.json()["error"]["type"] == "authentication_error"
     tiny = server.replicas("tiny")
     assert len(tiny) == 2 and len({r["pid"] for r in tiny}) == 2
     for row in tiny:

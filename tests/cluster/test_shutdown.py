@@ -1,13 +1,13 @@
 """SIGTERM to a scaled-out ``vivace serve``: the stream in flight finishes, the process exits
-0, and no process of the Ray cluster it started is left. (Ends the session's server; a later
-test would start it again.)"""
+0, and no process of the Ray cluster it started is left; the same while it is still starting.
+(Ends the session's server; a later test would start it again.)"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from .conftest import BackgroundStream, Cluster
+from .conftest import BackgroundStream, Cluster, eventually
 
 
 def descendants(pid: int) -> set[int]:
@@ -25,6 +25,17 @@ def descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
+
+
+def titles(pids: set[int]) -> list[str]:
+    """The command lines of ``pids`` (those still there)."""
+    lines = []
+    for pid in pids:
+        try:
+            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return lines
 
 
 def alive(pid: int) -> bool:
@@ -46,4 +57,21 @@ def test_sigterm_drains_then_leaves_no_ray_process(cluster: Cluster) -> None:
     assert cluster.stop(timeout=90) == 0, cluster.log_text()
     assert stream.ended(10)
     assert stream.events[-1] == "data: [DONE]" and '"finish_reason":"length"' in stream.events[-2]
+    assert not [pid for pid in ray_processes if alive(pid)]
+
+
+def test_sigterm_during_start_up_leaves_no_ray_process(cluster: Cluster) -> None:
+    """Once Ray is up (its core worker puts a handler on SIGTERM that aborts the process) and
+    while the application deploys, SIGTERM stops everything as cleanly."""
+    cluster.launch()
+    process = cluster.process
+    assert process is not None
+
+    def serve_started() -> bool:
+        assert process.poll() is None, cluster.log_text()
+        return any("ServeController" in title for title in titles(descendants(process.pid)))
+
+    eventually(serve_started, timeout=120, what="the Serve controller")
+    ray_processes = descendants(process.pid)
+    assert cluster.stop(timeout=90) == 0, cluster.log_text()
     assert not [pid for pid in ray_processes if alive(pid)]

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from ray import serve
@@ -22,9 +22,10 @@ from starlette.types import Message, Receive, Scope, Send
 from vivace.cluster.client import (
     PLACEMENT, ROUTING_DECISIONS, Placement, RemoteEngine, ServedModel, Version)
 from vivace.cluster.config import ClusterConfig
+from vivace.cluster.proxy import DropServeRequestIds
 from vivace.engine.llm_engine import EngineStats
 from vivace.engine.step_timing import StepTimings
-from vivace.server.app import build_app
+from vivace.server.app import build_app, require_api_key
 from vivace.server.asgi import HTTPMiddleware
 from vivace.server.errors import APIError
 from vivace.server.metrics import EngineStatsCollector, engine_timing_families
@@ -207,6 +208,7 @@ class Ingress:
         await state.refresh()
         self.refresher = asyncio.get_running_loop().create_task(state.refresh_forever())
         app = build_app(None, self.settings, state)
-        app.add_api_route("/replicas", list_replicas, methods=["GET"])
+        app.add_api_route("/replicas", list_replicas, methods=["GET"], dependencies=[Depends(require_api_key)])
         app.add_middleware(PlacementHeaders)
+        app.add_middleware(DropServeRequestIds)
         return app

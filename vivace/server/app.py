@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from vivace.engine.async_engine import AsyncEngine
 
 
-def _require_api_key(request: Request) -> None:
+def require_api_key(request: Request) -> None:
+    """A route dependency: 401 unless the request carries one of the server's keys (if it has any)."""
     request.state.api_key = check_api_key(request, server_state(request).settings.api_keys)
 
 
@@ -64,7 +65,7 @@ def build_app(engine: AsyncEngine | None, settings: ServerSettings,
     app.add_api_route("/metrics", metrics, methods=["GET"], responses={
         200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **error_responses(405)})
-    authenticated = [Depends(_require_api_key)]
+    authenticated = [Depends(require_api_key)]
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=authenticated,
                       response_model=ModelList, responses=error_responses(401, 405, 503))
     app.add_api_route("/v1/models/{model:path}", retrieve_model, methods=["GET"], dependencies=authenticated,
