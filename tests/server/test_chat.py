@@ -154,3 +154,25 @@ def test_audio_output_is_refused(server: RunningServer) -> None:
         server.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
                                                 modalities=["text", "audio"])
     assert error.value.body["param"].startswith("modalities")
+
+
+def test_cache_control_hints_are_accepted_and_change_nothing(server: RunningServer) -> None:
+    """Anthropic's prompt-caching breakpoints, as OpenRouter and LiteLLM pass them on in chat requests
+    (on text parts, messages and tools), are hints: the rendered prompt and the answer are the ones
+    without them."""
+    hint = {"type": "ephemeral"}
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    plain = {"messages": [{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": [{"type": "text", "text": "Tell me a story."}]}],
+             "tools": [tool]}
+    hinted = {"messages": [{"role": "system", "content": "Be brief.", "cache_control": hint},
+                           {"role": "user", "content": [{"type": "text", "text": "Tell me a story.",
+                                                         "cache_control": {**hint, "ttl": "1h"}}]}],
+              "tools": [{**tool, "cache_control": hint}]}
+    with server.http() as http:
+        tokens = [http.post("/tokenize", json=body).json()["tokens"] for body in (plain, hinted)]
+        answers = [http.post("/v1/chat/completions", json={**body, "model": "tiny", "max_tokens": 4, "temperature": 0})
+                   for body in (plain, hinted)]
+    assert tokens[0] == tokens[1] and "cache_control" not in server.engine.tokenizer.decode(tokens[1])
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    assert answers[0].json()["choices"] == answers[1].json()["choices"]

@@ -3,7 +3,14 @@ streaming with usage, finish reasons."""
 
 from __future__ import annotations
 
-from .harness import RunningServer
+from collections.abc import Iterator
+
+import pytest
+
+from vivace.config import EngineConfig
+from vivace.server import ServerSettings
+
+from .harness import RunningServer, serving_own_engine
 
 NO_EOS = {"ignore_eos": True}
 
@@ -125,3 +132,38 @@ def test_a_batch_of_prompts_lets_the_event_loop_turn_between_them(server: Runnin
     reply = server.client().completions.create(model="tiny", prompt=["Hi"] * 40, max_tokens=1)
     assert len(reply.choices) == 40
     assert len(set(seen)) == 40  # the loop turned before each prompt
+
+
+@pytest.fixture(scope="module")
+def bos_server(make_tiny_llama) -> Iterator[RunningServer]:
+    """The tiny model with a tokenizer that puts its BOS before every text prompt, as Llama 3's and
+    Gemma's do (the default model's adds none)."""
+    import transformers
+    from tokenizers import processors
+
+    model = make_tiny_llama()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    tokenizer.save_pretrained(model)
+    with serving_own_engine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=32),
+                            ServerSettings(served_model_name="tiny")) as running:
+        yield running
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_offsets_skip_the_bos_the_tokenizer_added(bos_server: RunningServer, stream: bool) -> None:
+    """The echoed text is the prompt as sent, without the BOS the tokenizer put before it: the BOS
+    token is listed at offset 0 and takes no characters, so the offsets index the text and grow."""
+    prompt = "Once upon a time"
+    tokenizer = bos_server.engine.tokenizer
+    assert tokenizer.encode(prompt)[0] == tokenizer.bos_token_id
+    reply = bos_server.client().completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True, logprobs=1,
+                                                   stream=stream, extra_body=NO_EOS)
+    choices = [c.choices[0] for c in reply if c.choices] if stream else reply.choices
+    text = "".join(c.text for c in choices)
+    tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+    offsets = [o for c in choices if c.logprobs for o in c.logprobs.text_offset]
+    assert text.startswith(prompt) and tokens[0] == tokenizer.bos_token and len(tokens) == len(offsets)
+    assert offsets == sorted(offsets) and offsets[:2] == [0, 0] and offsets[-3] == len(prompt)
+    assert all(text.startswith(token, offset) for token, offset in zip(tokens[1:], offsets[1:]))

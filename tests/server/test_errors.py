@@ -97,6 +97,19 @@ def test_context_overflow_names_both_numbers(server: RunningServer) -> None:
     assert str(MAX_MODEL_LEN) in error["message"] and "300" in error["message"]
 
 
+@pytest.mark.parametrize("path, body", [(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "word " * 300}]}),
+                                        (COMPLETIONS, completion(prompt=[1] * MAX_MODEL_LEN, max_tokens=5))])
+def test_a_prompt_that_fills_the_context_is_named_alone(server: RunningServer, path: str, body: dict) -> None:
+    """A prompt with no room left after it is the thing to shorten, whether max_tokens was sent or
+    not: the message gives its length and doesn't ask to lower a max_tokens that can't help."""
+    with server.http() as http:
+        response = http.post(path, json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded", error
+    assert str(MAX_MODEL_LEN) in error["message"] and "input tokens" in error["message"], error
+    assert "max_tokens" not in error["message"] and "for the completion)" not in error["message"], error
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b'{"max_tokens": NaN}',
                                  b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
                                  b"[" * 100_000])

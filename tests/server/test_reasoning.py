@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from vivace.cli import main
@@ -213,6 +214,14 @@ def test_responses_api_thought_cut_short_is_an_incomplete_reasoning_item(server:
     (reasoning,) = response.output
     assert response.status == "incomplete" and reasoning.status == "incomplete"
     assert reasoning.content[0].text == "Use <tool"
+
+
+def test_responses_api_output_logprobs_are_refused_with_a_reasoning_parser(server: RunningServer) -> None:
+    """They would mix the thinking's tokens with the answer's: a 400 naming include."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().responses.create(model="thinker", input="hi", max_output_tokens=4,
+                                         include=["message.output_text.logprobs"])
+    assert refused.value.body["param"] == "include", refused.value.body
 
 
 def test_streamed_response_events_whatever_the_split() -> None:

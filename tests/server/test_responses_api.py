@@ -124,6 +124,31 @@ def test_stream_events_in_order_assemble_the_greedy_answer(server: RunningServer
     jsonschema.validate(json.loads(assembled.output_text), FLAG)
 
 
+def test_output_text_logprobs_whole_and_streamed_are_chat_logprobs(server: RunningServer) -> None:
+    """With ``include: ["message.output_text.logprobs"]`` the answer's text carries its tokens'
+    logprobs, each with ``top_logprobs`` alternatives, as vLLM serves them: chat's numbers for the
+    same conversation; streamed, each text delta carries its token's, and the done event them all."""
+    client = server.client()
+    args = dict(model="tiny", input="Count to five", max_output_tokens=6, temperature=0, top_logprobs=2,
+                include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})
+    whole = _parsed(client.responses.create(**args))
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count to five"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    text = whole.output[0].content[0]
+    assert whole.top_logprobs == 2 and len(text.logprobs) == 6
+    assert [(lp.token, lp.logprob, lp.bytes) for lp in text.logprobs] == [(lp.token, lp.logprob, lp.bytes) for lp in chat]
+    assert all([top.token for top in lp.top_logprobs] == [top.token for top in theirs.top_logprobs]
+               for lp, theirs in zip(text.logprobs, chat))
+    events = list(client.responses.create(**args, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [[lp.token for lp in d.logprobs] for d in deltas] == [[lp.token] for lp in text.logprobs]
+    assert [lp.logprob for lp in done.logprobs] == [lp.logprob for lp in text.logprobs]
+    plain = client.responses.create(**{**args, "include": omit})
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == whole.output_text
+
+
 def test_required_function_call_and_its_round_trip(server: RunningServer) -> None:
     client = server.client()
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -181,6 +206,7 @@ def test_named_function_and_json_schema_output(server: RunningServer) -> None:
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice.name"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"max_output_tokens": 5000}, "input"),
+    ({"include": ["message.output_text.logprobs"], "tools": [WEATHER]}, "include"),
 ])
 def test_what_vivace_does_not_serve_is_a_400_naming_it(server: RunningServer, change: dict, param: str) -> None:
     client = server.client()

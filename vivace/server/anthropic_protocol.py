@@ -21,20 +21,12 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from vivace.server.protocol import (
-    FUNCTION_NAME, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Integer, JsonSchemaFormat,
-    NamedToolChoice, Number, ResponseFormat, TemplateKwargs, Tool, ToolCall, ToolChoiceFunction, _Strict,
-    _unsupported, only_types)
+    FUNCTION_NAME, CacheControl, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Integer,
+    JsonSchemaFormat, NamedToolChoice, Number, ResponseFormat, TemplateKwargs, Tool, ToolCall, ToolChoiceFunction,
+    _Strict, _unsupported, only_types)
 
 BLOCK_SEPARATOR = "\n\n"
 _TEXT_ONLY = "vivace serves the model's text only, so images, documents and search results are not supported"
-
-
-class CacheControl(_Strict):
-    """A prompt-caching breakpoint, a hint only: vivace's prefix cache keeps what it has room for
-    of every prompt, with no breakpoints to set (``usage.cache_read_input_tokens`` counts its hits)."""
-
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
 
 
 class TextBlock(_Strict):

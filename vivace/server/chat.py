@@ -165,7 +165,9 @@ async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: 
     return grammar
 
 
-def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+def chat_logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+    """Chat's logprobs of ``logprobs`` (each token's text, bytes and top alternatives), None when
+    ``job`` asked for none; the Responses API's output_text logprobs have the same shape."""
     if job.params.logprobs is None:
         return None
     tokenizer = job.engine.tokenizer
@@ -202,7 +204,7 @@ def _response(chat: StartedChat, model: str, prompt_logprobs: int | None) -> Cha
         split = chat.thinking.split(c.text) if chat.thinking is not None else None
         message, reason = _message(c.text if split is None else split.content, c.finish_reason,
                                    chat.tool_format if chat.calls else None, None if split is None else split.reasoning)
-        choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(job, c.logprobs),
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(job, c.logprobs),
                                   finish_reason=reason, stop_reason=c.stop_reason))
         thought_flags.append(split is not None and split.thought)
     scored = job.choices[0].prompt_logprobs
@@ -252,7 +254,7 @@ def _chunk_choice(job: EngineRequest, delta: CompletionOutput, held: _HeldBack) 
         tool_calls=[ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,
                                   function=FunctionCallDelta(name=d.name, arguments=d.arguments))
                     for d in tool_deltas])
-    return ChatChunkChoice(index=delta.index, delta=message, logprobs=_logprobs(job, delta.logprobs),
+    return ChatChunkChoice(index=delta.index, delta=message, logprobs=chat_logprobs(job, delta.logprobs),
                            finish_reason=reason, stop_reason=delta.stop_reason)
 
 

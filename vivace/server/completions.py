@@ -74,19 +74,23 @@ async def _run_all(jobs: list[EngineRequest]) -> None:
 
 
 def _logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None, offset: int,
-              prompt: list[TokenLogprob | None] | None = None) -> CompletionLogprobs | None:
+              prompt: list[TokenLogprob | None] | None = None, echo: str = "") -> CompletionLogprobs | None:
     """Completions' logprobs (with ``logprobs`` asked for): the echoed ``prompt``'s tokens, their
-    text offsets from 0, then the generated ``logprobs``, theirs from ``offset``."""
+    text offsets from 0 in ``echo`` (the echoed text), then the generated ``logprobs``, theirs from
+    ``offset``. A special token the tokenizer added (a BOS before a text prompt) is not in ``echo``:
+    it takes no characters, so the offsets never run past the text."""
     num_top = job.params.logprobs
     if num_top is None:
         return None
     result = CompletionLogprobs()
     characters = _Characters()
     tokenizer = job.engine.tokenizer
+    special_ids = set(getattr(tokenizer, "all_special_ids", ())) if prompt else set()
     for token_id, lp in zip(job.prompt_ids, prompt or []):
         token = tokenizer.decode([token_id]) if lp is None else lp.token
         _add_token(result, token, lp, characters.complete, num_top)
-        characters.add(token_bytes(tokenizer, token_id, token))
+        if token_id not in special_ids or echo.startswith(token, characters.complete):
+            characters.add(token_bytes(tokenizer, token_id, token))
     for lp in logprobs or []:
         _add_token(result, lp.token, lp, offset, num_top)
         offset += len(lp.token)
@@ -132,7 +136,7 @@ def _response(jobs: list[EngineRequest], echoes: list[str], request_id: str, mod
               body: CompletionRequest) -> CompletionResponse:
     choices = [
         CompletionChoice(index=i * job.params.n + c.index, text=echo + c.text,
-                         logprobs=_logprobs(job, c.logprobs, len(echo), c.prompt_logprobs if body.echo else None),
+                         logprobs=_logprobs(job, c.logprobs, len(echo), c.prompt_logprobs if body.echo else None, echo),
                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                          prompt_logprobs=None if body.prompt_logprobs is None or c.prompt_logprobs is None
                          else prompt_logprobs_of(c.prompt_logprobs, body.prompt_logprobs))
@@ -176,7 +180,7 @@ async def _chunks(jobs: list[EngineRequest], echoes: list[str], request_id: str,
         async for i, job, out in outs:
             if echo_logprobs and out.prompt_logprobs is not None:
                 yield chunk([CompletionChoice(index=i * n + delta.index, text=echoes[i],
-                                              logprobs=_logprobs(job, [], 0, out.prompt_logprobs))
+                                              logprobs=_logprobs(job, [], 0, out.prompt_logprobs, echoes[i]))
                              for delta in out.outputs])
             choices = [_chunk_choice(job, delta, i * n, echoes[i]) for delta in out.outputs
                        if delta.token_ids or delta.finish_reason or delta.logprobs]  # one per token

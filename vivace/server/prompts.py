@@ -122,7 +122,8 @@ def nonempty(ids: list[int], param: str) -> list[int]:
 def fit_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int,
                    param: str, default: int | None = None, clamp: bool = False) -> int:
     """``max_tokens``; when None, ``default`` (the model's recommended) or all the room left,
-    whichever is less; 400 naming both numbers if it won't fit. With ``clamp`` (Anthropic's
+    whichever is less; 400 naming both numbers if it won't fit (the prompt's alone when it leaves no
+    room at all). With ``clamp`` (Anthropic's
     models stop at their context window) more than the room left is the room left, and only a
     prompt that leaves no room is a 400."""
     room = max_model_len - prompt_tokens
@@ -133,6 +134,11 @@ def fit_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: in
     if clamp and max_tokens is not None:
         max_tokens = min(max_tokens, room)
     wanted = max_tokens if max_tokens is not None else max(min(room, default or room), 1)
+    if room < 1:  # no max_tokens would fit: say so (as vLLM does), not "lower max_tokens"
+        raise APIError(
+            400, f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                 f"{prompt_tokens} input tokens, which leaves no room for the completion. Shorten the {param}.",
+            param=param, code="context_length_exceeded")
     if prompt_tokens + wanted > max_model_len:
         raise APIError(
             400, f"This model's maximum context length is {max_model_len} tokens. However, you "

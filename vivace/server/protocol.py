@@ -153,6 +153,15 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
+class CacheControl(_Strict):
+    """A prompt-caching breakpoint (Anthropic's, which OpenRouter and LiteLLM pass on in chat
+    requests), a hint only: vivace's prefix cache keeps what it has room for of every prompt, with
+    no breakpoints to set (``usage`` counts its hits)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str  # a JSON object, as text
@@ -180,6 +189,7 @@ class FunctionDefinition(_Strict):
 class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
+    cache_control: CacheControl | None = None
 
 
 class ToolChoiceFunction(_Strict):
@@ -194,6 +204,7 @@ class NamedToolChoice(_Strict):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -221,6 +232,7 @@ class ChatMessage(_Strict):
     audio: None = None
     parsed: Any = None  # ``chat.completions.parse``'s content read into the response_format's model (ignored)
     function_call: FunctionCall | None = None  # an assistant's call in OpenAI's legacy form (one, no id)
+    cache_control: CacheControl | None = None
 
     def text(self) -> str:
         """The content as the chat template gets it: text parts joined by newlines, as vLLM joins them."""

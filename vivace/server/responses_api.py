@@ -6,14 +6,17 @@ fields (``input``, ``max_output_tokens``, ``tools.0.parameters``), not chat's.""
 from __future__ import annotations
 
 import re
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vivace.server.chat import StartedChat, start_chat
+from vivace.server.chat import StartedChat, chat_logprobs, start_chat
+from vivace.engine.outputs import TokenLogprob
 from vivace.server.errors import APIError, renamed
 from vivace.server.generation import EngineRequest, run_whole, submitted, usage_with_thinking
 from vivace.server.prompts import parse_body
+from vivace.server.responses import ChatTokenLogprob
 from vivace.server.responses_objects import (
     FunctionToolCall, OutputMessage, OutputText, ReasoningItem, ReasoningText, ResponseObject)
 from vivace.server.responses_protocol import NamedFunction, ResponsesRequest
@@ -39,13 +42,18 @@ async def create_response(request: Request) -> Response:
     state = server_state(request)
     try:
         body = await parse_body(request, ResponsesRequest, state.metrics.work["parse"])
+        if body.output_logprobs() and state.settings.reasoning_parser:
+            raise APIError(400, "message.output_text.logprobs are not served with a reasoning parser (they "
+                                "would mix the thinking's tokens with the answer's): leave it out of include",
+                           param="include")
         chat = await start_chat(request, body.chat_request(), "resp-")
     except APIError as exc:
         raise _in_responses_terms(exc) from None
     answer = _settings(body, chat.job, state.model_name(body.model))
     if body.stream:
         on_close = submitted([chat.job], chat.ticket.release)
-        return sse_response(response_events(chat.job, answer, chat.calls, chat.thinking, chat.tool_format),
+        return sse_response(response_events(chat.job, answer, chat.calls, chat.thinking, chat.tool_format,
+                                            partial(_text_logprobs, chat.job)),
                             on_close,
                             state.metrics.work["sse_write"], end="")
     if not await run_whole(request, chat.job, chat.ticket.release):
@@ -73,7 +81,13 @@ def _settings(body: ResponsesRequest, job: EngineRequest, model: str) -> Respons
         text={"format": form.model_dump(by_alias=True, exclude_none=True) if form else {"type": "text"},
               **({"verbosity": body.text.verbosity} if body.text is not None and body.text.verbosity else {})},
         reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
-        metadata=body.metadata or {}, store=False, user=body.user)
+        metadata=body.metadata or {}, store=False, user=body.user, top_logprobs=body.top_logprobs)
+
+
+def _text_logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> list[ChatTokenLogprob]:
+    """The output_text logprobs of ``logprobs`` (none unless the request included them)."""
+    found = chat_logprobs(job, logprobs)
+    return found.content if found is not None else []
 
 
 def _output(answer: ResponseObject, chat: StartedChat) -> bool:
@@ -86,7 +100,8 @@ def _output(answer: ResponseObject, chat: StartedChat) -> bool:
         answer.output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=split.reasoning)]))
     content = split.content
     if content is not None or not (parsed or answer.output):
-        answer.output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=content or "")]))
+        answer.output.append(OutputMessage(id=item_id("msg"), content=[OutputText(
+            text=content or "", logprobs=_text_logprobs(job, job.choices[0].logprobs))]))
     answer.output += [FunctionToolCall(id=item_id("fc"), call_id=call.id, name=call.name or "",
                                        arguments=call.arguments) for call in parsed]
     for item in answer.output:

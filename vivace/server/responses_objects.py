@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from vivace.server.responses import ResponseTimings, Usage
+from vivace.server.responses import ChatTokenLogprob, ResponseTimings, Usage
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -17,6 +17,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list[dict[str, Any]] = Field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)  # with include message.output_text.logprobs
 
 
 class OutputMessage(BaseModel):
@@ -120,6 +121,7 @@ class ResponseObject(BaseModel):
     store: bool
     truncation: Literal["disabled"] = "disabled"
     user: str | None
+    top_logprobs: int | None = None
     previous_response_id: None = None
     background: bool = False
     timings: ResponseTimings | None = None  # vivace's extra, as on chat completions

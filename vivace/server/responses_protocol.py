@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag
+from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator
 
+from vivace.engine.sampling_params import MAX_LOGPROBS
 from vivace.server.errors import APIError
 from vivace.server.responses_objects import ItemStatus
 from vivace.server.protocol import (
@@ -181,7 +182,10 @@ class ResponsesRequest(_Strict):
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     # Reasoning items carry their text in the clear: there is no encrypted reasoning to include.
-    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    # The answer's logprobs (with "message.output_text.logprobs"), each with its top_logprobs
+    # alternatives, as vLLM serves them: for a plain text answer (no tools to call).
+    include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = None
+    top_logprobs: Integer(ge=0, le=MAX_LOGPROBS) | None = None
     truncation: Literal["disabled"] | None = None
     # Bookkeeping: none of these changes the answer (store: nothing is kept either way).
     store: bool | None = None
@@ -207,6 +211,19 @@ class ResponsesRequest(_Strict):
     priority: Integer() | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: prefix-cache hits per salt
 
+    @field_validator("include")
+    @classmethod
+    def _logprobs_of_text(cls, value: list[str] | None, info: Any) -> list[str] | None:
+        if "message.output_text.logprobs" in (value or []) and info.data.get("tools") and (
+                info.data.get("tool_choice") != "none"):
+            raise ValueError("message.output_text.logprobs are served for text answers only: leave it out, "
+                             "or set tool_choice to \"none\"")
+        return value
+
+    def output_logprobs(self) -> bool:
+        """Whether the answer's text comes with its tokens' logprobs."""
+        return "message.output_text.logprobs" in (self.include or [])
+
     def chat_request(self) -> ChatCompletionRequest:
         """The same request as chat completions take it; 400 for a function call's arguments that
         are not a JSON object."""
@@ -222,7 +239,8 @@ class ResponsesRequest(_Strict):
             seed=self.seed, stop=self.stop, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos, priority=self.priority,
-            cache_salt=self.cache_salt, reasoning_effort=self.reasoning.effort if self.reasoning is not None else None)
+            cache_salt=self.cache_salt, reasoning_effort=self.reasoning.effort if self.reasoning is not None else None,
+            logprobs=self.output_logprobs(), top_logprobs=self.top_logprobs if self.output_logprobs() else None)
 
     def _response_format(self) -> ResponseFormat | None:
         form = self.text.format if self.text is not None else None

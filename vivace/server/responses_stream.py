@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from vivace.engine.outputs import CompletionOutput, TokenLogprob
 from vivace.server.errors import APIError
 from vivace.server.generation import EngineRequest, timings_of, usage_with_thinking
 from vivace.server.output_events import OutputEvents
 from vivace.server.reasoning import Thinking
-from vivace.server.responses import Usage
+from vivace.server.responses import ChatTokenLogprob, Usage
 from vivace.server.responses_objects import (
     FunctionToolCall, IncompleteDetails, ItemStatus, OutputMessage, OutputText, ReasoningItem, ReasoningText,
     ResponseObject, ResponseUsage)
@@ -27,6 +28,7 @@ from vivace.server.tool_formats import HERMES, ToolFormat
 from vivace.server.tool_parser import ToolCallDelta
 
 Item = OutputMessage | FunctionToolCall | ReasoningItem
+TextLogprobs = Callable[[list[TokenLogprob]], list[ChatTokenLogprob]]
 
 
 def item_id(prefix: str) -> str:
@@ -35,14 +37,22 @@ def item_id(prefix: str) -> str:
 
 class ResponseEvents(OutputEvents):
     """Writes the events of one answer as its thinking, text and tool calls arrive;
-    ``answer.output`` holds the items so far, so the last event's response is the whole answer."""
+    ``answer.output`` holds the items so far, so the last event's response is the whole answer.
+    ``logprobs`` writes a token event's logprobs as its text delta carries them (a plain text
+    answer's: each token event is one delta)."""
 
     def __init__(self, answer: ResponseObject, calls: bool, thinking: Thinking | None = None,
-                 tool_format: ToolFormat = HERMES) -> None:
+                 tool_format: ToolFormat = HERMES, logprobs: TextLogprobs = lambda _: []) -> None:
         super().__init__(calls, thinking, tool_format)
         self.answer = answer
         self.sequence_number = 0
         self.open: Item | None = None
+        self.logprobs = logprobs
+        self.delta_logprobs: list[TokenLogprob] = []  # the logprobs of the token event being fed
+
+    def feed(self, delta: CompletionOutput) -> list[str]:
+        self.delta_logprobs = delta.logprobs or []
+        return super().feed(delta)
 
     def event(self, kind: str, **payload: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence_number, **payload}
@@ -76,7 +86,8 @@ class ResponseEvents(OutputEvents):
         item.status = status
         if isinstance(item, (OutputMessage, ReasoningItem)):
             part = item.content[0]
-            done = (self.event("response.output_text.done", **where, content_index=0, text=part.text, logprobs=[])
+            done = (self.event("response.output_text.done", **where, content_index=0, text=part.text,
+                               logprobs=[lp.model_dump(mode="json") for lp in part.logprobs])
                     if isinstance(item, OutputMessage) else
                     self.event("response.reasoning_text.done", **where, content_index=0, text=part.text))
             frames += [done, self.event("response.content_part.done", **where, content_index=0,
@@ -109,9 +120,11 @@ class ResponseEvents(OutputEvents):
         if not isinstance(self.open, OutputMessage):
             frames += self._add(OutputMessage(id=item_id("msg")))
         assert isinstance(self.open, OutputMessage)
+        logprobs, self.delta_logprobs = self.logprobs(self.delta_logprobs), []
         self.open.content[0].text += text
+        self.open.content[0].logprobs += logprobs
         frames.append(self.event("response.output_text.delta", **self._where(), content_index=0,
-                                 delta=text, logprobs=[]))
+                                 delta=text, logprobs=[lp.model_dump(mode="json") for lp in logprobs]))
         return frames
 
     def call(self, delta: ToolCallDelta) -> list[str]:
@@ -144,13 +157,13 @@ def complete(answer: ResponseObject, job: EngineRequest, usage: Usage) -> None:
 
 
 async def response_events(job: EngineRequest, answer: ResponseObject, calls: bool,
-                          thinking: Thinking | None = None, tool_format: ToolFormat = HERMES
-                          ) -> AsyncGenerator[str, None]:
+                          thinking: Thinking | None = None, tool_format: ToolFormat = HERMES,
+                          logprobs: TextLogprobs = lambda _: []) -> AsyncGenerator[str, None]:
     """The stream of ``job``'s answer, which starts as ``answer`` (the request's settings); tool
     calls (written in ``tool_format``) are read out of it when ``calls``, its thinking with a
-    reasoning parser (``thinking``).
+    reasoning parser (``thinking``); its text's logprobs written by ``logprobs``.
     An error after the first event ends the stream with an ``error`` event."""
-    events = ResponseEvents(answer, calls, thinking, tool_format)
+    events = ResponseEvents(answer, calls, thinking, tool_format, logprobs)
     yield "".join(events.start())
     try:
         async with contextlib.aclosing(job.deltas()) as deltas:

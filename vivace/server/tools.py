@@ -174,7 +174,7 @@ def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str, form: 
         messages = _joined_results(sent, [_convention_message(i, m, form) for i, m in enumerate(sent)])
     if choice == "none" or not body.tools:
         return messages, None
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    tools = [tool.model_dump(exclude_none=True, exclude={"cache_control"}) for tool in body.tools]  # hints stay out
     if own:
         return messages, tools
     listing = _CONVENTION.format(tools="\n".join(json.dumps(t) for t in tools), instruction=form.instruction())
