@@ -83,8 +83,8 @@ def paged_attention(
     window hides some key are attended as decodes, as they are in a compiled step.
     """
     if isinstance(meta, DecodeMetadata):
-        return torch.ops.vivace.paged_decode_attention(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables,
-                                                       meta.seq_lens, scale, window or 0, meta.prompt_rows)
+        return decode_attention.decode_attention_op(q.shape[-1])(
+            q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale, window or 0, meta.prompt_rows)
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     exact = meta.prompt_lens is not None
@@ -108,7 +108,7 @@ def paged_attention(
         # The op stores these rows' K/V again (the same values) before attending them; flagged as
         # no prompt rows, a long run of them (a recomputed answer) stays in the decode kernel.
         index = torch.tensor(rows)
-        out[index] = torch.ops.vivace.paged_decode_attention(
+        out[index] = decode_attention.decode_attention_op(q.shape[-1])(
             q[index], k[index], v[index], kv_cache, meta.slot_mapping[index], meta.block_tables[sequences],
             torch.tensor(lengths), scale, window or 0, torch.zeros(len(rows), dtype=torch.long))
     return out
