@@ -62,7 +62,8 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
     Types the gguf package cannot quantize to (the K-quants) get random codes of that type.
     ``vocabulary`` is the tokenizer's kind: "gpt2" (byte-level BPE, ``TOKENS``), "llama-bpe" (the same as
     Llama 3's pre-tokenizer, without the merge of "Ġt" and "he": " the" is one token only as a whole word)
-    or "llama" (SentencePiece, ``SPM_TOKENS``: Llama 2's and Mistral 7B's kind)."""
+    "llama" (SentencePiece, ``SPM_TOKENS``: Llama 2's and Mistral 7B's kind) or "llama-no-space-prefix" (that
+    without SentencePiece's dummy prefix: add_space_prefix false)."""
     config = model.config
     arch = ARCHS[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
@@ -182,13 +183,14 @@ def _add_gemma3(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, eos_id: int, chat_template: str | list[dict[str, str]],
                    vocabulary: str) -> None:
-    if vocabulary == "llama":
+    if vocabulary in ("llama", "llama-no-space-prefix"):
         writer.add_tokenizer_model("llama")
         writer.add_token_list(SPM_TOKENS)
         writer.add_token_scores([SPM_SCORES.get(t, 0.0) for t in SPM_TOKENS])
         byte, normal = gguf.TokenType.BYTE, gguf.TokenType.NORMAL
         writer.add_token_types([SPM_TYPES.get(t, byte if t.startswith("<0x") else normal) for t in SPM_TOKENS])
         writer.add_unk_token_id(SPM_TOKENS.index("<unk>"))
+        writer.add_add_space_prefix(vocabulary == "llama")
     else:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list(TOKENS)

@@ -208,6 +208,10 @@ def test_a_sentencepiece_gguf_tokenizes_as_llama_cpp(tiny, tmp_path) -> None:
     assert tokenizer.encode("</s>a</s> b", add_special_tokens=False) == [
         ids["</s>"], ids["▁a"], ids["</s>"], ids["▁"], ids["▁b"]]
     assert tokenizer.decode(tokenizer.encode(" a b", add_special_tokens=False)) == " a b"
+    path = write_gguf(tiny("llama").hf, tmp_path / "bare.gguf", vocabulary="llama-no-space-prefix")
+    tokenizer = load_model(str(path), torch.float32).tokenizer  # no prefix space at all, as llama.cpp
+    assert tokenizer.encode("a b", add_special_tokens=False) == [SPM_TOKENS.index("a"), ids["▁b"]]
+    assert tokenizer.decode(tokenizer.encode(" a b", add_special_tokens=False)) == " a b"
 
 
 def test_a_llama3_pre_tokenizer_takes_a_word_the_vocabulary_holds_whole(tiny, tmp_path) -> None:

@@ -293,16 +293,20 @@ def _tokenizer(path: Path, file: GGUFFile) -> transformers.PreTrainedTokenizerFa
 def _prefix_space_as_sentencepiece(tokenizer: transformers.PreTrainedTokenizerFast, file: GGUFFile) -> None:
     """A SentencePiece vocabulary (``tokenizer.ggml.model`` "llama": Llama 2, Mistral 7B, TinyLlama) gets
     its dummy prefix space as llama.cpp and SentencePiece give it: before the text and after every special
-    token, whatever the text starts with (" Hi" is "▁▁Hi", "</s>\n" is "</s>▁\n"). transformers' Metaspace
-    ("first") adds it only at the input's start and not before a space, so chat prompts of such files
-    ("<s>[INST] ...", "</s>\n<|assistant|>") were other tokens than llama.cpp's."""
+    token, whatever the text starts with (" Hi" is "▁▁Hi", "</s>\n" is "</s>▁\n"), and none at all when
+    ``tokenizer.ggml.add_space_prefix`` is false (nor a first space taken off when decoding). transformers'
+    Metaspace ("first") adds it only at the input's start, and not before a space, whatever the key says."""
     backend = tokenizer.backend_tokenizer
-    if (file.metadata.get("tokenizer.ggml.model") != "llama" or not file.metadata.get(_ADD_SPACE_PREFIX, True)
+    if (file.metadata.get("tokenizer.ggml.model") != "llama"
             or not isinstance(backend.pre_tokenizer, tokenizers.pre_tokenizers.Metaspace)):
         return
-    backend.normalizer = tokenizers.normalizers.Sequence(
-        [tokenizers.normalizers.Prepend("\u2581"), tokenizers.normalizers.Replace(" ", "\u2581")])
+    normalizers = tokenizers.normalizers
+    space_prefix = [normalizers.Prepend("\u2581")] if file.metadata.get(_ADD_SPACE_PREFIX, True) else []
+    backend.normalizer = normalizers.Sequence([*space_prefix, normalizers.Replace(" ", "\u2581")])
     backend.pre_tokenizer = None
+    if not space_prefix:
+        decoders = tokenizers.decoders
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
 
 
 def _tensors(file: GGUFFile, config: ModelConfig, arch: str,
