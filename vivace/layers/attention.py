@@ -13,12 +13,13 @@ import torch
 from vivace.layers import decode_attention, native, prefill_attention
 
 
-def kernels_agree() -> bool:
-    """Whether the decode kernel gives a row the very bits the prefill kernel gives it (both
-    native AVX-512 builds share one arithmetic, ``attention_math.h``): then either may attend a
-    prompt position, and the cheaper one does. The AVX2 (SIMDe) builds and the PyTorch fallbacks
+def kernels_agree(head_dim: int) -> bool:
+    """Whether the decode kernel gives a row of heads of ``head_dim`` the very bits the prefill kernel
+    gives it (both native AVX-512 builds share one arithmetic, ``attention_math.h``): then either may
+    attend a prompt position, and the cheaper one does. The AVX2 (SIMDe) builds and the PyTorch
+    fallbacks (every backend's, and the reference op a head size the native kernels lack takes)
     agree only within rounding."""
-    return (decode_attention.BACKEND == prefill_attention.BACKEND == "native"
+    return (decode_attention.native_supports(head_dim) and prefill_attention.BACKEND == "native"
             and native.cpu_has(native.AVX512_CPU_FLAGS))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vivace.layers import native
+from vivace.layers import native, prefill_attention
 
 
 def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -67,8 +67,10 @@ BACKEND = _register()
 
 
 def native_supports(head_dim: int) -> bool:
-    """Whether the native kernel is built for ``head_dim``: multiples of 16 up to 128, and 256 (Gemma's)."""
-    return BACKEND == "native" and head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
+    """Whether the native kernel is built for ``head_dim``: the prefill kernel's sizes (multiples of 16 up
+    to 128, and Gemma's 256)."""
+    return (BACKEND == "native" and head_dim % 16 == 0
+            and (head_dim <= prefill_attention.MAX_HEAD_DIM or head_dim == prefill_attention.WIDE_HEAD_DIM))
 
 
 def decode_attention_op(head_dim: int) -> torch._ops.OpOverloadPacket:
