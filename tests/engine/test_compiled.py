@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+import transformers
 
 from vivace import LLM, SamplingParams
 from vivace.engine.compiled import CompiledDecoder
@@ -51,6 +52,22 @@ def test_greedy_tokens_equal_eager_as_the_batch_shrinks(tiny_model_dir, monkeypa
     for llm in (eager, compiled):
         llm.check_integrity()
         assert llm.engine.kv.num_free_blocks == 128
+
+
+def test_a_head_size_the_native_kernel_lacks_decodes_as_transformers(make_tiny_llama):
+    """Heads of 24 dims (the native decode kernel is built for multiples of 16): eager and compiled
+    decode steps take the reference op and give transformers' greedy tokens; the first decode step
+    of such a model failed ('head_dim must be a multiple of 16')."""
+    path = make_tiny_llama(hidden_size=96, num_attention_heads=4, num_key_value_heads=2)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    batch = prompts(3, seed=5)
+    expected = [reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8,
+                                   min_new_tokens=8)[0, len(ids):].tolist() for ids in batch]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for compile_ in (False, True):
+        llm = LLM(str(path), num_kv_blocks=64, block_size=4, compile=compile_, max_num_seqs=MAX_BATCH)
+        assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == expected
+        llm.check_integrity()
 
 
 def test_quantized_linears_compile_and_keep_greedy_tokens(tiny_model_dir):

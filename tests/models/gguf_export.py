@@ -37,6 +37,12 @@ _QKV = ("attn_q", "attn_k", "attn_v")
 # The quantized types the gguf package writes from float values; others get random codes.
 QUANTIZABLE = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
                gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1)
+# A SentencePiece vocabulary as large as TOKENS, its <s> and </s> at BOS_ID and EOS_ID: byte tokens,
+# pieces (the longer, the better their score), then <unk> and the control tokens.
+SPM_TOKENS = ([f"<0x{byte:02X}>" for byte in range(256)] + ["▁", "a", "b", "▁a", "▁b", "ab"]
+              + ["<unk>", "<s>", "</s>"])
+SPM_SCORES = {"▁a": -1.0, "▁b": -1.0, "ab": -2.0, "▁": -3.0, "a": -3.0, "b": -3.0}
+SPM_TYPES = {"<unk>": gguf.TokenType.UNKNOWN, "<s>": gguf.TokenType.CONTROL, "</s>": gguf.TokenType.CONTROL}
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
          "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
          "granite": "granite"}
@@ -46,20 +52,24 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path,
                ggml_type: gguf.GGMLQuantizationType = F32,
                types: dict[str, gguf.GGMLQuantizationType] | None = None, eos_id: int = EOS_ID,
                chat_template: str | list[dict[str, str]] = CHAT_TEMPLATE,
-               token_ids: dict[str, int] | None = None, fuse_qkv: bool = False) -> Path:
+               token_ids: dict[str, int] | None = None, fuse_qkv: bool = False, vocabulary: str = "gpt2") -> Path:
     """Export ``model`` to ``path``; matrices are stored as ``ggml_type`` (F32, F16, or a quant),
     or as ``types[part]`` for the GGUF tensor part named (``attn_q``, ``token_embd``, ...); the
     metadata's EOS is ``eos_id``, its chat template ``chat_template`` (named ones: a list, as llama.cpp's
     converter takes tokenizer_config.json's), and ``token_ids`` more keys naming tokens
     (``tokenizer.ggml.fim_sep_token_id``: id); ``fuse_qkv`` stores each layer's q, k and v (weights
     and biases, after the q/k permutation) as one ``attn_qkv``, as the converter's ``--fuse-qkv`` does.
-    Types the gguf package cannot quantize to (the K-quants) get random codes of that type."""
+    Types the gguf package cannot quantize to (the K-quants) get random codes of that type.
+    ``vocabulary`` is the tokenizer's kind: "gpt2" (byte-level BPE, ``TOKENS``), "llama-bpe" (the same as
+    Llama 3's pre-tokenizer, without the merge of "Ġt" and "he": " the" is one token only as a whole word)
+    "llama" (SentencePiece, ``SPM_TOKENS``: Llama 2's and Mistral 7B's kind) or "llama-no-space-prefix" (that
+    without SentencePiece's dummy prefix: add_space_prefix false)."""
     config = model.config
     arch = ARCHS[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{config.model_type}")
     _add_hparams(writer, config, arch)
-    _add_tokenizer(writer, eos_id, chat_template)
+    _add_tokenizer(writer, eos_id, chat_template, vocabulary)
     qkv: dict[str, dict[str, np.ndarray]] = {}
     for key, token_id in (token_ids or {}).items():
         writer.add_uint32(key, token_id)
@@ -136,8 +146,10 @@ def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig,
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_logit_scale(config.logits_scaling)
-    if getattr(config, "sliding_window", None) and arch in ("gemma3", "phi3"):
+    if getattr(config, "sliding_window", None) and arch == "phi3":
         writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma3":
+        _add_gemma3(writer, config)
     writer.add_vocab_size(config.vocab_size)
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -156,13 +168,37 @@ def _add_hparams(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig,
                 getattr(writer, f"add_rope_scaling_yarn_{key}")(rope[key])
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, eos_id: int, chat_template: str | list[dict[str, str]]) -> None:
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOKENS)
-    control = gguf.TokenType.CONTROL
-    writer.add_token_types([control if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in TOKENS])
-    writer.add_token_merges([" ".join(m) for m in MERGES])
+def _add_gemma3(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) -> None:
+    """Gemma3Model.set_gguf_parameters' window (none when no layer slides) and final logit soft-capping; a
+    layer pattern other than llama.cpp's default (every 6th layer global) as the one flag a layer that
+    llama.cpp reads (``attention.sliding_window_pattern``; its Gemma 3n and Gemma 4 converters write it)."""
+    sliding = [kind == "sliding_attention" for kind in config.layer_types]
+    if any(sliding):
+        writer.add_sliding_window(config.sliding_window)
+    if sliding != [(i + 1) % 6 != 0 for i in range(config.num_hidden_layers)]:
+        writer.add_sliding_window_pattern(sliding)
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, eos_id: int, chat_template: str | list[dict[str, str]],
+                   vocabulary: str) -> None:
+    if vocabulary in ("llama", "llama-no-space-prefix"):
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(SPM_TOKENS)
+        writer.add_token_scores([SPM_SCORES.get(t, 0.0) for t in SPM_TOKENS])
+        byte, normal = gguf.TokenType.BYTE, gguf.TokenType.NORMAL
+        writer.add_token_types([SPM_TYPES.get(t, byte if t.startswith("<0x") else normal) for t in SPM_TOKENS])
+        writer.add_unk_token_id(SPM_TOKENS.index("<unk>"))
+        writer.add_add_space_prefix(vocabulary == "llama")
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(TOKENS)
+        control = gguf.TokenType.CONTROL
+        writer.add_token_types([control if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in TOKENS])
+        merges = [m for m in MERGES if vocabulary != "llama-bpe" or m != ("Ġt", "he")]
+        writer.add_token_merges([" ".join(m) for m in merges])
+    writer.add_tokenizer_pre("llama-bpe" if vocabulary == "llama-bpe" else "default")
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(eos_id)
     writer.add_add_bos_token(False)

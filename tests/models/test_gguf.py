@@ -15,7 +15,7 @@ from vivace.models.gguf import open_gguf
 from vivace.models.gguf_file import GGUFFile, dequantize_blocks
 from vivace.models.loader import default_model_path
 
-from .gguf_export import write_gguf
+from .gguf_export import SPM_TOKENS, write_gguf
 from .test_llama import assert_close
 from .tiny import CHAT_TEMPLATE, EOS_ID, KINDS, TOKENS, PagedRun, hf_logits, prompt, tiny_model, tiny_tokenizer
 
@@ -193,3 +193,44 @@ def test_a_tensor_type_gguf_does_not_know_is_refused_naming_it(tiny, tmp_path) -
     (tmp_path / "m.gguf").write_bytes(data)
     with pytest.raises(ValueError, match="tensor blk.0.attn_q.weight has ggml type 999, which the gguf package"):
         load_model(str(tmp_path / "m.gguf"), torch.float32)
+
+
+def test_a_sentencepiece_gguf_tokenizes_as_llama_cpp(tiny, tmp_path) -> None:
+    """A SentencePiece GGUF (Llama 2, Mistral 7B, TinyLlama) gets its prefix space as llama.cpp gives it:
+    before the text and after every special token, whatever the text starts with. transformers' reading
+    left it out before a leading space and after a special token, so chat prompts ("<s>[INST] ...",
+    "</s>\n<|assistant|>") were other tokens than llama.cpp's on the same file."""
+    path = write_gguf(tiny("llama").hf, tmp_path / "spm.gguf", vocabulary="llama")
+    tokenizer = load_model(str(path), torch.float32).tokenizer
+    ids = {token: SPM_TOKENS.index(token) for token in ("▁", "▁a", "▁b", "a", "</s>")}
+    assert tokenizer.encode("a b", add_special_tokens=False) == [ids["▁a"], ids["▁b"]]
+    assert tokenizer.encode(" a b", add_special_tokens=False) == [ids["▁"], ids["▁a"], ids["▁b"]]
+    assert tokenizer.encode("</s>a</s> b", add_special_tokens=False) == [
+        ids["</s>"], ids["▁a"], ids["</s>"], ids["▁"], ids["▁b"]]
+    assert tokenizer.decode(tokenizer.encode(" a b", add_special_tokens=False)) == " a b"
+    path = write_gguf(tiny("llama").hf, tmp_path / "bare.gguf", vocabulary="llama-no-space-prefix")
+    tokenizer = load_model(str(path), torch.float32).tokenizer  # no prefix space at all, as llama.cpp
+    assert tokenizer.encode("a b", add_special_tokens=False) == [SPM_TOKENS.index("a"), ids["▁b"]]
+    assert tokenizer.decode(tokenizer.encode(" a b", add_special_tokens=False)) == " a b"
+
+
+def test_a_llama3_pre_tokenizer_takes_a_word_the_vocabulary_holds_whole(tiny, tmp_path) -> None:
+    """llama.cpp runs Llama 3's BPE (pre-tokenizer llama-bpe, as Mistral's Tekken) with ignore_merges, as
+    its tokenizer.json says: a word in the vocabulary is that one token even where no merges make it."""
+    path = write_gguf(tiny("llama").hf, tmp_path / "llama3.gguf", vocabulary="llama-bpe")
+    tokenizer = load_model(str(path), torch.float32).tokenizer
+    assert tokenizer.encode(" the", add_special_tokens=False) == [TOKENS.index("Ġthe")]
+    plain = load_model(str(write_gguf(tiny("llama").hf, tmp_path / "gpt2.gguf")), torch.float32).tokenizer
+    assert plain.encode(" the", add_special_tokens=False) == [TOKENS.index("Ġthe")]  # through its merges
+
+
+@pytest.mark.parametrize("overrides", [dict(final_logit_softcapping=2.0), dict(sliding_window_pattern=2),
+                                       dict(sliding_window_pattern=1)], ids=["softcap", "pattern-2", "no-window"])
+def test_gemma3_keys_llama_cpp_reads(tmp_path, overrides) -> None:
+    """llama.cpp applies a Gemma 3 file's final logit soft-capping, reads its layers' windows from
+    attention.sliding_window_pattern, and runs a file without a window (the converter writes none when
+    no layer slides) as all global: vivace ignored the first two and refused the third."""
+    model = tiny_model("gemma3", **overrides)
+    loaded = load_model(str(write_gguf(model, tmp_path / "gemma3.gguf")), torch.float32)
+    ids = prompt(21, seed=6)  # past the window of 6
+    assert_close(PagedRun(loaded.model, loaded.config).step({"a": ids})["a"], hf_logits(model, ids))

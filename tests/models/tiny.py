@@ -46,6 +46,8 @@ KINDS = {
     "llama": (transformers.LlamaConfig, {}),
     "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=4)),
     "llama_bias": (transformers.LlamaConfig, dict(attention_bias=True, num_key_value_heads=1)),
+    # A head size the native decode kernel is not built for (tiny test checkpoints have heads of 4 to 24).
+    "llama_head24": (transformers.LlamaConfig, dict(hidden_size=96, num_attention_heads=4)),
     # theta 10000 over head_dim 16 puts wavelengths on both sides of and between 32/4 and 32/1.
     "llama3_rope": (transformers.LlamaConfig, dict(rope_scaling=LLAMA3_ROPE, rope_theta=10000.0)),
     "linear_rope": (transformers.LlamaConfig, dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),

@@ -102,7 +102,7 @@ class ModelRunner:
         # The fewest rows of a prompt chunk riding the compiled step that the prefill kernel attends.
         # Where the two kernels agree bit for bit, whichever is cheaper: the decode kernel up to
         # AGREED_RUN_ROWS - 1 rows (the prefill kernel first packs the whole context).
-        if kernels_agree():
+        if kernels_agree(loaded.config.head_dim):
             self.prefill_run_rows = AGREED_RUN_ROWS
         else:
             self.prefill_run_rows = 1 if batch_invariant else LONG_RUN_ROWS

@@ -13,12 +13,13 @@ import torch
 from vivace.layers import decode_attention, native, prefill_attention
 
 
-def kernels_agree() -> bool:
-    """Whether the decode kernel gives a row the very bits the prefill kernel gives it (both
-    native AVX-512 builds share one arithmetic, ``attention_math.h``): then either may attend a
-    prompt position, and the cheaper one does. The AVX2 (SIMDe) builds and the PyTorch fallbacks
+def kernels_agree(head_dim: int) -> bool:
+    """Whether the decode kernel gives a row of heads of ``head_dim`` the very bits the prefill kernel
+    gives it (both native AVX-512 builds share one arithmetic, ``attention_math.h``): then either may
+    attend a prompt position, and the cheaper one does. The AVX2 (SIMDe) builds and the PyTorch
+    fallbacks (every backend's, and the reference op a head size the native kernels lack takes)
     agree only within rounding."""
-    return (decode_attention.BACKEND == prefill_attention.BACKEND == "native"
+    return (decode_attention.native_supports(head_dim) and prefill_attention.BACKEND == "native"
             and native.cpu_has(native.AVX512_CPU_FLAGS))
 
 
@@ -83,8 +84,8 @@ def paged_attention(
     window hides some key are attended as decodes, as they are in a compiled step.
     """
     if isinstance(meta, DecodeMetadata):
-        return torch.ops.vivace.paged_decode_attention(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables,
-                                                       meta.seq_lens, scale, window or 0, meta.prompt_rows)
+        return decode_attention.decode_attention_op(q.shape[-1])(
+            q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale, window or 0, meta.prompt_rows)
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     exact = meta.prompt_lens is not None
@@ -108,7 +109,7 @@ def paged_attention(
         # The op stores these rows' K/V again (the same values) before attending them; flagged as
         # no prompt rows, a long run of them (a recomputed answer) stays in the decode kernel.
         index = torch.tensor(rows)
-        out[index] = torch.ops.vivace.paged_decode_attention(
+        out[index] = decode_attention.decode_attention_op(q.shape[-1])(
             q[index], k[index], v[index], kv_cache, meta.slot_mapping[index], meta.block_tables[sequences],
             torch.tensor(lengths), scale, window or 0, torch.zeros(len(rows), dtype=torch.long))
     return out

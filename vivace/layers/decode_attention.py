@@ -5,7 +5,8 @@ One call per layer, a tensor-only signature (plus the constant scale) and a fake
 breaks and no recompiles per sequence length. Registered when this module is imported: the
 native AVX-512 kernel (``decode_attention.cpp``, built as ``vivace.layers.native`` says), or
 ``reference_decode_attention`` when the CPU has neither AVX-512 nor AVX2, the build fails, or
-``VIVACE_KERNELS=torch``.
+``VIVACE_KERNELS=torch``. ``decode_attention_op`` picks the reference for a head size the native
+kernel is not built for.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vivace.layers import native
+from vivace.layers import native, prefill_attention
 
 
 def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -46,19 +47,35 @@ def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _register() -> str:
-    """Define the op; return which implementation serves it."""
+    """Define the op, and ``vivace::reference_decode_attention`` (the same contract, for the head
+    sizes the native kernel is not built for); return which implementation serves the op."""
     backend = "native" if native.load("decode_attention") else "torch"
-    if backend == "torch":
-        torch.library.custom_op("vivace::paged_decode_attention", reference_decode_attention,
-                                mutates_args=("kv_cache",))
-
-    @torch.library.register_fake("vivace::paged_decode_attention")
-    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
-          prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    names = ["vivace::reference_decode_attention"] + (["vivace::paged_decode_attention"] if backend == "torch" else [])
+    for name in names:
+        torch.library.custom_op(name, reference_decode_attention, mutates_args=("kv_cache",))
+    for name in ("vivace::paged_decode_attention", "vivace::reference_decode_attention"):
+        @torch.library.register_fake(name)
+        def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
+              prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     return backend
 
 
 BACKEND = _register()
+
+
+def native_supports(head_dim: int) -> bool:
+    """Whether the native kernel is built for ``head_dim``: the prefill kernel's sizes (multiples of 16 up
+    to 128, and Gemma's 256)."""
+    return (BACKEND == "native" and head_dim % 16 == 0
+            and (head_dim <= prefill_attention.MAX_HEAD_DIM or head_dim == prefill_attention.WIDE_HEAD_DIM))
+
+
+def decode_attention_op(head_dim: int) -> torch._ops.OpOverloadPacket:
+    """The op that attends heads of ``head_dim``: the native kernel where it is built for them, else
+    the reference (any head size: tiny test models' 4 or 24, a head of 160), as llama.cpp serves them."""
+    if native_supports(head_dim):
+        return torch.ops.vivace.paged_decode_attention
+    return torch.ops.vivace.reference_decode_attention

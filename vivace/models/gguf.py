@@ -12,6 +12,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import tokenizers
 import torch
 import transformers
 
@@ -46,7 +47,7 @@ _ARCH_LAYER_NAMES = {
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # stored fused, as vivace runs it
 }
-# llama.cpp's Gemma 3: every 6th layer global, sliding layers rotate with base 10000.
+# llama.cpp's Gemma 3 unless its keys say otherwise: every 6th layer global, sliding layers rotate with base 10000.
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 # llama.cpp's SmolLM3: every 4th layer rotates nothing (a fixed rule; no GGUF key says it).
 _SMOLLM3_NO_ROPE_STEP = 4
@@ -65,6 +66,11 @@ _END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end
 # Keys naming those separators, which llama.cpp's tokenizer reads before it looks for their text.
 _FIM_END_KEYS = tuple(f"tokenizer.ggml.fim_{kind}_token_id" for kind in ("pad", "rep", "sep"))
 _CHAT_TEMPLATE = "tokenizer.chat_template"
+_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
+# Pre-tokenizers (tokenizer.ggml.pre) whose BPE llama.cpp runs with ignore_merges, as their tokenizer.json
+# says (Llama 3, Mistral's Tekken): a word in the vocabulary is that token, whatever the merges would make.
+_IGNORE_MERGES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                  "jina-v5-nano", "minicpm5", "youtu", "glm4", "glm5", "tekken", "granite-embed-multi-97m")
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling
 _LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}  # Phi-3
 _ROPE_TENSORS = (_ROPE_FREQS, *_LONGROPE.values())
@@ -157,8 +163,7 @@ def model_config(file: GGUFFile) -> ModelConfig:
     if arch == "phi3" and window and window < context:
         config = dataclasses.replace(config, sliding_window=window, layer_types=(SLIDING,) * layers)
     if arch == "gemma3":
-        config = _gemma3(config, get("{arch}.attention.sliding_window"),
-                         float(file.metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_THETA)))
+        config = _gemma3(config, file, arch)
     if arch == "smollm3":
         nope = tuple(i for i in range(layers) if (i + 1) % _SMOLLM3_NO_ROPE_STEP == 0)
         config = dataclasses.replace(config, nope_layers=nope)
@@ -191,14 +196,26 @@ def _moe(file: GGUFFile, arch: str, layers: int) -> MoeConfig | None:
     return MoeConfig(count, file.metadata[f"{arch}.expert_used_count"], size, True, dense)
 
 
-def _gemma3(config: ModelConfig, window: int, local_theta: float) -> ModelConfig:
-    """Gemma 3's extras as llama.cpp sets them: the fixed layer pattern, the local rope base, and
-    the attention scale (1/sqrt(head_dim), but 1/sqrt(hidden/heads) for the 62-layer 27B)."""
+def _gemma3(config: ModelConfig, file: GGUFFile, arch: str) -> ModelConfig:
+    """Gemma 3's extras as llama.cpp reads them: its sliding layers (``attention.sliding_window_pattern``,
+    one flag a layer or a period whose last layer is global, 6 when absent; none without a window), the
+    local rope base, the final logit soft-capping when the file has one, and the attention scale
+    (1/sqrt(head_dim), but 1/sqrt(hidden/heads) for the 62-layer 27B)."""
     layers = config.num_hidden_layers
     scalar = config.hidden_size // config.num_attention_heads if layers == 62 else config.head_dim
-    layer_types = tuple(FULL if (i + 1) % _GEMMA3_PATTERN == 0 else SLIDING for i in range(layers))
-    return dataclasses.replace(config, sliding_window=window, layer_types=layer_types, local_rope_theta=local_theta,
-                               query_pre_attn_scalar=scalar)
+    config = dataclasses.replace(config, query_pre_attn_scalar=scalar,
+                                 final_logit_softcapping=file.metadata.get(f"{arch}.final_logit_softcapping") or None)
+    window = file.metadata.get(f"{arch}.attention.sliding_window")
+    if not window:
+        return config
+    pattern = file.metadata.get(f"{arch}.attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    sliding = ([bool(flag) for flag in pattern] if isinstance(pattern, list)
+               else [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)])
+    if not any(sliding):
+        return config
+    local_theta = float(file.metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
+    layer_types = tuple(SLIDING if flag else FULL for flag in sliding)
+    return dataclasses.replace(config, sliding_window=window, layer_types=layer_types, local_rope_theta=local_theta)
 
 
 def _rope_scaling(file: GGUFFile, arch: str, context: int) -> dict[str, Any] | None:
@@ -263,11 +280,33 @@ def _tokenizer(path: Path, file: GGUFFile) -> transformers.PreTrainedTokenizerFa
     """The file's tokenizer with its chat template; with named ones (``tokenizer.chat_template.<name>``,
     Hermes-2-Pro's "tool_use"), all of them by name, as transformers reads tokenizer_config.json's."""
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
+    _prefix_space_as_sentencepiece(tokenizer, file)
+    if file.metadata.get("tokenizer.ggml.pre") in _IGNORE_MERGES:  # a word the vocabulary holds is one token
+        tokenizer.backend_tokenizer.model.ignore_merges = True
     default = tokenizer.chat_template or file.metadata.get(_CHAT_TEMPLATE)
     named = {key.removeprefix(f"{_CHAT_TEMPLATE}."): value for key, value in file.metadata.items()
              if key.startswith(f"{_CHAT_TEMPLATE}.")}
     tokenizer.chat_template = {**({"default": default} if default else {}), **named} if named else default
     return tokenizer
+
+
+def _prefix_space_as_sentencepiece(tokenizer: transformers.PreTrainedTokenizerFast, file: GGUFFile) -> None:
+    """A SentencePiece vocabulary (``tokenizer.ggml.model`` "llama": Llama 2, Mistral 7B, TinyLlama) gets
+    its dummy prefix space as llama.cpp and SentencePiece give it: before the text and after every special
+    token, whatever the text starts with (" Hi" is "▁▁Hi", "</s>\n" is "</s>▁\n"), and none at all when
+    ``tokenizer.ggml.add_space_prefix`` is false (nor a first space taken off when decoding). transformers'
+    Metaspace ("first") adds it only at the input's start, and not before a space, whatever the key says."""
+    backend = tokenizer.backend_tokenizer
+    if (file.metadata.get("tokenizer.ggml.model") != "llama"
+            or not isinstance(backend.pre_tokenizer, tokenizers.pre_tokenizers.Metaspace)):
+        return
+    normalizers = tokenizers.normalizers
+    space_prefix = [normalizers.Prepend("\u2581")] if file.metadata.get(_ADD_SPACE_PREFIX, True) else []
+    backend.normalizer = normalizers.Sequence([*space_prefix, normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
+    if not space_prefix:
+        decoders = tokenizers.decoders
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
 
 
 def _tensors(file: GGUFFile, config: ModelConfig, arch: str,
