@@ -193,6 +193,9 @@ BAD = [
     (dict(tools=[WEATHER, WEATHER]), "tools"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]),
      "tools.0.function.parameters"),
+    # arguments are an object: a string schema let the model write a call its parser misread
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+     "tools.0.function.parameters"),
     (dict(tools=[WEATHER], response_format={"type": "json_object"}), "tool_choice"),
     (dict(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]), "messages.0.tool_call_id"),
     (dict(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {

@@ -79,7 +79,8 @@ def _sequence(*parts: Part) -> str:
 
 
 def parameters_schema(tool: Tool) -> dict[str, Any]:
-    return tool.function.parameters or _EMPTY_PARAMETERS
+    """The schema of ``tool``'s arguments, an object's: one that names no type is given it."""
+    return {"type": "object", **(tool.function.parameters or _EMPTY_PARAMETERS)}
 
 
 def _schema(schema: dict[str, Any]) -> str:
