@@ -141,6 +141,8 @@ def test_objects_that_list_properties_take_no_others(llm, text, taken):
     ({"type": "object"}, '{"any": 1}'),  # json_object: lists nothing, stays free
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}, '{"a": 1, "b": 2}'),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, '{"a": 1, "b": 2}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 2},
+     '{"a": 1, "b": 2}'),
     ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                 {"type": "object", "properties": {"b": {"type": "integer"}}}]}, '{"a": 1, "b": 2}'),
     ({"$defs": {"Base": {"type": "object", "properties": {"a": {"type": "integer"}}}},

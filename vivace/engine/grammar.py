@@ -42,7 +42,8 @@ _OTHERS_SAID = ("additionalProperties", "unevaluatedProperties", "patternPropert
 
 def closed_objects(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` on each object schema that lists
-    ``properties`` (every ``required`` one among them) and says nothing of others, as vLLM's
+    ``properties`` (every ``required`` one among them, at least ``minProperties`` of them) and says
+    nothing of others, as vLLM's
     default backend (xgrammar) and llama.cpp read a schema: a model is not free to add keys of
     its own. Parts an ``allOf`` (or a ``$ref`` beside ``properties``) combines stay open, since
     closing one would refuse the others' keys. The input is not changed."""
@@ -84,7 +85,8 @@ def _close(node: Any, pointer: str, combined: set[str], closable: bool) -> Any:
     properties, required = node.get("properties"), node.get("required", [])
     if (closable and pointer not in combined and isinstance(properties, dict)
             and not any(key in node for key in _OTHERS_SAID)
-            and isinstance(required, list) and all(name in properties for name in required)):
+            and isinstance(required, list) and all(name in properties for name in required)
+            and node.get("minProperties", 0) <= len(properties)):
         out["additionalProperties"] = False
     return out
 
