@@ -183,6 +183,7 @@ BAD = [
      "response_format.json_schema.schema"),
     (dict(guided_regex="(", guided_choice=["a"]), "guided_choice"),
     (dict(guided_regex="(unclosed"), "guided_regex"),
+    (dict(guided_regex=r"[^\x00-\x{10FFFF}]"), "guided_regex"),  # compiles, yet no text matches it
     (dict(guided_json="{not json"), "guided_json"),
     (dict(guided_grammar="start: undefined_rule"), "guided_grammar"),
     (dict(grammar="root ::= undefined_rule"), "grammar"),

@@ -143,6 +143,9 @@ class GrammarCompiler:
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"unsupported or invalid {structured.kind}: {matcher.get_error()}")
+        matcher.compute_bitmask()  # one that no text matches (an empty class) fails only here
+        if matcher.is_error():
+            raise ValueError(f"invalid {structured.kind}: no text matches it")
         return matcher
 
     def _after_thinking(self, grammar: str, think: ThinkBlock) -> str:
