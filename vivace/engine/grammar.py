@@ -43,11 +43,10 @@ _OTHERS_SAID = ("additionalProperties", "unevaluatedProperties", "patternPropert
 def closed_objects(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` on each object schema that lists
     ``properties`` (every ``required`` one among them, at least ``minProperties`` of them) and says
-    nothing of others, as vLLM's
-    default backend (xgrammar) and llama.cpp read a schema: a model is not free to add keys of
-    its own. Parts an ``allOf`` (or a ``$ref`` beside ``properties``) combines stay open, since
-    closing one would refuse the others' keys. The input is not changed."""
-    combined = set()
+    nothing of others, as vLLM's default backend (xgrammar) and llama.cpp read a schema: a model
+    is not free to add keys of its own. Parts an ``allOf`` (or a ``$ref`` beside ``properties``)
+    combines stay open, since closing one would refuse the others' keys. The input is not changed."""
+    combined: set[str] = set()
     _collect_combined_refs(schema, combined)
     return _close(schema, "#", combined, closable=True)
 

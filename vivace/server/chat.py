@@ -158,7 +158,7 @@ async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: 
         for i, tool in enumerate(body.tools):
             param = f"tools.{i}.function.parameters"
             schema = parameters_schema(tool)
-            if schema["type"] not in ("object", ["object"]):  # arguments are an object (OpenAI refuses other schemas too)
+            if schema["type"] not in ("object", ["object"]):  # arguments are an object, as OpenAI demands
                 raise APIError(400, f"{param}: a function's parameters must be a JSON schema of type "
                                     f"\"object\", not {json.dumps(schema['type'])}", param=param, code="invalid_value")
             await check_compiles(engine, param, json_schema(schema, param))
