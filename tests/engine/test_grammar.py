@@ -108,3 +108,46 @@ def test_constrained_requests_do_not_speculate(tiny_model_dir):
     jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
     assert llm.engine.spec_stats.num_proposed == 0
     llm.check_integrity()
+
+
+def _accepts(llm, schema: dict, text: str) -> bool:
+    """Whether ``schema``'s grammar takes ``text`` whole."""
+    matcher = llm.engine.grammars.compile(StructuredOutput("json_schema", json.dumps(schema)))
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+PERSON = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string"},
+    "home": {"$ref": "#/$defs/City"},
+    "properties": {"type": "object", "properties": {"x": {"type": "integer"}}}},  # a key named so
+    "$defs": {"City": {"type": "object", "properties": {"zip": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize(("text", "taken"), [
+    ('{"name": "a"}', True),
+    ('{"name": "a", "home": {"zip": "1"}, "properties": {"x": 1}}', True),
+    ('{"name": "a", "age": 3}', False),  # a key the schema does not list
+    ('{"name": "a", "home": {"zip": "1", "street": "b"}}', False),  # nor its $ref's
+    ('{"name": "a", "properties": {"y": 1}}', False),
+])
+def test_objects_that_list_properties_take_no_others(llm, text, taken):
+    """As vLLM's xgrammar and llama.cpp read a schema: a small model must not pad an answer with
+    keys of its own (it did, until max_tokens cut the JSON)."""
+    assert _accepts(llm, PERSON, text) is taken
+
+
+@pytest.mark.parametrize(("schema", "text"), [
+    ({"type": "object"}, '{"any": 1}'),  # json_object: lists nothing, stays free
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}, '{"a": 1, "b": 2}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, '{"a": 1, "b": 2}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 2},
+     '{"a": 1, "b": 2}'),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "integer"}}}]}, '{"a": 1, "b": 2}'),
+    ({"$defs": {"Base": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+      "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"b": {"type": "integer"}}}, '{"a": 1, "b": 2}'),
+])
+def test_objects_that_say_otherwise_or_combine_stay_open(llm, schema, text):
+    """Closing the parts of an allOf would refuse each other's keys: they stay as written."""
+    assert _accepts(llm, schema, text)

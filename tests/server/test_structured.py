@@ -183,6 +183,7 @@ BAD = [
      "response_format.json_schema.schema"),
     (dict(guided_regex="(", guided_choice=["a"]), "guided_choice"),
     (dict(guided_regex="(unclosed"), "guided_regex"),
+    (dict(guided_regex=r"[^\x00-\x{10FFFF}]"), "guided_regex"),  # compiles, yet no text matches it
     (dict(guided_json="{not json"), "guided_json"),
     (dict(guided_grammar="start: undefined_rule"), "guided_grammar"),
     (dict(grammar="root ::= undefined_rule"), "grammar"),
@@ -192,6 +193,9 @@ BAD = [
      "tool_choice.function.name"),
     (dict(tools=[WEATHER, WEATHER]), "tools"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]),
+     "tools.0.function.parameters"),
+    # arguments are an object: a string schema let the model write a call its parser misread
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
      "tools.0.function.parameters"),
     (dict(tools=[WEATHER], response_format={"type": "json_object"}), "tool_choice"),
     (dict(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]), "messages.0.tool_call_id"),

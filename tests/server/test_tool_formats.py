@@ -279,3 +279,33 @@ def test_a_participants_name_reaches_the_template(default_tokenizer_dir) -> None
                                                             {"role": "user", "content": "Yo"}]})
     messages, _ = chat_messages(body, tokenizer, "none", HERMES)
     assert [m.get("name") for m in messages] == ["alice", None]
+
+
+
+def takes_call(tokenizer_dir, parameters: dict, arguments: str) -> bool:
+    """Whether the Hermes grammar of one tool with ``parameters`` takes a call with ``arguments``."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": parameters}})]
+    matcher = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(
+        HERMES.grammar(tools, "required", parallel=False))
+    written = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    ids = tokenizer.encode(written, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize(("parameters", "arguments", "taken"), [
+    (CITY, '{"city": "Paris"}', True),
+    (CITY, '{"city": "Paris", "unit": "c"}', False),
+    ({"properties": {"city": {"type": "string"}}}, '"Paris"', False),  # no type: still an object
+    ({"properties": {"city": {"type": "string"}}}, '{"city": "Paris"}', True),
+])
+def test_arguments_are_an_object_of_the_keys_their_schema_lists(default_tokenizer_dir, parameters: dict,
+                                                                 arguments: str, taken: bool) -> None:
+    """A schema that lists its properties and says nothing of others (as most tools' do) gets no
+    others, as vLLM's xgrammar and llama.cpp hold calls: a small model padded its arguments with
+    keys of its own (the tool's description, its type...) until max_tokens cut them. Arguments are
+    an object even where the schema names no type (the parsers read nothing else)."""
+    assert takes_call(default_tokenizer_dir, parameters, arguments) is taken

@@ -32,6 +32,69 @@ JSON_LAYOUT: llguidance.JsonCompileOptions = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Keywords whose value is a schema, a map of names to schemas, or a list of schemas.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+              "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_OTHERS_SAID = ("additionalProperties", "unevaluatedProperties", "patternProperties", "allOf", "$ref")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object schema that lists
+    ``properties`` (every ``required`` one among them, at least ``minProperties`` of them) and says
+    nothing of others, as vLLM's default backend (xgrammar) and llama.cpp read a schema: a model
+    is not free to add keys of its own. Parts an ``allOf`` (or a ``$ref`` beside ``properties``)
+    combines stay open, since closing one would refuse the others' keys. The input is not changed."""
+    combined: set[str] = set()
+    _collect_combined_refs(schema, combined)
+    return _close(schema, "#", combined, closable=True)
+
+
+def _collect_combined_refs(node: Any, refs: set[str]) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _collect_combined_refs(item, refs)
+        return
+    if not isinstance(node, dict):
+        return
+    members = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+    if "properties" in node:
+        members = [*members, node]
+    refs.update(m["$ref"] for m in members if isinstance(m, dict) and isinstance(m.get("$ref"), str))
+    for value in node.values():
+        _collect_combined_refs(value, refs)
+
+
+def _close(node: Any, pointer: str, combined: set[str], closable: bool) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SUBSCHEMA:
+        if isinstance(node.get(key), dict):
+            out[key] = _close(node[key], f"{pointer}/{key}", combined, True)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: _close(sub, f"{pointer}/{key}/{_escape(name)}", combined, True)
+                        for name, sub in node[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out[key] = [_close(sub, f"{pointer}/{key}/{i}", combined, key != "allOf")
+                        for i, sub in enumerate(node[key])]
+    properties, required = node.get("properties"), node.get("required", [])
+    if (closable and pointer not in combined and isinstance(properties, dict)
+            and not any(key in node for key in _OTHERS_SAID)
+            and isinstance(required, list) and all(name in properties for name in required)
+            and node.get("minProperties", 0) <= len(properties)):
+        out["additionalProperties"] = False
+    return out
+
+
+def _escape(name: str) -> str:
+    """``name`` as a JSON-pointer segment."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
 class GrammarError(ValueError):
     """A constrained request's matcher refused the token it was given; ends only that request."""
 
@@ -65,7 +128,8 @@ class GrammarCompiler:
     def _build(self, structured: StructuredOutput) -> LLMatcher:
         try:
             if structured.kind == "json_schema":
-                grammar = LLMatcher.grammar_from_json_schema(structured.spec, defaults=JSON_LAYOUT)
+                schema = closed_objects(json.loads(structured.spec))
+                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             else:
                 grammar = llguidance.grammar_from(structured.kind, structured.spec)
         except (ValueError, TypeError) as exc:
@@ -78,6 +142,9 @@ class GrammarCompiler:
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"unsupported or invalid {structured.kind}: {matcher.get_error()}")
+        matcher.compute_bitmask()  # one that no text matches (an empty class) fails only here
+        if matcher.is_error():
+            raise ValueError(f"invalid {structured.kind}: no text matches it")
         return matcher
 
     def _after_thinking(self, grammar: str, think: ThinkBlock) -> str:

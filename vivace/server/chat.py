@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator
 import dataclasses
+import json
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -156,7 +157,11 @@ async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: 
                                 "set tool_choice to \"none\" or drop it", param="tool_choice")
         for i, tool in enumerate(body.tools):
             param = f"tools.{i}.function.parameters"
-            await check_compiles(engine, param, json_schema(parameters_schema(tool), param))
+            schema = parameters_schema(tool)
+            if schema["type"] not in ("object", ["object"]):  # arguments are an object, as OpenAI demands
+                raise APIError(400, f"{param}: a function's parameters must be a JSON schema of type "
+                                    f"\"object\", not {json.dumps(schema['type'])}", param=param, code="invalid_value")
+            await check_compiles(engine, param, json_schema(schema, param))
         param, grammar = "tools", form.grammar(body.tools, choice, body.parallel_tool_calls)
     await check_compiles(engine, param, grammar)
     if thinking is not None:

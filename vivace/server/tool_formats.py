@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vivace.engine.grammar import JSON_LAYOUT
+from vivace.engine.grammar import JSON_LAYOUT, closed_objects
 from vivace.engine.sampling_params import StructuredOutput
 from vivace.server.protocol import Tool
 from vivace.server.tool_parser import CALL_CLOSE, CALL_OPEN, CallParser, CallSyntax, ToolCallParser
@@ -79,11 +79,12 @@ def _sequence(*parts: Part) -> str:
 
 
 def parameters_schema(tool: Tool) -> dict[str, Any]:
-    return tool.function.parameters or _EMPTY_PARAMETERS
+    """The schema of ``tool``'s arguments, an object's: one that names no type is given it."""
+    return {"type": "object", **(tool.function.parameters or _EMPTY_PARAMETERS)}
 
 
 def _schema(schema: dict[str, Any]) -> str:
-    return json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    return json.dumps({**closed_objects(schema), "x-guidance": JSON_LAYOUT})
 
 
 def _objects_rules(tools: list[Tool], arguments_key: str) -> list[str]:
