@@ -46,6 +46,18 @@ def test_the_nucleus_is_the_one_a_full_sort_gives(scale: float, top_p: float):
     assert torch.isfinite(masked).nonzero().flatten().tolist() == want
 
 
+def test_ties_at_a_cut_stay_and_draws_keep_to_the_kept_tokens():
+    logits = torch.tensor([3.0, 1.0, 2.0, 2.0, 2.0, 0.5])  # three tokens tie for second place
+    kept = lambda out: torch.isfinite(out).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(filter_logits(logits, 2, 1.0, 0.0)) == [0, 2, 3, 4]
+    assert kept(filter_logits(logits, 0, 0.5, 0.0)) == [0, 2, 3, 4]  # the nucleus cut falls among the ties
+    sampler = Sampler(eos_token_ids=(9,))
+    for params in (dict(top_k=2), dict(top_p=0.5), dict(min_p=0.3), dict(top_k=3, min_p=0.3, top_p=0.7)):
+        allowed = Sampler.probabilities(logits, SamplingParams(temperature=1.0, **params)) > 0
+        drawn = {sampler(logits[None].clone(), [request(temperature=1.0, **params)]).token_ids[0] for _ in range(60)}
+        assert all(allowed[t] for t in drawn) and len(drawn) > 1, params
+
+
 def test_penalties_follow_their_definitions():
     sampler = Sampler(eos_token_ids=(0,))
     logits = torch.tensor([[1.0, 2.0, -1.0, 3.0, 0.5, 0.0, 0.0]])
