@@ -125,72 +125,78 @@ def mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_token_id
             logits[row].index_fill_(0, request.min_tokens_banned, float("-inf"))
 
 
-def kept_tokens(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The ids and values of the tokens the top-k / min-p / top-p filters keep in ``logits`` (one
-    row), ids ascending; None when they keep every token. Each filter keeps the values down to a
-    cut (ties at the cut too), as ``vivace.gpu.sampler.filter_scores`` does for a batch, and each
-    works on the candidates the one before it left: after a top-k only on those k values, and
-    without one on the row's largest values only (see ``nucleus``). No pass over the row writes a
-    row-sized mask (``masked_fill`` costs ~3 ns a token on a CPU: ~0.8 ms at 262,144)."""
-    vocab = logits.shape[-1]
-    ids = values = None  # None: every token so far
-    if 0 < top_k < vocab:
-        values, ids = logits.topk(min(top_k + 1, vocab))
-        if values[top_k] < values[top_k - 1]:
-            values, ids = values[:top_k], ids[:top_k]
-        else:  # a tie at the k-th value: every token that equals it stays
-            ids = torch.nonzero(logits >= values[top_k - 1]).flatten()
-            values, order = logits[ids].sort(descending=True)
-            ids = ids[order]
-    if min_p > 0:
-        top = logits.max() if values is None else values[0]
-        floor = top + math.log(min_p)  # p / p_max >= min_p, in logits
-        if values is None:
-            ids = torch.nonzero(logits >= floor).flatten()
-            values, order = logits[ids].sort(descending=True)
-            ids = ids[order]
-        else:
-            kept = int((values >= floor).sum())
-            values, ids = values[:kept], ids[:kept]
-    if top_p < 1.0:
-        if values is None:
-            values, ids = nucleus(logits, top_p)
-        else:
-            probs = values.softmax(-1)
-            inside = max(int(((probs.cumsum(-1) - probs) < top_p).sum()), 1)
-            values, ids = values[:inside], ids[:inside]
-    if ids is None:
-        return None
-    ids, order = ids.sort()
-    return ids, values[order]
-
-
-# How many of a row's largest values the top-p nucleus is first looked for in, and the factor it
-# grows by when they hold less than top_p. A model's distribution is usually peaked (a top_p of
-# 0.9 at temperature 1 keeps tens of tokens), and topk of 64 over 128k values costs ~0.1 ms where
-# sorting the row costs ~10 ms.
+# How many of a row's largest values a filter first looks at, and the factor that grows by when
+# they are not enough. A model's distribution is usually peaked (a top_p of 0.9 at temperature 1
+# keeps tens of tokens), and topk of 64 over 128k values costs ~0.1 ms where sorting the row
+# costs ~10 ms.
 NUCLEUS_FIRST, NUCLEUS_GROWTH = 64, 8
 
 
-def nucleus(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values (descending) and ids of the top-p nucleus of ``logits`` (one row): the largest
-    values while the probability before them is below ``top_p`` (so the one that crosses it too),
-    and always the largest; every token equal to the last one kept too."""
+class Largest:
+    """The largest values of one row, descending, with their ids: a prefix found by topk (or
+    given: a batch's topk), grown when a filter asks for more; past an eighth of the row, the
+    whole row sorted."""
+
+    def __init__(self, row: torch.Tensor, values: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                 log_total: torch.Tensor | None = None) -> None:
+        self.row, self.values, self.ids, self._log_total = row, values, ids, log_total
+
+    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab = self.row.shape[-1]
+        if self.values is None or len(self.values) < min(n, vocab):
+            k = vocab if n * NUCLEUS_GROWTH > vocab else n
+            self.values, self.ids = self.row.topk(k)
+        return self.values[:n], self.ids[:n]
+
+    def count_at_least(self, floor: torch.Tensor, limit: int) -> int:
+        """How many of the first ``limit`` values are ``floor`` or more."""
+        n = NUCLEUS_FIRST
+        while True:
+            values, _ = self.first(min(n, limit))
+            if len(values) == limit or values[-1] < floor:
+                return int((values >= floor).sum())
+            n *= NUCLEUS_GROWTH
+
+    def log_total(self) -> torch.Tensor:
+        if self._log_total is None:
+            self._log_total = torch.logsumexp(self.row, -1)
+        return self._log_total
+
+
+def kept_tokens(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
+                largest: Largest | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ids (ascending) and values of the tokens the top-k / min-p / top-p filters keep in
+    ``logits`` (one row; ``largest`` its :class:`Largest` if the caller has one); None when they
+    keep every token. Each filter keeps the row's values down to a cut, ties at the cut too, as
+    ``vivace.gpu.sampler.filter_scores`` does for a batch, and looks only as far down the row as
+    its cut: no filter sorts the row or writes a row-sized mask (``masked_fill`` costs ~3 ns a
+    token on a CPU, ~0.8 ms at 262,144) unless it keeps most of it."""
     vocab = logits.shape[-1]
-    log_total = torch.logsumexp(logits, -1)
-    k = NUCLEUS_FIRST
-    while True:
-        k = vocab if k * NUCLEUS_GROWTH > vocab else k  # past an eighth of the row: sort it all
-        values, ids = logits.topk(k)
-        probs = (values - log_total).exp()
-        inside = max(int(((probs.cumsum(-1) - probs) < top_p).sum()), 1)
-        if inside < k and values[inside] < values[inside - 1]:
-            return values[:inside], ids[:inside]
-        if k == vocab:  # the nucleus is the row, or ties at its cut
-            ids = torch.nonzero(logits >= values[inside - 1]).flatten()
-            values, order = logits[ids].sort(descending=True)
-            return values, ids[order]
-        k *= NUCLEUS_GROWTH
+    largest = largest or Largest(logits)
+    count = top_k if 0 < top_k < vocab else vocab  # kept: the first `count` largest values
+    if min_p > 0:
+        floor = largest.first(1)[0][0] + math.log(min_p)  # p / p_max >= min_p, in logits
+        count = largest.count_at_least(floor, count)
+    if top_p < 1.0:
+        log_total = largest.log_total() if count == vocab else torch.logsumexp(largest.first(count)[0], -1)
+        n = NUCLEUS_FIRST
+        while True:
+            values, _ = largest.first(min(n, count))
+            probs = (values - log_total).exp()
+            inside = max(int(((probs.cumsum(-1) - probs) < top_p).sum()), 1)
+            if inside < len(values) or len(values) == count:
+                count = inside
+                break
+            n *= NUCLEUS_GROWTH
+    if count == vocab:
+        return None
+    values, ids = largest.first(count + 1)
+    if values[count] == values[count - 1]:  # a tie at the cut: every token equal to it stays
+        ids = torch.nonzero(logits >= values[count - 1]).flatten()
+    else:
+        ids = ids[:count]
+    ids = ids.sort().values
+    return ids, logits[ids]
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -225,9 +231,10 @@ class Sampler:
         mask_stop_tokens(logits, requests, self.eos_token_ids)
         # The argmax only where a row is greedy (~50 us over a 49,152-token row on a CPU).
         token_ids = logits.argmax(-1).tolist() if any(r.params.greedy for r in requests) else [0] * len(requests)
-        for row, request in enumerate(requests):
-            if not request.params.greedy:
-                token_ids[row] = self._draw(logits[row], request)
+        drawn = [row for row, request in enumerate(requests) if not request.params.greedy]
+        if drawn:
+            for row, token_id in zip(drawn, self._draw_rows(logits, [requests[row] for row in drawn], drawn)):
+                token_ids[row] = token_id
         return self._with_logprobs(logits, requests, token_ids)
 
     def verify(self, logits: torch.Tensor, request: Request, proposal: list[int]) -> SampledTokens:
@@ -260,16 +267,30 @@ class Sampler:
         ids, values = kept
         return torch.zeros_like(scaled).index_copy_(0, ids, values.softmax(-1))
 
-    def _draw(self, logits: torch.Tensor, request: Request) -> int:
-        """A token from :meth:`probabilities`, drawn among the kept tokens only (in vocabulary
-        order: the token a full row's draw would give for the same uniform number)."""
-        params, generator = request.params, request.generator or self.generator
-        scaled = saturate(logits / params.temperature)
-        kept = kept_tokens(scaled, params.top_k, params.top_p, params.min_p)
-        if kept is None:
-            return draw(scaled.softmax(-1), generator)
-        ids, values = kept
-        return int(ids[draw(values.softmax(-1), generator)])
+    def _draw_rows(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> list[int]:
+        """A token from each of ``rows`` by :meth:`probabilities`, drawn among the kept tokens only
+        (in vocabulary order: the token a whole row's draw gives for the same uniform number).
+        What costs a pass over the vocabulary is done for the rows at once: temperature, the
+        largest values the filters look at first, the normalizer."""
+        vocab = logits.shape[-1]
+        params = [request.params for request in requests]
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        scaled = saturate(logits[rows] / temperature)
+        first = max(min(p.top_k + 1, vocab) if 0 < p.top_k < vocab else NUCLEUS_FIRST if p.top_p < 1.0 or p.min_p > 0
+                    else 0 for p in params)
+        values, ids = scaled.topk(min(first, vocab)) if first else (None, None)
+        log_totals = torch.logsumexp(scaled, -1) if any(p.top_p < 1.0 and p.top_k <= 0 for p in params) else None
+        tokens = []
+        for i, (request, p) in enumerate(zip(requests, params)):
+            largest = Largest(scaled[i], None if values is None else values[i], None if ids is None else ids[i],
+                              None if log_totals is None else log_totals[i])
+            kept = kept_tokens(scaled[i], p.top_k, p.top_p, p.min_p, largest)
+            generator = request.generator or self.generator
+            if kept is None:
+                tokens.append(draw(scaled[i].softmax(-1), generator))
+            else:
+                tokens.append(int(kept[0][draw(kept[1].softmax(-1), generator)]))
+        return tokens
 
     def _with_logprobs(self, logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> SampledTokens:
         wanted = [r.params.logprobs for r in requests]
