@@ -317,13 +317,19 @@ ANSWERS = [({"type": "object", "properties": {"city": {"type": "string"}}, "requ
            ({"type": "object"}, {"name": "get_time"}), ({"type": "array", "items": {"type": "string"}}, ["Paris"])]
 
 
-@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS, GRANITE], **FORM_IDS)
+@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS, GRANITE, "qwen"],
+                         ids=lambda f: f if isinstance(f, str) else f.label)
 def test_auto_with_an_answer_schema_takes_calls_or_that_answer_and_nothing_else(default_tokenizer_dir,
-                                                                                form: ToolFormat) -> None:
+                                                                                form: ToolFormat | str) -> None:
     """tools with a response_format: the output is the form's calls from its first token, or the
     answer in the schema (as ``json.dumps`` writes it), even one that begins as the calls do; free
-    text, or text before a call, is neither."""
+    text, or text before a call, is neither. "qwen": Hermes calls whose markers are added tokens."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    if form == "qwen":
+        tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+        tokenizer.chat_template = "{{ tools }}<tool_call>"
+        form = load_tool_format("auto", tokenizer)
+        assert form.specials
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     forced = form.grammar(TOOLS, "required", parallel=True)
     assert form.grammar(TOOLS, "required", parallel=True, answer=forced) == forced  # a forced choice wins

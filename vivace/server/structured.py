@@ -88,7 +88,8 @@ def _spaced(structured: StructuredOutput, pattern: str) -> StructuredOutput:
     """JSON ``structured`` with ``pattern`` between its tokens (the schema's own options win)."""
     schema = json.loads(structured.spec)
     layout = {"item_separator": ",", "key_separator": ":", "whitespace_pattern": pattern}
-    return StructuredOutput("json_schema", json.dumps({**schema, "x-guidance": {**layout, **schema.get("x-guidance", {})}}))
+    options = {**layout, **schema.get("x-guidance", {})}
+    return StructuredOutput("json_schema", json.dumps({**schema, "x-guidance": options}))
 
 
 def structured_output(body: SamplingRequest) -> tuple[str, StructuredOutput] | None:
