@@ -156,6 +156,25 @@ def test_tool_round_trip_is_accepted_and_none_means_text(server: RunningServer) 
     assert plain.choices[0].message.tool_calls is None
 
 
+def test_history_calls_as_agent_frameworks_send_them_back_are_accepted(server: RunningServer) -> None:
+    """What vLLM takes in a call sent back: ``arguments`` as the object (LangChain), text that is no
+    JSON object (a call max_tokens cut), the ``index`` of calls assembled from a stream's deltas; and
+    a Responses API ``function_call`` item's arguments as the object."""
+    client = server.client()
+    for arguments, extra in (({"unit": "c", "days": 1}, {}), ('{"unit": "c", "da', {}), ('{"unit": "c", "days": 1}', {"index": 0})):
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}, **extra}
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+        answer = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=3)
+        assert answer.choices[0].finish_reason in {"stop", "length", "tool_calls"}
+    response = client.responses.create(model="tiny", max_output_tokens=3, tools=[{
+        "type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}], input=[
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": {"unit": "c", "days": 1}},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21"}])
+    assert response.status in {"completed", "incomplete"}
+
+
 class Weather(BaseModel):
     unit: Literal["c", "f"]
     days: Literal[1, 2, 3]

@@ -187,6 +187,9 @@ class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    # A streamed call's position, which clients that assemble calls from a stream's deltas send
+    # back (vLLM takes it); the list's order is the calls' own.
+    index: int | None = None
 
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
