@@ -92,7 +92,7 @@ def _spaced(structured: StructuredOutput, pattern: str) -> StructuredOutput:
     return StructuredOutput("json_schema", json.dumps({**schema, "x-guidance": options}))
 
 
-def structured_output(body: SamplingRequest) -> tuple[str, StructuredOutput] | None:
+def _structured_output(body: SamplingRequest) -> tuple[str, StructuredOutput] | None:
     """The one constraint ``body`` asks for, with the field that asked; None when none does."""
     found = _requested(body)
     if len(found) > 1:
@@ -132,7 +132,7 @@ async def checked_output(engine: AsyncEngine, body: SamplingRequest) -> tuple[st
     whitespace = _whitespace_pattern(body)
     if whitespace is not None:
         await check_compiles(engine, whitespace[0], StructuredOutput("regex", whitespace[1]))
-    found = structured_output(body)
+    found = _structured_output(body)
     if found is not None:
         await check_compiles(engine, *found)
     return found

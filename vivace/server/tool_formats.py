@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
