@@ -155,6 +155,14 @@ def test_structured_output_applies_after_the_thinking(server: RunningServer) -> 
     message = _chat(server, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
                     ).choices[0].message
     assert message.model_extra["reasoning"] == THOUGHT and json.loads(message.content) == {"city": "Paris"}
+    # with tools, "auto": after the free thinking, the schema's answer or a call (the model wants "Paris")
+    choice = _chat(server, tools=[WEATHER], max_tokens=60, response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": schema}}).choices[0]
+    assert choice.message.model_extra["reasoning"] == THOUGHT
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    else:
+        assert choice.finish_reason == "stop" and json.loads(choice.message.content) == {"city": "Paris"}
 
 
 def test_a_thought_cut_by_max_tokens_has_no_content(server: RunningServer) -> None:

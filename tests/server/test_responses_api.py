@@ -199,8 +199,6 @@ def test_named_function_and_json_schema_output(server: RunningServer) -> None:
     ({"input": [{"type": "item_reference", "id": "rs_1"}]}, "input.0"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"}]},
      "input.0.encrypted_content"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
-     "input.0.arguments"),
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"tools": [{**WEATHER, "parameters": {"type": "nonsense"}}]}, "tools.0.parameters"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice.name"),

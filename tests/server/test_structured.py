@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 
 from typing import Literal
 
@@ -155,6 +156,25 @@ def test_tool_round_trip_is_accepted_and_none_means_text(server: RunningServer) 
     assert plain.choices[0].message.tool_calls is None
 
 
+def test_history_calls_as_agent_frameworks_send_them_back_are_accepted(server: RunningServer) -> None:
+    """What vLLM takes in a call sent back: ``arguments`` as the object (LangChain), text that is no
+    JSON object (a call max_tokens cut), the ``index`` of calls assembled from a stream's deltas; and
+    a Responses API ``function_call`` item's arguments as the object."""
+    client = server.client()
+    for arguments, extra in (({"unit": "c", "days": 1}, {}), ('{"unit": "c", "da', {}), ('{"unit": "c", "days": 1}', {"index": 0})):
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}, **extra}
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+        answer = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=3)
+        assert answer.choices[0].finish_reason in {"stop", "length", "tool_calls"}
+    response = client.responses.create(model="tiny", max_output_tokens=3, tools=[{
+        "type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}], input=[
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": {"unit": "c", "days": 1}},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21"}])
+    assert response.status in {"completed", "incomplete"}
+
+
 class Weather(BaseModel):
     unit: Literal["c", "f"]
     days: Literal[1, 2, 3]
@@ -197,10 +217,12 @@ BAD = [
     # arguments are an object: a string schema let the model write a call its parser misread
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
      "tools.0.function.parameters"),
-    (dict(tools=[WEATHER], response_format={"type": "json_object"}), "tool_choice"),
+    # the answer's schema is checked whichever tool choice wins
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}), "response_format.json_schema.schema"),
     (dict(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]), "messages.0.tool_call_id"),
-    (dict(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "f", "arguments": "[1]"}}]}]), "messages.0.tool_calls.0.function.arguments"),
+    (dict(structured_outputs={"json_object": True, "whitespace_pattern": "(unclosed"}),
+     "structured_outputs.whitespace_pattern"),
 ]
 
 
@@ -211,3 +233,103 @@ def test_bad_constraints_are_400s_naming_the_field(server: RunningServer, change
         response = http.post("/v1/chat/completions", json=body)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param, response.text
+
+
+def _outcome(message, finish_reason: str) -> str:
+    """"answer" when ``message`` is SCHEMA's JSON, "call" when it is valid tool calls; else fails."""
+    if message.tool_calls:
+        assert finish_reason == "tool_calls" and message.content is None, message
+        for call in message.tool_calls:
+            tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        return "call"
+    assert finish_reason == "stop", message
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+    return "answer"
+
+
+def _streamed(client: openai.OpenAI, **request: object):
+    """The whole message a stream assembles, and its finish reason."""
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for c in chunk.choices:
+            reason = c.finish_reason or reason
+            content += c.delta.content or ""
+            for delta in c.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": delta.id, "type": "function",
+                                                      "function": {"name": delta.function.name, "arguments": ""}})
+                call["function"]["arguments"] += delta.function.arguments or ""
+    message = openai.types.chat.ChatCompletionMessage.model_validate(
+        {"role": "assistant", "content": content or None, "tool_calls": list(calls.values()) or None})
+    return message, reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tools_with_a_response_format_answer_in_the_schema_or_call_them(server: RunningServer, stream: bool) -> None:
+    """What an agent with tools and an output type sends (the openai-agents SDK, LangChain): with
+    "auto" the answer is either the schema's JSON or tool calls, whichever the model begins;
+    "required" makes calls, "none" answers in the schema."""
+    client = server.client()
+    form = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    common = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], response_format=form, max_tokens=120)
+    seen = set()
+    for seed in range(8):
+        request = dict(common, temperature=1.0, seed=seed)
+        if stream:
+            seen.add(_outcome(*_streamed(client, **request)))
+        else:
+            choice = client.chat.completions.create(**request).choices[0]
+            seen.add(_outcome(choice.message, choice.finish_reason))
+    assert seen == {"answer", "call"}  # the random model takes both ways
+    for choice, outcome in (("required", "call"), ("none", "answer")):
+        answer = client.chat.completions.create(**common, tool_choice=choice, temperature=0).choices[0]
+        assert _outcome(answer.message, answer.finish_reason) == outcome
+
+
+def test_tools_with_a_text_format_in_the_responses_and_messages_apis(server: RunningServer) -> None:
+    client = server.client()
+    tool = {"type": "function", "name": "get_time", "parameters": TIME["function"]["parameters"]}
+    outcomes = set()
+    for seed in range(6):
+        response = client.responses.create(model="tiny", input=ASK[0]["content"], tools=[tool], max_output_tokens=120,
+                                           temperature=1.0, extra_body={"seed": seed}, text={"format": {
+                                               "type": "json_schema", "name": "thing", "schema": SCHEMA}})
+        if response.output[0].type == "function_call":
+            jsonschema.validate(json.loads(response.output[0].arguments), TIME["function"]["parameters"])
+            outcomes.add("call")
+        else:
+            jsonschema.validate(json.loads(response.output_text), SCHEMA)
+            outcomes.add("answer")
+    assert outcomes == {"answer", "call"}
+    with server.http() as http:
+        message = http.post("/v1/messages", json={
+            "model": "tiny", "max_tokens": 120, "messages": [{"role": "user", "content": ASK[0]["content"]}],
+            "tools": [{"name": "get_time", "input_schema": TIME["function"]["parameters"]}],
+            "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+    assert message.status_code == 200, message.text
+    blocks = message.json()["content"]
+    if blocks[0]["type"] == "tool_use":
+        jsonschema.validate(blocks[0]["input"], TIME["function"]["parameters"])
+    else:
+        jsonschema.validate(json.loads(blocks[0]["text"]), SCHEMA)
+
+
+def test_vllm_structured_output_options_are_taken(server: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's options beside a constraint: ``disable_any_whitespace`` / ``disable_additional_properties``
+    (what vivace does anyway), a whitespace pattern JSON then takes between its tokens, and
+    ``guided_decoding_backend`` (another backend than llguidance is a warning, as in vLLM V1)."""
+    client = server.client()
+    compact = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, extra_body={
+        "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True, "disable_additional_properties": True}})
+    jsonschema.validate(json.loads(compact.choices[0].message.content), SCHEMA)
+    assert compact.choices[0].message.content == json.dumps(json.loads(compact.choices[0].message.content))
+    backend = f"xgrammar:{uuid.uuid4().hex}"  # vLLM V0's "name:options", new to the server's log
+    spaced = {"guided_json": SCHEMA, "guided_whitespace_pattern": "\n {0,2}", "guided_decoding_backend": backend}
+    seen = set()
+    for seed in range(4):
+        text = client.completions.create(model="tiny", prompt="Thing:", max_tokens=80, temperature=1.0, seed=seed,
+                                         extra_body=spaced).choices[0].text
+        jsonschema.validate(json.loads(text), SCHEMA)
+        seen.add(text == json.dumps(json.loads(text), separators=(",", ":")))
+    assert False in seen  # the random model took some of the whitespace the pattern gave it
+    assert f"guided_decoding_backend {backend!r} ignored" in caplog.text

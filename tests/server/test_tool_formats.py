@@ -16,7 +16,7 @@ from vivace.cli import main
 from vivace.engine.async_engine import AsyncEngine
 from vivace.engine.grammar import GrammarCompiler
 from vivace.engine.outputs import FinishReason
-from vivace.engine.sampling_params import SamplingParams
+from vivace.engine.sampling_params import SamplingParams, StructuredOutput
 from vivace.server.protocol import ChatTemplateRequest, Tool
 from vivace.server.tool_formats import HERMES, ToolFormat, detect, load_tool_format
 from vivace.server.tool_parser import ParsedCall, parse_tool_calls
@@ -309,3 +309,41 @@ def test_arguments_are_an_object_of_the_keys_their_schema_lists(default_tokenize
     keys of its own (the tool's description, its type...) until max_tokens cut them. Arguments are
     an object even where the schema names no type (the parsers read nothing else)."""
     assert takes_call(default_tokenizer_dir, parameters, arguments) is taken
+
+
+# Answers (their schema and one of them) that begin as some form's calls do: an object, one whose
+# first key is llama3_json's "name", an array (mistral's and granite's calls are in one).
+ANSWERS = [({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, {"city": "Paris"}),
+           ({"type": "object"}, {"name": "get_time"}), ({"type": "array", "items": {"type": "string"}}, ["Paris"])]
+
+
+@pytest.mark.parametrize("form", [HERMES, LLAMA, MISTRAL, MISTRAL_ARGS, GRANITE, "qwen"],
+                         ids=lambda f: f if isinstance(f, str) else f.label)
+def test_auto_with_an_answer_schema_takes_calls_or_that_answer_and_nothing_else(default_tokenizer_dir,
+                                                                                form: ToolFormat | str) -> None:
+    """tools with a response_format: the output is the form's calls from its first token, or the
+    answer in the schema (as ``json.dumps`` writes it), even one that begins as the calls do; free
+    text, or text before a call, is neither. "qwen": Hermes calls whose markers are added tokens."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    if form == "qwen":
+        tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+        tokenizer.chat_template = "{{ tools }}<tool_call>"
+        form = load_tool_format("auto", tokenizer)
+        assert form.specials
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    forced = form.grammar(TOOLS, "required", parallel=True)
+    assert form.grammar(TOOLS, "required", parallel=True, answer=forced) == forced  # a forced choice wins
+    call = form.write([("get_time", TIME)])
+    for schema, answer in ANSWERS:
+        grammar = form.grammar(TOOLS, "auto", parallel=True, answer=StructuredOutput("json_schema", json.dumps(schema)))
+
+        def takes(text: str) -> bool:
+            matcher = compiler.compile(grammar)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+        assert takes(call) and takes(json.dumps(answer)), (schema, answer)
+        # A call that is an answer too (llama3_json's beside any object) ends the output: one call at most.
+        two = form.write([("get_time", TIME), ("get_weather", {"unit": "c", "days": 2})])
+        assert takes(two) != (form is LLAMA and schema == {"type": "object"})
+        assert not takes("Paris") and not takes("Let me check. " + call) and not takes(json.dumps(answer) + call)

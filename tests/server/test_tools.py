@@ -4,6 +4,8 @@ the word), and the text of a message sent in parts (joined by newlines, as vLLM 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import transformers
 
@@ -99,3 +101,25 @@ def test_a_template_that_cannot_compute_with_a_message_is_a_400(tokenizer) -> No
         _prompt(tokenizer, messages=ASK)
     assert refused.value.status == 400 and refused.value.param == "messages"
     assert "could not render the messages" in str(refused.value)
+
+
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                                            "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}{{ tools }}"])
+def test_history_arguments_sent_as_an_object_render_as_the_same_text(tokenizer, template: str | None) -> None:
+    """LangChain and other clients send a call's ``arguments`` back as an object, which vLLM takes:
+    it renders as its JSON text does, in vivace's convention and in a template that takes tools;
+    text that is no JSON object (a call max_tokens cut) is kept as it was written."""
+    if template is not None:
+        tokenizer.chat_template = template
+
+    def prompt(arguments: object) -> str:
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return _prompt(tokenizer, tools=[WEATHER], messages=[
+            *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21"}])
+
+    assert prompt({"city": "Paris"}) == prompt('{"city": "Paris"}')
+    written = '{"city": "Paris"}' if template else '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    assert written in prompt({"city": "Paris"})
+    cut = '{"city": "Par'
+    assert (cut if template is None else json.dumps(cut)) in prompt(cut)

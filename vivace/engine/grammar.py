@@ -126,14 +126,9 @@ class GrammarCompiler:
         return self._template(structured).deep_copy()
 
     def _build(self, structured: StructuredOutput) -> LLMatcher:
-        try:
-            if structured.kind == "json_schema":
-                schema = closed_objects(json.loads(structured.spec))
-                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
-            else:
-                grammar = llguidance.grammar_from(structured.kind, structured.spec)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"invalid {structured.kind}: {exc}") from None
+        grammar = _grammar_of(structured)
+        if structured.alternative is not None:
+            grammar = _either(grammar, _grammar_of(structured.alternative))
         if structured.after_thinking is not None:
             grammar = self._after_thinking(grammar, structured.after_thinking)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
@@ -158,17 +153,35 @@ class GrammarCompiler:
         lazy = "" if tags[1].startswith("<[") else "[lazy]"  # a special token can't end a lazy lexeme
         lark = "\n".join([f"start: {head} /\\n{{0,2}}/ @answer", f"thought{lazy}: THOUGHT {tags[1]}",
                           "THOUGHT: /(.|\\n)*/"])
-        return json.dumps({"grammars": [{"lark_grammar": lark}, {**_single_grammar(grammar), "name": "answer"}]})
+        return json.dumps({"grammars": [{"lark_grammar": lark}, *_named(grammar, "answer")]})
 
 
-def _single_grammar(grammar: str) -> dict[str, Any]:
-    """The one grammar of ``grammar``: a JSON top-level grammar, or Lark text."""
+def _grammar_of(structured: StructuredOutput) -> str:
+    """llguidance's top-level grammar of ``structured``'s own spec (JSON as ``JSON_LAYOUT`` writes
+    it, objects closed). Raises ValueError naming what does not compile."""
     try:
-        top = json.loads(grammar)
+        if structured.kind == "json_schema":
+            schema = closed_objects(json.loads(structured.spec))
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        return llguidance.grammar_from(structured.kind, structured.spec)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"invalid {structured.kind}: {exc}") from None
+
+
+def _either(first: str, second: str) -> str:
+    """The top-level grammar of output that matches ``first`` or ``second`` (a choice at its start)."""
+    return json.dumps({"grammars": [{"lark_grammar": "start: @first | @second"},
+                                    *_named(first, "first"), *_named(second, "second")]})
+
+
+def _named(grammar: str, name: str) -> list[dict[str, Any]]:
+    """The grammars of ``grammar`` (a JSON top-level grammar, or Lark text), its start one named
+    ``name`` for another to reference as ``@name``."""
+    try:
+        grammars = json.loads(grammar)["grammars"]
     except json.JSONDecodeError:
-        return {"lark_grammar": grammar}
-    (single,) = top["grammars"]  # every kind compiles to one grammar
-    return single
+        grammars = [{"lark_grammar": grammar}]
+    return [{**grammars[0], "name": name}, *grammars[1:]]
 
 
 class TokenMasks:

@@ -24,12 +24,15 @@ class ThinkBlock:
 class StructuredOutput:
     """What a request's output must match. ``spec`` is text: a JSON schema (``json_schema``),
     a regular expression (``regex``), a JSON list of strings (``choice``), or a Lark or GBNF
-    grammar in llguidance's dialect (``grammar``). With ``after_thinking``, it constrains only
-    what follows that think block. ``vivace.engine.grammar`` compiles it."""
+    grammar in llguidance's dialect (``grammar``). With ``alternative``, the output matches
+    either this or that (an agent's tool calls or its answer in a schema); with
+    ``after_thinking``, it constrains only what follows that think block (the alternative's own
+    ``after_thinking`` is not read). ``vivace.engine.grammar`` compiles it."""
 
     kind: GrammarKind
     spec: str
     after_thinking: ThinkBlock | None = None
+    alternative: StructuredOutput | None = None
 
 # Temperatures below this sample greedily: dividing logits by less overflows float32 (as vLLM).
 SAMPLING_EPS = 1e-5

@@ -28,7 +28,7 @@ from vivace.server.responses import (
     ChatLogprobs, ChatTokenLogprob, DeltaMessage, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta,
     TopLogprob, Usage, prompt_logprobs_of, thought)
 from vivace.server.sse import sse_event, sse_response
-from vivace.server.structured import check_compiles, json_schema, structured_output
+from vivace.server.structured import check_compiles, checked_output, json_schema
 from vivace.server.tokens import token_bytes
 from vivace.server.tool_formats import ToolFormat, parameters_schema
 from vivace.server.tool_parser import CallParser, ParsedCall, ToolCallParser, parse_tool_calls
@@ -143,31 +143,36 @@ async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: s
 
 async def _constraint(engine: AsyncEngine, body: ChatCompletionRequest, choice: str, thinking: Thinking | None,
                       form: ToolFormat) -> StructuredOutput | None:
-    """The output's grammar: the tool-call grammar when tools may be called, else what
+    """The output's grammar: with tools that may be called, the tool-call grammar (with "auto" and
+    a ``response_format`` or vLLM extra, either calls from the first token or the answer it asks
+    for; with "required" or a named function, the calls alone, as vLLM's choice wins); else what
     ``response_format`` or vLLM's extras ask for; behind the thinking with a reasoning parser.
     Each part is checked to compile (400), on a worker thread."""
+    found = await checked_output(engine, body)  # a 400 when it doesn't compile, whichever choice wins
     if choice == "none" or not body.tools:
-        found = structured_output(body)
         if found is None:
             return None
         param, grammar = found
     else:
-        if structured_output(body) is not None:
-            raise APIError(400, "A structured-output constraint can't be combined with tool calls; "
-                                "set tool_choice to \"none\" or drop it", param="tool_choice")
-        for i, tool in enumerate(body.tools):
-            param = f"tools.{i}.function.parameters"
-            schema = parameters_schema(tool)
-            if schema["type"] not in ("object", ["object"]):  # arguments are an object, as OpenAI demands
-                raise APIError(400, f"{param}: a function's parameters must be a JSON schema of type "
-                                    f"\"object\", not {json.dumps(schema['type'])}", param=param, code="invalid_value")
-            await check_compiles(engine, param, json_schema(schema, param))
-        param, grammar = "tools", form.grammar(body.tools, choice, body.parallel_tool_calls)
+        await _check_parameters(engine, body)
+        param, grammar = "tools", form.grammar(body.tools, choice, body.parallel_tool_calls,
+                                               answer=None if found is None else found[1])
     await check_compiles(engine, param, grammar)
     if thinking is not None:
         grammar = thinking.constrained(grammar)
         await check_compiles(engine, param, grammar)
     return grammar
+
+
+async def _check_parameters(engine: AsyncEngine, body: ChatCompletionRequest) -> None:
+    """400 naming the tool whose ``parameters`` are not an object's schema or don't compile."""
+    for i, tool in enumerate(body.tools or []):
+        param = f"tools.{i}.function.parameters"
+        schema = parameters_schema(tool)
+        if schema["type"] not in ("object", ["object"]):  # arguments are an object, as OpenAI demands
+            raise APIError(400, f"{param}: a function's parameters must be a JSON schema of type "
+                                f"\"object\", not {json.dumps(schema['type'])}", param=param, code="invalid_value")
+        await check_compiles(engine, param, json_schema(schema, param))
 
 
 def chat_logprobs(job: EngineRequest, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:

@@ -96,7 +96,7 @@ def template_size(body: ChatTemplateRequest, choice: str) -> int:
     """About how many characters the chat template renders: the messages' text and their calls'
     arguments; tools going to the template count as many as make it worth a worker thread (their
     schemas' JSON: 1,000 tools held the event loop ~115 ms)."""
-    calls = sum(len(call.function.arguments) for m in body.messages for call in m.tool_calls or ())
+    calls = sum(len(call.function.arguments_text()) for m in body.messages for call in m.tool_calls or ())
     tools = OFF_LOOP_CHARS if body.tools and choice != "none" else 0
     return sum(len(m.text()) for m in body.messages) + calls + tools
 

@@ -8,6 +8,7 @@ These models are also the published contract: ``/openapi.json`` is generated fro
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, Self
 
@@ -144,13 +145,19 @@ class ResponseFormat(_Strict):
 
 
 class StructuredOutputs(_Strict):
-    """vLLM's ``structured_outputs``: exactly one of these constrains the output."""
+    """vLLM's ``structured_outputs``: at most one of its constraints (``json`` ... ``json_object``)
+    constrains the output, and its options shape JSON (``vivace.server.structured``)."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # JSON is compact unless a whitespace pattern is given and disable_any_whitespace is not true;
+    # objects that list their properties take no others (as xgrammar reads them), either way.
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
 
 
 class CacheControl(_Strict):
@@ -164,16 +171,25 @@ class CacheControl(_Strict):
 
 class FunctionCall(_Strict):
     name: str
-    arguments: str  # a JSON object, as text
+    # A JSON object as text (OpenAI's form); LangChain and other clients send the object itself,
+    # which vLLM accepts too.
+    arguments: str | dict[str, Any]
     # What the openai client's ``chat.completions.parse`` adds to a call it read, sent back with the
     # message: ``arguments`` read into the tool's model (ignored: the text is what was said).
     parsed_arguments: Any = None
+
+    def arguments_text(self) -> str:
+        """The arguments as text: an object as ``json.dumps`` writes it."""
+        return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments)
 
 
 class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    # A streamed call's position, which clients that assemble calls from a stream's deltas send
+    # back (vLLM takes it); the list's order is the calls' own.
+    index: int | None = None
 
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -290,6 +306,8 @@ class SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # vivace's is llguidance: another is a warning, as in vLLM V1
     # llama.cpp server's names: a GBNF grammar, a JSON schema
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None

@@ -17,6 +17,7 @@ template strips both when the turn is sent back, so nothing the model needs is l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -119,8 +120,8 @@ class Thinking:
     def constrained(self, structured: StructuredOutput) -> StructuredOutput:
         """``structured`` applied only once the think block (if the output has one) has ended,
         as vLLM applies grammars after the reasoning; the thinking itself stays free."""
-        return StructuredOutput(structured.kind, structured.spec,
-                                ThinkBlock(self.parser.open_id, self.parser.close_id, self.opened))
+        return dataclasses.replace(structured, after_thinking=ThinkBlock(self.parser.open_id, self.parser.close_id,
+                                                                         self.opened))
 
     def reasoning_tokens(self, token_ids: list[int], thought: bool) -> int:
         """Tokens of an output's think block (up to its ``</think>``, or all when it never closed)."""

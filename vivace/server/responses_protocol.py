@@ -10,7 +10,6 @@ stored: ``previous_response_id`` and ``conversation`` are refused."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator
@@ -70,7 +69,7 @@ class FunctionCallInput(_Strict):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str
-    arguments: str  # a JSON object, as text
+    arguments: str | dict[str, Any]  # a JSON object as text, or the object (as chat's history takes it)
     id: str | None = None
     status: ItemStatus | None = None
 
@@ -252,7 +251,7 @@ class ResponsesRequest(_Strict):
     def _messages(self) -> list[ChatMessage]:
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        for index, item in enumerate(items):
+        for item in items:
             if isinstance(item, ReasoningInput):  # the thinking that opens an assistant turn
                 messages.append(ChatMessage(role="assistant", content="", reasoning_content=item.text()))
             elif isinstance(item, InputMessage) and item.role == "assistant" and _thought_only(messages):
@@ -262,8 +261,7 @@ class ResponsesRequest(_Strict):
             elif isinstance(item, FunctionCallOutputInput):
                 messages.append(ChatMessage(role="tool", content=_text(item.output), tool_call_id=item.call_id))
             else:
-                call = ToolCall(id=item.call_id, function=FunctionCall(
-                    name=item.name, arguments=_object_text(item.arguments, f"input.{index}.arguments")))
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
                 if messages and messages[-1].role == "assistant":  # one turn: its text, then its calls
                     messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
                 else:
@@ -276,14 +274,4 @@ def _thought_only(messages: list[ChatMessage]) -> bool:
     last = messages[-1] if messages else None
     return (last is not None and last.role == "assistant" and last.reasoning_content is not None
             and not last.content and not last.tool_calls)
-
-
-def _object_text(arguments: str, param: str) -> str:
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise APIError(400, f"{param}: must be a JSON object, as text", param=param)
-    return arguments
 

@@ -2,12 +2,17 @@
 ``response_format``, vLLM's ``structured_outputs`` / ``guided_*`` extras and llama.cpp server's
 ``grammar`` / ``json_schema``. At most one of
 them may constrain a request; one that does not compile is a 400 naming its field, before
-anything reaches the engine."""
+anything reaches the engine. vLLM's whitespace pattern (``structured_outputs.whitespace_pattern``,
+``guided_whitespace_pattern``) lets JSON take that whitespace between its tokens, unless
+``disable_any_whitespace`` is set; ``guided_decoding_backend`` naming another backend than
+llguidance is a warning (vLLM V1 serves with one backend too)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vivace.engine.sampling_params import StructuredOutput
@@ -18,6 +23,8 @@ if TYPE_CHECKING:
     from vivace.engine.async_engine import AsyncEngine
 
 ANY_JSON_OBJECT = StructuredOutput("json_schema", '{"type": "object"}')
+OUR_BACKENDS = ("auto", "guidance", "llguidance")  # vLLM's names of llguidance, and its default
+logger = logging.getLogger("vivace.server")
 
 
 def json_schema(schema: dict[str, Any] | str, param: str) -> StructuredOutput:
@@ -65,14 +72,46 @@ def _requested(body: SamplingRequest) -> list[tuple[str, StructuredOutput]]:
     return found
 
 
-def structured_output(body: SamplingRequest) -> tuple[str, StructuredOutput] | None:
+def _whitespace_pattern(body: SamplingRequest) -> tuple[str, str] | None:
+    """(field, pattern) of the whitespace JSON may take between its tokens; None: none (compact)."""
+    extras = body.structured_outputs
+    if extras is not None and extras.disable_any_whitespace:
+        return None
+    if extras is not None and extras.whitespace_pattern is not None:
+        return "structured_outputs.whitespace_pattern", extras.whitespace_pattern
+    if body.guided_whitespace_pattern is not None:
+        return "guided_whitespace_pattern", body.guided_whitespace_pattern
+    return None
+
+
+def _spaced(structured: StructuredOutput, pattern: str) -> StructuredOutput:
+    """JSON ``structured`` with ``pattern`` between its tokens (the schema's own options win)."""
+    schema = json.loads(structured.spec)
+    layout = {"item_separator": ",", "key_separator": ":", "whitespace_pattern": pattern}
+    options = {**layout, **schema.get("x-guidance", {})}
+    return StructuredOutput("json_schema", json.dumps({**schema, "x-guidance": options}))
+
+
+def _structured_output(body: SamplingRequest) -> tuple[str, StructuredOutput] | None:
     """The one constraint ``body`` asks for, with the field that asked; None when none does."""
     found = _requested(body)
     if len(found) > 1:
         fields = ", ".join(param for param, _ in found)
         raise APIError(400, f"Only one structured-output constraint may be given; got {fields}",
                        param=found[1][0])
-    return found[0] if found else None
+    if not found:
+        return None
+    param, structured = found[0]
+    whitespace = _whitespace_pattern(body)
+    if whitespace is not None and structured.kind == "json_schema":
+        structured = _spaced(structured, whitespace[1])
+    return param, structured
+
+
+@functools.lru_cache(maxsize=16)
+def _warn_backend(name: str) -> None:
+    """Logs once per name: agents send theirs with every request."""
+    logger.warning("guided_decoding_backend %r ignored: vivace's structured output is llguidance's", name)
 
 
 async def check_compiles(engine: AsyncEngine, param: str, structured: StructuredOutput) -> None:
@@ -84,10 +123,22 @@ async def check_compiles(engine: AsyncEngine, param: str, structured: Structured
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
 
 
+async def checked_output(engine: AsyncEngine, body: SamplingRequest) -> tuple[str, StructuredOutput] | None:
+    """The constraint ``body`` asks for and the field that asked, checked to compile, its
+    whitespace pattern too (400 naming the field); None when none does."""
+    backend = body.guided_decoding_backend
+    if backend is not None and backend.split(":")[0] not in OUR_BACKENDS:  # vLLM V0 took "name:options"
+        _warn_backend(backend)
+    whitespace = _whitespace_pattern(body)
+    if whitespace is not None:
+        await check_compiles(engine, whitespace[0], StructuredOutput("regex", whitespace[1]))
+    found = _structured_output(body)
+    if found is not None:
+        await check_compiles(engine, *found)
+    return found
+
+
 async def requested_constraint(engine: AsyncEngine, body: SamplingRequest) -> StructuredOutput | None:
     """The compiled-and-checked constraint ``body`` asks for, or None."""
-    found = structured_output(body)
-    if found is None:
-        return None
-    await check_compiles(engine, *found)
-    return found[1]
+    found = await checked_output(engine, body)
+    return None if found is None else found[1]

@@ -20,8 +20,10 @@ grammar of any row for llguidance.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +78,12 @@ def _sequence(*parts: Part) -> str:
     if text:
         out.append(json.dumps(text))
     return " ".join(out)
+
+
+def _json_lexemes(text: str) -> str:
+    """Lark for ``text`` as JSON's lexemes: each quote and punctuation (with the space after it)
+    apart from the words between them."""
+    return " ".join(json.dumps(piece) for piece in re.findall(r'"|[{}\[\],:] ?|[^"{}\[\],:]+', text))
 
 
 def parameters_schema(tool: Tool) -> dict[str, Any]:
@@ -147,10 +155,22 @@ class ToolFormat:
         opener, close = self._marker(CALL_OPEN), self._marker(CALL_CLOSE)
         return opener, "\n", [Rule("call"), "\n", close], ["\n", opener, "\n"], "", _objects_rules(tools, "arguments")
 
-    def grammar(self, tools: list[Tool], choice: str, parallel: bool) -> StructuredOutput:
+    def grammar(self, tools: list[Tool], choice: str, parallel: bool,
+                answer: StructuredOutput | None = None) -> StructuredOutput:
         """The llguidance Lark grammar of the output for ``choice`` ("auto", "required" or a
         function name): free text or calls for "auto" (the calls begin at the first opener),
-        calls for "required" (one unless ``parallel``), exactly one call of a named function."""
+        calls for "required" (one unless ``parallel``), exactly one call of a named function.
+        With ``answer`` (what ``response_format`` asks for), "auto" is calls from the first token
+        or else that answer; the other choices make calls all the same, as vLLM's do."""
+        if answer is not None and choice == "auto":
+            return dataclasses.replace(self._grammar(tools, "required", parallel, split=True), alternative=answer)
+        return self._grammar(tools, choice, parallel, split=False)
+
+    def _grammar(self, tools: list[Tool], choice: str, parallel: bool, split: bool) -> StructuredOutput:
+        """``grammar``; ``split``: the opener's text in pieces as JSON's are lexed (``{``, ``"``,
+        ``name``...), since llguidance's lexer is greedy: beside an answer that begins as the
+        opener does (a JSON object, llama3_json's ``{"name": "``), one long lexeme would win and
+        cut the answer off at its first difference."""
         named = choice not in ("auto", "required")
         chosen = [t for t in tools if not named or t.function.name == choice]
         opener, lead, call, separator, close, rules = self._shape(chosen)
@@ -158,7 +178,8 @@ class ToolFormat:
         end = f" {_sequence(close)}" if close else ""
         lines = [*rules, "TEXT: /(.|\\n)*/"]
         if choice != "auto":
-            lines.append(f"start: {_sequence(opener, lead, *call)} {more}{end}")
+            first = _json_lexemes(opener) if split and isinstance(opener, str) else _sequence(opener)
+            lines.append(f"start: {first} {_sequence(lead, *call)} {more}{end}")
         else:
             # The text ends at the first opener, so a call can't hide inside free text: a text
             # opener ends a lazy lexeme; a special token is never inside TEXT (nor ends a lazy one).
@@ -183,17 +204,17 @@ class ToolFormat:
             return call_id
         return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
-    def write(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
-        """``calls`` (name, arguments) as the model writes them (for the history of a template
-        without tools)."""
+    def write(self, calls: list[tuple[str, dict[str, Any] | str]]) -> str:
+        """``calls`` (name, arguments: an object, or text kept as it was written) as the model
+        writes them (for the history of a template without tools)."""
         if self.name == "llama3_json":
-            return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+            return "; ".join(_call_object(n, "parameters", a) for n, a in calls)
         if self.name == "mistral" and self.args_form:
-            return "".join(f"{MISTRAL_CALLS}{n}{MISTRAL_ARGS}{json.dumps(a)}" for n, a in calls)
+            return "".join(f"{MISTRAL_CALLS}{n}{MISTRAL_ARGS}{_json_text(a)}" for n, a in calls)
         if self.name in ("mistral", "granite"):
             opener = f"{MISTRAL_CALLS} " if self.name == "mistral" else GRANITE_CALLS
-            return opener + json.dumps([{"name": n, "arguments": a} for n, a in calls])
-        return "\n".join(f"{CALL_OPEN}\n{json.dumps({'name': n, 'arguments': a})}\n{CALL_CLOSE}" for n, a in calls)
+            return opener + "[" + ", ".join(_call_object(n, "arguments", a) for n, a in calls) + "]"
+        return "\n".join(f"{CALL_OPEN}\n{_call_object(n, 'arguments', a)}\n{CALL_CLOSE}" for n, a in calls)
 
     def instruction(self) -> str:
         """How to call, for the system message of a template without tools."""
@@ -212,6 +233,15 @@ class ToolFormat:
 
 
 HERMES = ToolFormat("hermes")
+
+
+def _json_text(arguments: dict[str, Any] | str) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+def _call_object(name: str, key: str, arguments: dict[str, Any] | str) -> str:
+    """``{"name": name, key: arguments}`` as ``json.dumps`` writes it, text arguments as they are."""
+    return f'{{"name": {json.dumps(name)}, "{key}": {_json_text(arguments)}}}'
 
 _NAME = r'(?P<name>"(?:[^"\\]|\\.)*")'
 _OBJECT_HEAD = r'\{\s*"name"\s*:\s*' + _NAME + r'\s*,\s*"%s"\s*:\s*(?=[{\[])'

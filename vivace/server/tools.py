@@ -80,19 +80,19 @@ def _reads_tools(template: str) -> bool:
         return "tools" in template
 
 
-def _arguments(message_index: int, call_index: int, text: str) -> dict[str, Any]:
-    """A history call's arguments; empty text is no arguments (``{}``), as vLLM reads it: clients
-    send ``""`` back for a function without parameters."""
-    if not text.strip():
+def _arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
+    """A history call's arguments as the template gets them: an object, sent as one or as its JSON
+    text; empty text is no arguments (``{}``), as vLLM reads it (clients send ``""`` back for a
+    function without parameters); other text (a call cut short by max_tokens) stays as written."""
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments.strip():
         return {}
     try:
-        arguments = json.loads(text)
+        parsed = json.loads(arguments)
     except json.JSONDecodeError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        param = f"messages.{message_index}.tool_calls.{call_index}.function.arguments"
-        raise APIError(400, f"{param}: must be a JSON object, as text", param=param)
-    return arguments
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
 
 
 def _check_roles(index: int, message: ChatMessage) -> None:
@@ -111,25 +111,24 @@ def _check_roles(index: int, message: ChatMessage) -> None:
                            param=f"messages.{index}.{name}")
 
 
-def _convention_message(index: int, message: ChatMessage, form: ToolFormat) -> dict[str, Any]:
+def _convention_message(message: ChatMessage, form: ToolFormat) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
     text = message.text()
     if message.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
-    calls = [(c.function.name, _arguments(index, i, c.function.arguments))
-             for i, c in enumerate(message.tool_calls or [])]
+    calls = [(c.function.name, _arguments(c.function.arguments)) for c in message.tool_calls or []]
     text = "\n".join([text] * bool(text) + [form.write(calls)] * bool(calls))
     return _with_thinking(_with_name({"role": role, "content": text}, message), message)
 
 
-def _template_message(index: int, message: ChatMessage, form: ToolFormat) -> dict[str, Any]:
+def _template_message(message: ChatMessage, form: ToolFormat) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
                                 "content": message.text()}
     if message.tool_calls:
         rendered["tool_calls"] = [
             {"id": form.history_id(c.id), "type": "function",
-             "function": {"name": c.function.name, "arguments": _arguments(index, i, c.function.arguments)}}
-            for i, c in enumerate(message.tool_calls)]
+             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in message.tool_calls]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = form.history_id(message.tool_call_id)
     return _with_thinking(_with_name(rendered, message), message)
@@ -169,9 +168,9 @@ def chat_messages(body: ChatTemplateRequest, tokenizer: Any, choice: str, form: 
         _check_roles(index, message)
     own = template_takes_tools(tokenizer)
     if own:
-        messages = [_template_message(i, m, form) for i, m in enumerate(sent)]
+        messages = [_template_message(m, form) for m in sent]
     else:
-        messages = _joined_results(sent, [_convention_message(i, m, form) for i, m in enumerate(sent)])
+        messages = _joined_results(sent, [_convention_message(m, form) for m in sent])
     if choice == "none" or not body.tools:
         return messages, None
     tools = [tool.model_dump(exclude_none=True, exclude={"cache_control"}) for tool in body.tools]  # hints stay out
