@@ -5,6 +5,7 @@ with queue/prefill/decode children; a dead collector costs no request."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
 from vivace.server.tracing import RequestTracer, traces_url
 
+from .conftest import LONG_RUN
 from .harness import RunningServer, free_port, serving, wait_until
 from .otlp_receiver import Received, attributes, otlp_receiver
 
@@ -111,18 +113,35 @@ def test_the_operation_is_the_routes_whatever_the_request_id(traced) -> None:
     assert operations == {"gateway": "chat", "msg": "chat", "chatcmpl": "text_completion"}
 
 
-def test_an_unreachable_collector_costs_no_request(tiny_engine: AsyncEngine,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_request_is_an_error_span(single_slot_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with otlp_receiver() as (url, received):
+        settings = ServerSettings(served_model_name="tiny", otlp_traces_endpoint=url, request_timeout_s=0.3)
+        with serving(single_slot_engine, settings) as server, server.http() as http:
+            body = {"prompt": "Keep going", "max_tokens": LONG_RUN, "ignore_eos": True}
+            assert http.post("/v1/completions", json=body).status_code == 504
+            span = _only(received, "llm_request")
+            server.app.state.tracer.shutdown()
+    assert span.status.code == span.status.STATUS_CODE_ERROR and "timeout" in span.status.message
+    attrs = attributes(span)
+    assert attrs["error.type"] == "request_timeout" and attrs["gen_ai.response.finish_reasons"] == ["abort"]
+
+
+@pytest.mark.parametrize("collector", ["down", "silent"])
+def test_an_unreachable_collector_costs_no_request_nor_a_slow_exit(
+        tiny_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch, collector: str) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
-    settings = ServerSettings(served_model_name="tiny",
-                              otlp_traces_endpoint=f"http://127.0.0.1:{free_port()}")
-    with serving(tiny_engine, settings) as server:
-        for _ in range(3):
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections, never answers
+        port = free_port() if collector == "down" else silent.getsockname()[1]
+        settings = ServerSettings(served_model_name="tiny", otlp_traces_endpoint=f"http://127.0.0.1:{port}")
+        with serving(tiny_engine, settings) as server:
+            for _ in range(3):
+                started = time.monotonic()
+                reply = server.client().completions.create(model="tiny", prompt="x", max_tokens=2)
+                assert reply.choices[0].text is not None and time.monotonic() - started < 5
             started = time.monotonic()
-            reply = server.client().completions.create(model="tiny", prompt="x", max_tokens=2)
-            assert reply.choices[0].text is not None and time.monotonic() - started < 5
-        server.app.state.tracer.shutdown()
+            server.app.state.tracer.shutdown(timeout_s=0.5)  # the SDK's own waits out its 10 s export timeout
+            assert time.monotonic() - started < 3
 
 
 def test_traces_url_appends_the_otlp_path_to_a_bare_address() -> None:

@@ -123,6 +123,7 @@ class EngineRequest:
         self.deadlines = deadlines
         self.choices = [ChoiceState(i) for i in range(params.n)]
         self.last: RequestOutput | None = None
+        self.error: APIError | None = None  # why the engine could not complete it, if it failed
         self._stream: OutputStream | None = None
         self._started = False  # deltas began (or abandon ran): the stream is theirs to close
         try:
@@ -181,6 +182,9 @@ class EngineRequest:
                         self.metrics.record_output(out, first=self.last is None)
                         self.last = out
                         yield out
+        except APIError as exc:
+            self.error = exc
+            raise
         finally:
             if not self.finished:
                 self.engine.abort(self.engine_id)

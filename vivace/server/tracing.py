@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -28,6 +29,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import Status, StatusCode
 from starlette.types import Receive, Scope, Send
 
 from vivace.server.asgi import HTTPMiddleware
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vivace.server")
 
 SPAN_NAME = "llm_request"
+FLUSH_TIMEOUT_S = 3.0  # the most a stopping server waits for its last spans to reach the collector
 _PROPAGATED = (b"traceparent", b"tracestate", b"baggage")
 # The trace-context headers of the HTTP request being served, and its gen_ai.operation.name.
 _incoming: ContextVar[tuple[Mapping[str, str], str]] = ContextVar("vivace_trace_context", default=({}, "chat"))
@@ -147,11 +150,20 @@ class RequestTracer:
                 span.add_event("preempted", timestamp=ns(instant))
             for instant, tokens in t.prefill_chunks:
                 span.add_event("prefill_chunk", {"tokens": tokens}, timestamp=ns(instant))
+        if request.error is not None:
+            span.set_status(Status(StatusCode.ERROR, request.error.message))
         span.end(end)
 
-    def shutdown(self) -> None:
-        """Exports what is pending (bounded by the exporter's timeout) and stops the exporter."""
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Exports what is pending and stops the exporter, waiting ``timeout_s`` at most: a
+        collector that is down or doesn't answer delays the server's exit no longer (the SDK's
+        own shutdown waits out every retry of every batch, up to 30 s); what is left is dropped."""
+        flush = threading.Thread(target=self.provider.shutdown, name="vivace-trace-flush", daemon=True)
+        flush.start()
+        flush.join(timeout_s)
+        if flush.is_alive():
+            logger.warning("traces: the collector did not take the last spans within %.0f s; "
+                           "they are dropped", timeout_s)
 
 
 def request_attributes(request: EngineRequest, model: str, operation: str) -> dict[str, Any]:
@@ -173,6 +185,8 @@ def request_attributes(request: EngineRequest, model: str, operation: str) -> di
     }
     if params.seed is not None:
         attributes["gen_ai.request.seed"] = params.seed
+    if request.error is not None:  # the semantic conventions' name for why it failed
+        attributes["error.type"] = request.error.code or str(request.error.status)
     if out is None:
         return attributes
     t = out.timings
