@@ -113,6 +113,21 @@ def test_the_operation_is_the_routes_whatever_the_request_id(traced) -> None:
     assert operations == {"gateway": "chat", "msg": "chat", "chatcmpl": "text_completion"}
 
 
+def test_the_span_names_the_model_the_response_does(tiny_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with otlp_receiver() as (url, received), serving(tiny_engine, ServerSettings(otlp_traces_endpoint=url)) as server:
+        client = server.client()
+        by_path = client.completions.create(model=tiny_engine.model_path, prompt="x", max_tokens=1)
+        by_name = client.chat.completions.create(model=tiny_engine.model_name, max_tokens=1,
+                                                 messages=[{"role": "user", "content": "hi"}])
+        wait_until(lambda: len(received.named("llm_request")) == 2, what="two spans")
+        server.app.state.tracer.shutdown()
+    models = {a["gen_ai.request.id"]: (a["gen_ai.request.model"], a["gen_ai.response.model"])
+              for a in map(attributes, received.named("llm_request"))}
+    assert models == {f"{by_path.id}-0": (by_path.model, by_path.model), by_name.id: (by_name.model, by_name.model)}
+    assert by_path.model == tiny_engine.model_path != by_name.model
+
+
 def test_a_failed_request_is_an_error_span(single_slot_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
     with otlp_receiver() as (url, received):
@@ -154,7 +169,7 @@ def test_traces_url_appends_the_otlp_path_to_a_bare_address() -> None:
 
 def test_the_service_is_named_by_otel_variables_else_vivace(monkeypatch: pytest.MonkeyPatch) -> None:
     def service() -> dict[str, object]:
-        tracer = RequestTracer(f"http://127.0.0.1:{free_port()}", lambda: "tiny")
+        tracer = RequestTracer(f"http://127.0.0.1:{free_port()}")
         tracer.shutdown()
         return dict(tracer.provider.resource.attributes)
 
@@ -171,15 +186,15 @@ def test_an_otlp_protocol_it_cannot_speak_is_refused_at_start(monkeypatch: pytes
     endpoint = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     with pytest.raises(ValueError, match="http/json"):
-        RequestTracer(endpoint, lambda: "tiny")
+        RequestTracer(endpoint)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # the traces' own wins
     try:
         import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match="opentelemetry-exporter-otlp-proto-grpc"):
-            RequestTracer(endpoint, lambda: "tiny")
+            RequestTracer(endpoint)
     else:
-        RequestTracer(endpoint, lambda: "tiny").shutdown()
+        RequestTracer(endpoint).shutdown()
 
 
 def test_without_tracing_opentelemetry_sdk_is_never_imported() -> None:

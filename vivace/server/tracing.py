@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -112,11 +112,10 @@ class _TraceHeaders(HTTPMiddleware):
 class RequestTracer:
     """Turns ended engine requests into spans exported to ``endpoint`` (see the module doc)."""
 
-    def __init__(self, endpoint: str, model_name: Callable[[], str]) -> None:
+    def __init__(self, endpoint: str) -> None:
         self.provider = TracerProvider(resource=service_resource())
         self.provider.add_span_processor(BatchSpanProcessor(span_exporter(endpoint)))
         self.tracer = self.provider.get_tracer("vivace")
-        self.model_name = model_name
 
     def record(self, request: EngineRequest) -> None:
         """Emits the span of one ended ``request``; never raises (a failure is logged)."""
@@ -137,7 +136,7 @@ class RequestTracer:
         end = ns(t.finished) if t and t.finished is not None else wall_now
         span = self.tracer.start_span(SPAN_NAME, context=propagate.extract(headers),
                                       kind=trace.SpanKind.SERVER, start_time=start,
-                                      attributes=request_attributes(request, self.model_name(), operation))
+                                      attributes=request_attributes(request, operation))
         if t is not None:
             phases = trace.set_span_in_context(span)
             first = t.first_token
@@ -166,10 +165,10 @@ class RequestTracer:
                            "they are dropped", timeout_s)
 
 
-def request_attributes(request: EngineRequest, model: str, operation: str) -> dict[str, Any]:
+def request_attributes(request: EngineRequest, operation: str) -> dict[str, Any]:
     """The ``gen_ai.*`` attributes of one ended request of ``operation``, vLLM's names and the
     current ones."""
-    params, out = request.params, request.last
+    params, out, model = request.params, request.last, request.model
     prompt, completion = len(request.prompt_ids), request.completion_tokens
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": operation,
@@ -206,9 +205,8 @@ def request_attributes(request: EngineRequest, model: str, operation: str) -> di
 def install_tracing(app: FastAPI, endpoint: str) -> RequestTracer:
     """Traces every request of ``app`` to ``endpoint``; the tracer is kept on
     ``app.state.tracer`` (its owner calls ``shutdown``; process exit does it too)."""
-    state = app.state.vivace
-    tracer = RequestTracer(endpoint, state.model_name)
+    tracer = RequestTracer(endpoint)
     app.add_middleware(_TraceHeaders)
-    state.metrics.listeners.append(tracer.record)
+    app.state.vivace.metrics.listeners.append(tracer.record)
     app.state.tracer = tracer
     return tracer
