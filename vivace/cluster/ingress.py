@@ -30,7 +30,7 @@ from vivace.server.asgi import HTTPMiddleware
 from vivace.server.errors import APIError
 from vivace.server.metrics import EngineStatsCollector, engine_timing_families
 from vivace.server.settings import ServerSettings
-from vivace.server.state import Caller, ServerState, path_aliases, server_state
+from vivace.server.state import LOADING_RETRY_AFTER_S, Caller, ServerState, path_aliases, server_state
 from vivace.server.tiers import DEFAULT_TIER
 
 logger = logging.getLogger("vivace.cluster")
@@ -65,7 +65,8 @@ class ClusterState(ServerState):
         for name in self.models:
             if not any(r["state"] == "RUNNING" for d, (model, _) in self.deployments.items()
                        if model == name for r in self.replicas[d]):
-                return APIError(503, f"The model '{name}' has no ready replica", code="not_ready")
+                return APIError(503, f"The model '{name}' has no ready replica", code="not_ready",
+                                retry_after=LOADING_RETRY_AFTER_S)
         return None
 
     def model_name(self, requested: str | None = None) -> str:
