@@ -142,6 +142,22 @@ def test_a_failed_request_is_an_error_span(single_slot_engine: AsyncEngine, monk
     assert attrs["error.type"] == "request_timeout" and attrs["gen_ai.response.finish_reasons"] == ["abort"]
 
 
+def test_a_stream_the_client_leaves_ends_its_phases_where_it_was_aborted(
+        single_slot_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    body = {"prompt": "Keep going", "max_tokens": LONG_RUN, "ignore_eos": True, "stream": True}
+    with otlp_receiver() as (url, received):
+        with serving(single_slot_engine, ServerSettings(otlp_traces_endpoint=url)) as server, server.http() as http:
+            with http.stream("POST", "/v1/completions", json=body) as stream:
+                next(line for i, line in enumerate(stream.iter_lines()) if i > 10)
+            wait_until(lambda: len(received.spans) == 4, what="the request's four spans")
+            server.app.state.tracer.shutdown()
+    request, decode = _only(received, "llm_request"), _only(received, "decode")
+    assert attributes(request)["gen_ai.response.finish_reasons"] == ["abort"]
+    assert decode.parent_span_id == request.span_id
+    assert decode.start_time_unix_nano < decode.end_time_unix_nano == request.end_time_unix_nano
+
+
 @pytest.mark.parametrize("collector", ["down", "silent"])
 def test_an_unreachable_collector_costs_no_request_nor_a_slow_exit(
         tiny_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch, collector: str) -> None:

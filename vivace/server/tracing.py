@@ -133,25 +133,27 @@ class RequestTracer:
         out = request.last
         t = out.timings if out is not None else None
         start = ns(t.arrival) if t else wall_now
-        end = ns(t.finished) if t and t.finished is not None else wall_now
+        finished = t.finished if t and t.finished is not None else perf_now  # now: aborted
         span = self.tracer.start_span(SPAN_NAME, context=propagate.extract(headers),
                                       kind=trace.SpanKind.SERVER, start_time=start,
                                       attributes=request_attributes(request, operation))
         if t is not None:
             phases = trace.set_span_in_context(span)
             first = t.first_token
+            # Each phase runs until the next begins, the last one (where it was aborted) until the end.
             for name, begin, finish in (("queue", t.arrival, t.scheduled),
                                         ("prefill", t.scheduled, first),
-                                        ("decode", first, t.finished)):
-                if begin is not None and finish is not None:
-                    self.tracer.start_span(name, context=phases, start_time=ns(begin)).end(ns(finish))
+                                        ("decode", first, None)):
+                if begin is not None:
+                    self.tracer.start_span(name, context=phases, start_time=ns(begin)).end(
+                        ns(finished if finish is None else finish))
             for instant in t.preemptions:
                 span.add_event("preempted", timestamp=ns(instant))
             for instant, tokens in t.prefill_chunks:
                 span.add_event("prefill_chunk", {"tokens": tokens}, timestamp=ns(instant))
         if request.error is not None:
             span.set_status(Status(StatusCode.ERROR, request.error.message))
-        span.end(end)
+        span.end(ns(finished))
 
     def shutdown(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
         """Exports what is pending and stops the exporter, waiting ``timeout_s`` at most: a
