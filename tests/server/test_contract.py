@@ -124,7 +124,7 @@ def test_wrong_method_is_405_with_allow(server: RunningServer):
         models = http.delete("/v1/models")
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert response.json()["error"]["type"] == "invalid_request_error"
-    assert models.status_code == 405 and models.headers["allow"] == "GET"
+    assert models.status_code == 405 and models.headers["allow"] == "GET, HEAD"
 
 
 @pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny", "/version", "/metrics"])
