@@ -59,7 +59,9 @@ def build_app(engine: AsyncEngine | None, settings: ServerSettings,
     app.add_middleware(HeadAsGet)
     if settings.allowed_origins:  # outermost: a browser's preflight is answered before the rest
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"])
+                           allow_methods=["*"], allow_headers=["*"],
+                           # a page's client reads when to retry a 429 or 503 as any other does
+                           expose_headers=["X-Request-Id", "Retry-After"])
     app.add_api_route("/health", health, methods=["GET"], response_model=HealthResponse,
                       responses=error_responses(405, 503))
     app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse,
