@@ -139,6 +139,8 @@ def test_browsers_may_call_the_api_from_other_origins(server: RunningServer, tin
         answer = http.post(CHAT, json={"messages": HI, "max_tokens": 1}, headers={"Origin": "http://localhost:3000"})
     assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "*"
     assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+    exposed = answer.headers["access-control-expose-headers"].lower().split(", ")
+    assert {"x-request-id", "retry-after"} <= set(exposed)
     with serving(tiny_engine, ServerSettings(allowed_origins=())) as closed, closed.http() as http:
         refused = http.options(CHAT, headers=preflight)
     assert refused.status_code == 405 and "access-control-allow-origin" not in refused.headers

@@ -124,7 +124,16 @@ def test_wrong_method_is_405_with_allow(server: RunningServer):
         models = http.delete("/v1/models")
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert response.json()["error"]["type"] == "invalid_request_error"
-    assert models.status_code == 405 and models.headers["allow"] == "GET"
+    assert models.status_code == 405 and models.headers["allow"] == "GET, HEAD"
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny", "/version", "/metrics"])
+def test_head_is_answered_as_get_without_the_body(server: RunningServer, path: str):
+    with server.http() as http:
+        got, head = http.get(path), http.head(path)
+    assert head.status_code == got.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+    assert int(head.headers["content-length"]) > 0 and head.headers["x-request-id"]
 
 
 def test_an_empty_prompt_is_refused_as_the_schema_says(server: RunningServer):

@@ -158,14 +158,31 @@ def test_api_keys_are_required_when_set(tiny_engine) -> None:
 def test_not_ready_until_an_engine_is_attached(tiny_engine) -> None:
     with serving(None, ServerSettings()) as loading:
         with loading.http() as http:
-            assert http.get("/health").status_code == 503
-            assert http.post(COMPLETIONS, json=completion(model=None)).status_code == 503
+            for response in (http.get("/health"), http.head("/health"),
+                             http.post(COMPLETIONS, json=completion(model=None))):
+                # Clients and load balancers wait Retry-After seconds before they ask again.
+                assert response.status_code == 503 and int(response.headers["retry-after"]) > 0
             # Clients poll the model list until the server is up: 503, not a 500 (an assertion).
             for path in ("/v1/models", "/v1/models/tiny"):
                 assert http.get(path).json()["error"]["code"] == "not_ready"
             loading.app.state.vivace.attach_engine(tiny_engine)
             assert http.get("/health").status_code == 200
             assert http.post(COMPLETIONS, json=completion(model=None)).status_code == 200
+
+
+def test_the_model_path_given_names_the_model_unless_names_are_given(tiny_engine, tiny_model_dir: Path) -> None:
+    # vLLM serves `vllm serve /models/X` as "/models/X": the same client code must reach vivace.
+    given, resolved = tiny_engine.model_path, str(tiny_model_dir.resolve())
+    with serving(tiny_engine, ServerSettings()) as by_path:
+        client = by_path.client()
+        assert [m.id for m in client.models.list().data] == [tiny_model_dir.resolve().name]
+        for name in (given, resolved, tiny_model_dir.resolve().name):
+            answer = client.completions.create(model=name, prompt="hi", max_tokens=1)
+            assert answer.model == name and client.models.retrieve(name).id == name
+    with serving(tiny_engine, ServerSettings(served_model_name="tiny")) as named, named.http() as http:
+        for name in (given, resolved):
+            refused = http.post(COMPLETIONS, json=completion(model=name))
+            assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
 
 
 def test_request_beyond_the_kv_pool_is_refused_whole_or_streamed(tiny_model_dir: Path) -> None:

@@ -11,7 +11,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from vivace.server import ServerSettings
+
 from .browser import API_KEY, CONTEXT, browser, playground_url, serving  # noqa: F401 (fixtures)
+from .harness import serving as serving_in_process
 from .harness import wait_until
 from .thinker import ANSWER, THOUGHT, save_thinker
 
@@ -79,6 +82,7 @@ def test_an_answer_streams_with_its_latency_figures(page) -> None:
     expect(stat(answer, "itl-p99")).to_have_text(MS)
     expect(stat(answer, "tps")).to_have_text(re.compile(r"^\d+(\.\d+)?$"))
     expect(stat(answer, "cached")).to_have_text(re.compile(r"^\d+$"))
+    assert 1 <= int(stat(answer, "tokens").inner_text()) <= 24
     drawn = answer.locator("canvas.sparkline").evaluate(
         "c => c.getContext('2d').getImageData(0, 0, c.width, c.height).data.some(v => v > 0)")
     assert drawn, "the inter-token sparkline is empty"
@@ -107,6 +111,10 @@ def test_a_thinking_models_reasoning_folds_above_its_answer(browser, thinking_ur
 def test_stop_aborts_the_answer_on_the_server(page, playground_url: str) -> None:
     answer = ask(page, "Tell a very long story", CONTEXT - 100)
     expect(stat(answer, "state")).to_have_text("streaming", timeout=60_000)
+    # The conversation follows the answer as it grows past the bottom of the view.
+    page.wait_for_function("""() => { const log = document.querySelector('#messages');
+        return log.scrollHeight > log.clientHeight + 200 && log.scrollHeight - log.scrollTop - log.clientHeight < 40; }""",
+                           timeout=30_000)
     expect(page.locator("#chart-requests .value")).to_contain_text("running 1", timeout=10_000)
     assert running(playground_url) == 1
     page.keyboard.press("Escape")
@@ -115,6 +123,37 @@ def test_stop_aborts_the_answer_on_the_server(page, playground_url: str) -> None
     expect(page.locator("#chart-requests .value")).to_contain_text("running 0", timeout=10_000)
     expect(page.locator("#send")).to_be_enabled()
     expect(page.locator("#stop")).to_be_disabled()
+
+
+def test_tokens_without_text_count_as_the_usage_says(page) -> None:
+    # A token that ends inside a character (an emoji, CJK) streams as a chunk without text.
+    stats = page.evaluate("""async () => {
+        const { Answer } = await import('/ui/stream.js');
+        const article = document.querySelector('#answer-template').content.firstElementChild.cloneNode(true);
+        document.querySelector('#messages').append(article);
+        const answer = new Answer(article);
+        answer.start = performance.now();
+        const chunk = (content, tokens) => ({ choices: [{ index: 0, delta: { content } }],
+                                              usage: { completion_tokens: tokens } });
+        for (const [content, tokens] of [['', 0], ['', 1], ['', 2], ['🎉', 3], ['日', 4], ['', 5], ['本', 6]]) {
+            answer.onChunk(chunk(content, tokens));
+        }
+        answer.render();
+        return { text: answer.text, tokens: article.querySelector('[data-stat="tokens"]').textContent,
+                 gaps: answer.gaps.length };
+    }""")
+    assert stats == {"text": "🎉日本", "tokens": "6", "gaps": 5}
+
+
+def test_a_page_opened_while_the_model_loads_lists_it_once_ready(browser, tiny_engine) -> None:
+    with serving_in_process(None, ServerSettings()) as loading:
+        page = browser.new_page()
+        page.goto(loading.base_url)
+        expect(page.locator("#model-status")).to_contain_text("still loading")
+        loading.app.state.vivace.attach_engine(tiny_engine)
+        expect(page.locator("#model")).to_have_value(tiny_engine.model_name, timeout=10_000)
+        expect(page.locator("#model-status")).to_have_text("")
+        page.close()
 
 
 def test_the_live_charts_update_every_second(page) -> None:

@@ -51,9 +51,9 @@ def test_string_input(server: RunningServer) -> None:
     response = _parsed(server.client().responses.create(model="tiny", input="hi", max_output_tokens=4,
                                                         temperature=0, metadata={"k": "v"}, store=True))
     assert response.object == "response" and response.model == "tiny" and response.error is None
-    assert response.id.startswith("resp")
+    assert response.id.startswith("resp_")  # as OpenAI's and vLLM's ids
     (message,) = response.output
-    assert message.type == "message" and message.role == "assistant"
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
     assert message.content[0].type == "output_text" and response.output_text == message.content[0].text
     usage = response.usage
     assert usage.output_tokens <= 4 and usage.input_tokens > 0

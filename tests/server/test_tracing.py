@@ -5,6 +5,7 @@ with queue/prefill/decode children; a dead collector costs no request."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from vivace.engine.async_engine import AsyncEngine
 from vivace.server import ServerSettings
 from vivace.server.tracing import RequestTracer, traces_url
 
+from .conftest import LONG_RUN
 from .harness import RunningServer, free_port, serving, wait_until
 from .otlp_receiver import Received, attributes, otlp_receiver
 
@@ -111,18 +113,66 @@ def test_the_operation_is_the_routes_whatever_the_request_id(traced) -> None:
     assert operations == {"gateway": "chat", "msg": "chat", "chatcmpl": "text_completion"}
 
 
-def test_an_unreachable_collector_costs_no_request(tiny_engine: AsyncEngine,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
-    settings = ServerSettings(served_model_name="tiny",
-                              otlp_traces_endpoint=f"http://127.0.0.1:{free_port()}")
-    with serving(tiny_engine, settings) as server:
-        for _ in range(3):
-            started = time.monotonic()
-            reply = server.client().completions.create(model="tiny", prompt="x", max_tokens=2)
-            assert reply.choices[0].text is not None and time.monotonic() - started < 5
+def test_the_span_names_the_model_the_response_does(tiny_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with otlp_receiver() as (url, received), serving(tiny_engine, ServerSettings(otlp_traces_endpoint=url)) as server:
+        client = server.client()
+        by_path = client.completions.create(model=tiny_engine.model_path, prompt="x", max_tokens=1)
+        by_name = client.chat.completions.create(model=tiny_engine.model_name, max_tokens=1,
+                                                 messages=[{"role": "user", "content": "hi"}])
+        wait_until(lambda: len(received.named("llm_request")) == 2, what="two spans")
         server.app.state.tracer.shutdown()
+    models = {a["gen_ai.request.id"]: (a["gen_ai.request.model"], a["gen_ai.response.model"])
+              for a in map(attributes, received.named("llm_request"))}
+    assert models == {f"{by_path.id}-0": (by_path.model, by_path.model), by_name.id: (by_name.model, by_name.model)}
+    assert by_path.model == tiny_engine.model_path != by_name.model
+
+
+def test_a_failed_request_is_an_error_span(single_slot_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with otlp_receiver() as (url, received):
+        settings = ServerSettings(served_model_name="tiny", otlp_traces_endpoint=url, request_timeout_s=0.3)
+        with serving(single_slot_engine, settings) as server, server.http() as http:
+            body = {"prompt": "Keep going", "max_tokens": LONG_RUN, "ignore_eos": True}
+            assert http.post("/v1/completions", json=body).status_code == 504
+            span = _only(received, "llm_request")
+            server.app.state.tracer.shutdown()
+    assert span.status.code == span.status.STATUS_CODE_ERROR and "timeout" in span.status.message
+    attrs = attributes(span)
+    assert attrs["error.type"] == "request_timeout" and attrs["gen_ai.response.finish_reasons"] == ["abort"]
+
+
+def test_a_stream_the_client_leaves_ends_its_phases_where_it_was_aborted(
+        single_slot_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    body = {"prompt": "Keep going", "max_tokens": LONG_RUN, "ignore_eos": True, "stream": True}
+    with otlp_receiver() as (url, received):
+        with serving(single_slot_engine, ServerSettings(otlp_traces_endpoint=url)) as server, server.http() as http:
+            with http.stream("POST", "/v1/completions", json=body) as stream:
+                next(line for i, line in enumerate(stream.iter_lines()) if i > 10)
+            wait_until(lambda: len(received.spans) == 4, what="the request's four spans")
+            server.app.state.tracer.shutdown()
+    request, decode = _only(received, "llm_request"), _only(received, "decode")
+    assert attributes(request)["gen_ai.response.finish_reasons"] == ["abort"]
+    assert decode.parent_span_id == request.span_id
+    assert decode.start_time_unix_nano < decode.end_time_unix_nano == request.end_time_unix_nano
+
+
+@pytest.mark.parametrize("collector", ["down", "silent"])
+def test_an_unreachable_collector_costs_no_request_nor_a_slow_exit(
+        tiny_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch, collector: str) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections, never answers
+        port = free_port() if collector == "down" else silent.getsockname()[1]
+        settings = ServerSettings(served_model_name="tiny", otlp_traces_endpoint=f"http://127.0.0.1:{port}")
+        with serving(tiny_engine, settings) as server:
+            for _ in range(3):
+                started = time.monotonic()
+                reply = server.client().completions.create(model="tiny", prompt="x", max_tokens=2)
+                assert reply.choices[0].text is not None and time.monotonic() - started < 5
+            started = time.monotonic()
+            server.app.state.tracer.shutdown(timeout_s=0.5)  # the SDK's own waits out its 10 s export timeout
+            assert time.monotonic() - started < 3
 
 
 def test_traces_url_appends_the_otlp_path_to_a_bare_address() -> None:
@@ -135,7 +185,7 @@ def test_traces_url_appends_the_otlp_path_to_a_bare_address() -> None:
 
 def test_the_service_is_named_by_otel_variables_else_vivace(monkeypatch: pytest.MonkeyPatch) -> None:
     def service() -> dict[str, object]:
-        tracer = RequestTracer(f"http://127.0.0.1:{free_port()}", lambda: "tiny")
+        tracer = RequestTracer(f"http://127.0.0.1:{free_port()}")
         tracer.shutdown()
         return dict(tracer.provider.resource.attributes)
 
@@ -152,15 +202,15 @@ def test_an_otlp_protocol_it_cannot_speak_is_refused_at_start(monkeypatch: pytes
     endpoint = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     with pytest.raises(ValueError, match="http/json"):
-        RequestTracer(endpoint, lambda: "tiny")
+        RequestTracer(endpoint)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # the traces' own wins
     try:
         import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match="opentelemetry-exporter-otlp-proto-grpc"):
-            RequestTracer(endpoint, lambda: "tiny")
+            RequestTracer(endpoint)
     else:
-        RequestTracer(endpoint, lambda: "tiny").shutdown()
+        RequestTracer(endpoint).shutdown()
 
 
 def test_without_tracing_opentelemetry_sdk_is_never_imported() -> None:

@@ -30,7 +30,7 @@ from vivace.server.asgi import HTTPMiddleware
 from vivace.server.errors import APIError
 from vivace.server.metrics import EngineStatsCollector, engine_timing_families
 from vivace.server.settings import ServerSettings
-from vivace.server.state import Caller, ServerState, server_state
+from vivace.server.state import LOADING_RETRY_AFTER_S, Caller, ServerState, path_aliases, server_state
 from vivace.server.tiers import DEFAULT_TIER
 
 logger = logging.getLogger("vivace.cluster")
@@ -39,12 +39,15 @@ _STATS_FIELDS = set(EngineStats.__dataclass_fields__)
 
 
 class ClusterState(ServerState):
-    """Serves ``models`` (name -> versions); ``deployments`` maps each deployment name to its
-    (model, version). Replica stats are refreshed every REFRESH_S by :meth:`refresh_forever`."""
+    """Serves ``models`` (name -> versions), each also under its ``aliases`` (alias -> name);
+    ``deployments`` maps each deployment name to its (model, version). Replica stats are
+    refreshed every REFRESH_S by :meth:`refresh_forever`."""
 
     def __init__(self, settings: ServerSettings, models: dict[str, ServedModel],
-                 deployments: dict[str, tuple[str, str]], handles: dict[str, DeploymentHandle]) -> None:
+                 deployments: dict[str, tuple[str, str]], handles: dict[str, DeploymentHandle],
+                 aliases: dict[str, str] | None = None) -> None:
         self.models = models
+        self.aliases = aliases or {}
         self.default_model = next(iter(models))
         self.deployments = deployments
         self.handles = handles
@@ -62,11 +65,12 @@ class ClusterState(ServerState):
         for name in self.models:
             if not any(r["state"] == "RUNNING" for d, (model, _) in self.deployments.items()
                        if model == name for r in self.replicas[d]):
-                return APIError(503, f"The model '{name}' has no ready replica", code="not_ready")
+                return APIError(503, f"The model '{name}' has no ready replica", code="not_ready",
+                                retry_after=LOADING_RETRY_AFTER_S)
         return None
 
     def model_name(self, requested: str | None = None) -> str:
-        return requested if requested in self.models else self.default_model
+        return requested if requested in self.models or requested in self.aliases else self.default_model
 
     def served_models(self) -> list[tuple[str, Any]]:
         return [(name, model.versions[0].engine) for name, model in self.models.items()]
@@ -77,7 +81,7 @@ class ClusterState(ServerState):
                             "step timings are in /metrics (labelled by replica)", code="not_found")
 
     def engine_for(self, model: str | None, caller: Caller | None = None) -> RemoteEngine:
-        served = self.models.get(model or self.default_model)
+        served = self.models.get(self.aliases.get(model, model) if model else self.default_model)
         if served is None:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                                 f"{', '.join(repr(m) for m in self.models)}", param="model",
@@ -196,15 +200,17 @@ class Ingress:
         names = self.config.deployment_names
         infos = dict(zip(names.values(), await asyncio.gather(
             *(self.engines[name].describe.remote() for name in names.values()))))
-        models, deployments = {}, {}
+        models, deployments, aliases = {}, {}, {}
         for i, model in enumerate(self.config.models):
             versions = [Version(RemoteEngine(self.engines[names[i, v.name]], v.name,
                                              infos[names[i, v.name]]), v.weight, v.tiers)
                         for v in model.versions]
             name = model.name or self.settings.served_model_name or versions[0].engine.model_name
             models[name] = ServedModel(name, versions)
+            if model.name is None and self.settings.served_model_name is None:  # as vLLM: the path given
+                aliases.update({alias: name for v in model.versions for alias in path_aliases(v.engine.model)})
             deployments.update({names[i, v.name]: (name, v.name) for v in model.versions})
-        state = ClusterState(self.settings, models, deployments, self.engines)
+        state = ClusterState(self.settings, models, deployments, self.engines, aliases)
         await state.refresh()
         self.refresher = asyncio.get_running_loop().create_task(state.refresh_forever())
         app = build_app(None, self.settings, state)

@@ -111,6 +111,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.sampling_defaults = self.engine.sampling_defaults  # for the sampling fields a request leaves out
         self.model_name = self.engine.model_name
+        self.model_path = config.model  # as given: a path, or a bundled model's name
         self.max_model_len = self.engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}

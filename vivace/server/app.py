@@ -11,6 +11,7 @@ from starlette.requests import Request
 from vivace.server.anthropic_api import count_message_tokens, create_message
 from vivace.server.anthropic_objects import Message, TokenCount
 from vivace.server.anthropic_protocol import MessagesPrompt, MessagesRequest
+from vivace.server.asgi import HeadAsGet
 from vivace.server.auth import check_api_key
 from vivace.server.body_limit import BodyLimitMiddleware
 from vivace.server.chat import create_chat_completion
@@ -55,9 +56,12 @@ def build_app(engine: AsyncEngine | None, settings: ServerSettings,
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(HeadAsGet)
     if settings.allowed_origins:  # outermost: a browser's preflight is answered before the rest
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"])
+                           allow_methods=["*"], allow_headers=["*"],
+                           # a page's client reads when to retry a 429 or 503 as any other does
+                           expose_headers=["X-Request-Id", "Retry-After"])
     app.add_api_route("/health", health, methods=["GET"], response_model=HealthResponse,
                       responses=error_responses(405, 503))
     app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse,

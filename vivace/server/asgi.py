@@ -1,8 +1,8 @@
-"""The base of vivace's ASGI middlewares."""
+"""The base of vivace's ASGI middlewares, and the one that answers HEAD as GET."""
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class HTTPMiddleware:
@@ -20,3 +20,20 @@ class HTTPMiddleware:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         raise NotImplementedError
+
+
+class HeadAsGet(HTTPMiddleware):
+    """Answers ``HEAD`` as the app answers ``GET``, headers and all, without the body (HTTP's
+    rule, which load balancers' and Kubernetes' probes of ``/health`` rely on)."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_headers_only)

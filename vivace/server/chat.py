@@ -136,7 +136,7 @@ async def start_chat(request: Request, body: ChatCompletionRequest, id_prefix: s
         params.prediction = await off_the_loop(state.metrics.work["prompt"], partial(
             engine.tokenizer.encode, add_special_tokens=False), text, size=len(text))
     job = EngineRequest(engine, state.metrics, prompt_ids, params, request_id_of(request, id_prefix),
-                        caller.priority(body.priority), caller.deadlines)
+                        caller.priority(body.priority), caller.deadlines, model=state.model_name(body.model))
     ticket = state.admission.admit(caller.api_key, caller.tier, [job])
     return StartedChat(job, ticket, choice != "none", thinking, form)
 

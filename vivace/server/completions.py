@@ -47,7 +47,7 @@ async def create_completion(request: Request) -> Response:
                                  engine.sampling_defaults)
         params.structured = structured
         jobs.append(EngineRequest(engine, state.metrics, ids, params, f"{request_id}-{i}",
-                                  caller.priority(body.priority), caller.deadlines))
+                                  caller.priority(body.priority), caller.deadlines, model=state.model_name(body.model)))
         echoes.append((prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids))
                       if body.echo else "")
         await asyncio.sleep(0)  # other streams' events between prompts: 20,000 of them took ~2 s

@@ -163,7 +163,10 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     message = str(exc.detail)
     if exc.status_code == 404 and message == "Not Found":  # no such route: say which, as OpenAI does
         message = f"Invalid URL ({request.method} {request.url.path})"
-    return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
+    headers = dict(exc.headers or {})
+    if headers.get("Allow") == "GET":  # every GET route answers HEAD too (vivace.server.asgi.HeadAsGet)
+        headers["Allow"] = "GET, HEAD"
+    return APIError(exc.status_code, message, headers=headers).response(request.url.path)
 
 
 async def _server_error(request: Request, exc: Exception) -> JSONResponse:

@@ -103,15 +103,16 @@ def submitted(jobs: list[EngineRequest], release: Callable[[], None]) -> Callabl
 
 
 class EngineRequest:
-    """One request on the engine. Iterate :meth:`deltas` once; ``choices`` and ``last``
-    accumulate as it goes. Abandoning the iteration aborts the request in the engine;
+    """One request on the engine for ``model`` (the name its response carries). Iterate
+    :meth:`deltas` once; ``choices`` and ``last`` accumulate as it goes. Abandoning the iteration aborts the request in the engine;
     metrics are recorded when it ends either way. Past its queue delay the iteration raises
     a 503 APIError (Retry-After 1), past its timeout a 504."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int],
                  params: SamplingParams, request_id: str, priority: int = 0,
-                 deadlines: Deadlines = Deadlines()) -> None:
+                 deadlines: Deadlines = Deadlines(), *, model: str) -> None:
         self.engine = engine
+        self.model = model
         self.metrics = metrics
         self.prompt_ids = prompt_ids
         self.params = params
@@ -123,6 +124,7 @@ class EngineRequest:
         self.deadlines = deadlines
         self.choices = [ChoiceState(i) for i in range(params.n)]
         self.last: RequestOutput | None = None
+        self.error: APIError | None = None  # why the engine could not complete it, if it failed
         self._stream: OutputStream | None = None
         self._started = False  # deltas began (or abandon ran): the stream is theirs to close
         try:
@@ -181,6 +183,9 @@ class EngineRequest:
                         self.metrics.record_output(out, first=self.last is None)
                         self.last = out
                         yield out
+        except APIError as exc:
+            self.error = exc
+            raise
         finally:
             if not self.finished:
                 self.engine.abort(self.engine_id)

@@ -46,7 +46,7 @@ async def create_response(request: Request) -> Response:
             raise APIError(400, "message.output_text.logprobs are not served with a reasoning parser (they "
                                 "would mix the thinking's tokens with the answer's): leave it out of include",
                            param="include")
-        chat = await start_chat(request, body.chat_request(), "resp-")
+        chat = await start_chat(request, body.chat_request(), "resp_")
     except APIError as exc:
         raise _in_responses_terms(exc) from None
     answer = _settings(body, chat.job, state.model_name(body.model))

@@ -88,6 +88,9 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     loader.start()
     _keep_exit_status_zero()
     server.run()
+    tracer = getattr(app.state, "tracer", None)
+    if tracer is not None:  # its last spans, before the engine's shutdown
+        tracer.shutdown()
     loader.join(timeout=settings.shutdown_timeout_s)
     if state.engine is not None:
         state.engine.shutdown()

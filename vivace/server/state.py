@@ -3,7 +3,9 @@ once it is ready; and who sent a request (its key, tier and deadlines)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -22,6 +24,17 @@ if TYPE_CHECKING:
 
     from vivace.engine.async_engine import AsyncEngine
     from vivace.engine.step_timing import StepTimings
+
+LOADING_RETRY_AFTER_S = 2  # the Retry-After of a 503 while the model loads
+
+
+@functools.cache
+def path_aliases(model: str) -> frozenset[str]:
+    """The names a model loaded from ``model`` (a path, or a bundled model's name) answers to
+    besides its served name, as vLLM serves a model under the path given on its command line:
+    ``model`` as given and, where it is a path on disk, its resolved absolute path."""
+    path = Path(model).expanduser()
+    return frozenset({model, str(path.resolve())} if path.exists() else {model})
 
 
 @dataclass(frozen=True)
@@ -96,15 +109,27 @@ class ServerState:
     def unavailable(self) -> APIError | None:
         """Why ``/health`` is not 200 now, or None while the server can serve."""
         if self.engine is None:
-            return APIError(503, "The model is still loading", code="not_ready")
+            return _loading()
         if not self.engine.is_running:
             return APIError(503, "The engine has stopped", code="engine_dead")
         return None
 
     def model_name(self, requested: str | None = None) -> str:
-        """The name responses carry for a request that asked for ``requested`` (one model here)."""
+        """The name responses carry for a request that asked for ``requested`` (one model here):
+        ``requested`` when it is one the model answers to (vLLM echoes it too), else the served name."""
+        assert self.engine is not None
+        return requested if requested is not None and self._answers_to(requested) else self._served_name()
+
+    def _served_name(self) -> str:
         assert self.engine is not None
         return self.settings.served_model_name or self.engine.model_name
+
+    def _answers_to(self, model: str) -> bool:
+        """Whether ``model`` names the served model: its served name or, without
+        ``--served-model-name`` (vLLM then serves only the names given), the model's path."""
+        assert self.engine is not None
+        return model == self._served_name() or (
+            self.settings.served_model_name is None and model in path_aliases(self.engine.model_path))
 
     def served_models(self) -> list[tuple[str, AsyncEngine]]:
         """Each served model name with an engine serving it (503 while loading)."""
@@ -115,8 +140,8 @@ class ServerState:
         """The engine serving ``model`` (None: the served one) to ``caller`` (a scaled-out
         server picks a version by its tier); 503 while loading, 404 if unknown."""
         if self.engine is None:
-            raise APIError(503, "The model is still loading; retry shortly", code="not_ready")
-        if model is not None and model != self.model_name():
+            raise _loading()
+        if model is not None and not self._answers_to(model):
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                                 f"'{self.model_name()}'", param="model", code="model_not_found")
         return self.engine
@@ -124,6 +149,11 @@ class ServerState:
     def engine_timings(self) -> StepTimings:
         """The served engine's recent timing events (``/debug/timings``); 503 while loading."""
         return self.engine_for(None).timings
+
+
+def _loading() -> APIError:
+    return APIError(503, "The model is still loading; retry shortly", code="not_ready",
+                    retry_after=LOADING_RETRY_AFTER_S)
 
 
 def server_state(request: Request) -> ServerState:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -28,6 +29,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import Status, StatusCode
 from starlette.types import Receive, Scope, Send
 
 from vivace.server.asgi import HTTPMiddleware
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vivace.server")
 
 SPAN_NAME = "llm_request"
+FLUSH_TIMEOUT_S = 3.0  # the most a stopping server waits for its last spans to reach the collector
 _PROPAGATED = (b"traceparent", b"tracestate", b"baggage")
 # The trace-context headers of the HTTP request being served, and its gen_ai.operation.name.
 _incoming: ContextVar[tuple[Mapping[str, str], str]] = ContextVar("vivace_trace_context", default=({}, "chat"))
@@ -109,11 +112,10 @@ class _TraceHeaders(HTTPMiddleware):
 class RequestTracer:
     """Turns ended engine requests into spans exported to ``endpoint`` (see the module doc)."""
 
-    def __init__(self, endpoint: str, model_name: Callable[[], str]) -> None:
+    def __init__(self, endpoint: str) -> None:
         self.provider = TracerProvider(resource=service_resource())
         self.provider.add_span_processor(BatchSpanProcessor(span_exporter(endpoint)))
         self.tracer = self.provider.get_tracer("vivace")
-        self.model_name = model_name
 
     def record(self, request: EngineRequest) -> None:
         """Emits the span of one ended ``request``; never raises (a failure is logged)."""
@@ -131,33 +133,44 @@ class RequestTracer:
         out = request.last
         t = out.timings if out is not None else None
         start = ns(t.arrival) if t else wall_now
-        end = ns(t.finished) if t and t.finished is not None else wall_now
+        finished = t.finished if t and t.finished is not None else perf_now  # now: aborted
         span = self.tracer.start_span(SPAN_NAME, context=propagate.extract(headers),
                                       kind=trace.SpanKind.SERVER, start_time=start,
-                                      attributes=request_attributes(request, self.model_name(), operation))
+                                      attributes=request_attributes(request, operation))
         if t is not None:
             phases = trace.set_span_in_context(span)
             first = t.first_token
+            # Each phase runs until the next begins, the last one (where it was aborted) until the end.
             for name, begin, finish in (("queue", t.arrival, t.scheduled),
                                         ("prefill", t.scheduled, first),
-                                        ("decode", first, t.finished)):
-                if begin is not None and finish is not None:
-                    self.tracer.start_span(name, context=phases, start_time=ns(begin)).end(ns(finish))
+                                        ("decode", first, None)):
+                if begin is not None:
+                    self.tracer.start_span(name, context=phases, start_time=ns(begin)).end(
+                        ns(finished if finish is None else finish))
             for instant in t.preemptions:
                 span.add_event("preempted", timestamp=ns(instant))
             for instant, tokens in t.prefill_chunks:
                 span.add_event("prefill_chunk", {"tokens": tokens}, timestamp=ns(instant))
-        span.end(end)
+        if request.error is not None:
+            span.set_status(Status(StatusCode.ERROR, request.error.message))
+        span.end(ns(finished))
 
-    def shutdown(self) -> None:
-        """Exports what is pending (bounded by the exporter's timeout) and stops the exporter."""
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Exports what is pending and stops the exporter, waiting ``timeout_s`` at most: a
+        collector that is down or doesn't answer delays the server's exit no longer (the SDK's
+        own shutdown waits out every retry of every batch, up to 30 s); what is left is dropped."""
+        flush = threading.Thread(target=self.provider.shutdown, name="vivace-trace-flush", daemon=True)
+        flush.start()
+        flush.join(timeout_s)
+        if flush.is_alive():
+            logger.warning("traces: the collector did not take the last spans within %.0f s; "
+                           "they are dropped", timeout_s)
 
 
-def request_attributes(request: EngineRequest, model: str, operation: str) -> dict[str, Any]:
+def request_attributes(request: EngineRequest, operation: str) -> dict[str, Any]:
     """The ``gen_ai.*`` attributes of one ended request of ``operation``, vLLM's names and the
     current ones."""
-    params, out = request.params, request.last
+    params, out, model = request.params, request.last, request.model
     prompt, completion = len(request.prompt_ids), request.completion_tokens
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": operation,
@@ -173,6 +186,8 @@ def request_attributes(request: EngineRequest, model: str, operation: str) -> di
     }
     if params.seed is not None:
         attributes["gen_ai.request.seed"] = params.seed
+    if request.error is not None:  # the semantic conventions' name for why it failed
+        attributes["error.type"] = request.error.code or str(request.error.status)
     if out is None:
         return attributes
     t = out.timings
@@ -192,9 +207,8 @@ def request_attributes(request: EngineRequest, model: str, operation: str) -> di
 def install_tracing(app: FastAPI, endpoint: str) -> RequestTracer:
     """Traces every request of ``app`` to ``endpoint``; the tracer is kept on
     ``app.state.tracer`` (its owner calls ``shutdown``; process exit does it too)."""
-    state = app.state.vivace
-    tracer = RequestTracer(endpoint, state.model_name)
+    tracer = RequestTracer(endpoint)
     app.add_middleware(_TraceHeaders)
-    state.metrics.listeners.append(tracer.record)
+    app.state.vivace.metrics.listeners.append(tracer.record)
     app.state.tracer = tracer
     return tracer

@@ -7,13 +7,21 @@ import { Answer } from "./stream.js";
 const $ = (selector) => document.querySelector(selector);
 const history = [];
 let controller = null;
+let modelRetry = null; // the timer of the next model listing while the server isn't ready
 
 function authHeaders() {
   const key = $("#api-key").value.trim();
   return key ? { Authorization: `Bearer ${key}` } : {};
 }
 
+// Asks again in `seconds` (a server still loading its model says when in Retry-After).
+function retryModels(seconds) {
+  clearTimeout(modelRetry);
+  modelRetry = setTimeout(loadModels, 1000 * Math.min(Math.max(seconds, 0.5), 10));
+}
+
 async function loadModels() {
+  clearTimeout(modelRetry);
   const status = $("#model-status");
   try {
     const response = await fetch("/v1/models", { headers: authHeaders() });
@@ -21,6 +29,7 @@ async function loadModels() {
     if (!response.ok) {
       status.textContent = response.status === 401
         ? "this server needs an API key: enter it in the settings" : body.error.message;
+      if (response.status === 503) retryModels(Number(response.headers.get("Retry-After")) || 1);
       return;
     }
     const select = $("#model");
@@ -30,6 +39,7 @@ async function loadModels() {
     status.textContent = body.data.length > 1 ? `${body.data.length} models` : "";
   } catch (error) {
     status.textContent = `cannot list models (${error.message})`;
+    retryModels(2); // a server restarting, or a proxy's error page: the listing comes once it is back
   }
 }
 
@@ -67,6 +77,7 @@ async function send() {
   addMessage("user", text);
   const article = $("#answer-template").content.firstElementChild.cloneNode(true);
   $("#messages").append(article);
+  $("#messages").scrollTop = $("#messages").scrollHeight; // the question just sent, and its answer below
   const system = $("#system").value.trim();
   const body = {
     model: $("#model").value || undefined,

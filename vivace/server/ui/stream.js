@@ -1,6 +1,8 @@
 // One streamed chat answer: POSTs /v1/chat/completions with stream=true through fetch, reads
 // the server-sent events, and measures what the user sees: time to first token, the gaps
 // between tokens (mean, p99, sparkline), tokens/s and the prompt tokens served from cache.
+// Tokens are counted by the usage every chunk carries (continuous_usage_stats): a token that
+// ends inside a character (an emoji, CJK) comes as a chunk without text, yet it is a token.
 // A thinking model's reasoning (served with --reasoning-parser) shows in a folding "Thinking"
 // block above the answer, open while the model thinks; its tokens count in the figures.
 // Aborting the fetch closes the connection, which makes the server abort the request.
@@ -46,6 +48,7 @@ export class Answer {
     this.text = "";
     this.gaps = [];
     this.tokens = 0;
+    this.firstTokens = 0; // the tokens of the first chunk that had any
     this.frame = null;
   }
 
@@ -60,7 +63,8 @@ export class Answer {
     try {
       const response = await fetch("/v1/chat/completions", {
         method: "POST", headers: { "Content-Type": "application/json", ...headers },
-        body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }), signal,
+        body: JSON.stringify({ ...body, stream: true,
+          stream_options: { include_usage: true, continuous_usage_stats: true } }), signal,
       });
       if (!response.ok) {
         const error = await response.json().catch(() => ({}));
@@ -101,30 +105,44 @@ export class Answer {
     const delta = choice.delta || {};
     // vLLM's newer name first; the same text comes under both
     const thinking = delta.reasoning ?? delta.reasoning_content;
-    if (thinking || delta.content) this.token(performance.now(), thinking || "", delta.content || "");
+    const generated = chunk.usage?.completion_tokens; // so far; a server without it: a chunk of text is a token
+    const count = generated != null ? generated - this.tokens : (thinking || delta.content ? 1 : 0);
+    if (count > 0) this.arrived(performance.now(), count);
+    if (thinking || delta.content) this.append(thinking || "", delta.content || "");
+    if ((count > 0 || thinking || delta.content) && this.frame === null) {
+      this.frame = requestAnimationFrame(() => this.render());
+    }
   }
 
-  // One streamed token's text: `thought` (reasoning) and `piece` (answer), either may be "".
-  token(now, thought, piece) {
+  // `count` new tokens arrived at `now`.
+  arrived(now, count) {
     if (this.tokens === 0) {
       this.first = now;
+      this.firstTokens = count;
       this.stat("ttft", ms(now - this.start));
       this.stat("state", "streaming");
     } else {
       this.gaps.push(now - this.last);
     }
     this.last = now;
-    this.tokens += 1;
+    this.tokens += count;
+  }
+
+  // Text of the answer: `thought` (reasoning) and `piece` (answer), either may be "".
+  append(thought, piece) {
     if (thought && !this.thought) this.reasoning.open = true;
     this.thought += thought;
     if (piece && !this.text && this.thought) this.reasoning.open = false; // the answer begins: fold the thinking
     this.text += piece;
-    if (this.frame === null) this.frame = requestAnimationFrame(() => this.render());
   }
 
   render() {
     if (this.frame !== null) cancelAnimationFrame(this.frame);
     this.frame = null;
+    // A reader at the bottom of the conversation follows the answer as it grows; one who
+    // scrolled up to read stays where they are.
+    const log = this.article.parentElement;
+    const following = log && log.scrollHeight - log.scrollTop - log.clientHeight < 32;
     this.content.innerHTML = renderMarkdown(this.text);
     if (this.thought) {
       this.reasoning.hidden = false;
@@ -133,8 +151,10 @@ export class Answer {
     if (this.gaps.length) {
       this.stat("itl-mean", ms(this.gaps.reduce((a, b) => a + b, 0) / this.gaps.length));
       this.stat("itl-p99", ms(percentile(this.gaps, 0.99)));
-      this.stat("tps", ((this.tokens - 1) / ((this.last - this.first) / 1000)).toFixed(1));
+      this.stat("tps", ((this.tokens - this.firstTokens) / ((this.last - this.first) / 1000)).toFixed(1));
     }
+    if (this.tokens) this.stat("tokens", String(this.tokens));
     drawSparkline(this.sparkline, this.gaps);
+    if (following) log.scrollTop = log.scrollHeight;
   }
 }
