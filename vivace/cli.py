@@ -292,6 +292,9 @@ def _serve(args: argparse.Namespace) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdLogFilter())
     settings = server_settings(args)  # a bad server flag is an error before anything is built
+    from vivace.server.open_files import raise_open_files_limit
+
+    raise_open_files_limit()  # one connection is one open file; Ray's processes inherit it
     if any(getattr(args, flag.dest) is not None for flag in SCALE_FLAGS):
         return _serve_scaled_out(args, settings)
     config = dataclasses.replace(engine_config(args), background_compile=not args.compile_wait)

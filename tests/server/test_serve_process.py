@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -103,4 +105,49 @@ def test_sigterm_past_the_grace_ends_open_streams_with_an_error_event(tmp_path: 
     finally:
         if process.poll() is None:
             process.kill()
+        log.close()
+
+
+def _lower_open_files_limit(soft: int) -> Callable[[], None]:
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return lower
+
+
+async def _held_connections(port: int, count: int) -> list[bytes]:
+    """Open ``count`` connections, all at once, ask /v1/models on each and return the status
+    lines, keeping every connection open until all have answered."""
+    streams = [await asyncio.open_connection("127.0.0.1", port) for _ in range(count)]
+    try:
+        for _, writer in streams:
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: vivace\r\n\r\n")
+        return [await asyncio.wait_for(reader.readline(), 60) for reader, _ in streams]
+    finally:
+        for _, writer in streams:
+            writer.close()
+
+
+@pytest.mark.slow
+def test_serve_raises_a_low_open_files_limit_so_many_clients_connect(tmp_path: Path, make_tiny_llama) -> None:
+    """Started under a soft limit of 128 open files (a distribution's default is 1024), the
+    server raises it, as vLLM does, and answers 300 clients connected at once."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"the hard limit of open files here is {hard}")
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vivace.cli", "serve", str(make_tiny_llama()), "--port", str(port), "--eager"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_lower_open_files_limit(128),
+        env={**os.environ, "VIVACE_LOG_LEVEL": "warning"})
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+        limits = Path(f"/proc/{process.pid}/limits").read_text()
+        served_soft = int(next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3])
+        assert served_soft == min(65535, hard if hard != resource.RLIM_INFINITY else 65535)
+        status_lines = asyncio.run(_held_connections(port, 300))
+        assert status_lines == [b"HTTP/1.1 200 OK\r\n"] * 300
+    finally:
+        process.kill()
+        process.wait(timeout=30)
         log.close()
