@@ -70,6 +70,8 @@ TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_free_template_variabl
     json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_VARIABLES)}}})]
 # An empty prompt has nothing to continue from: the schema says so, and the server agrees.
 PromptText = Annotated[str, Field(min_length=1)]
+# A grammar (GBNF or Lark) has at least its root rule: the published schema refuses an empty one.
+GrammarText = Annotated[str, Field(min_length=1)]
 
 
 class _Strict(BaseModel):
@@ -151,7 +153,7 @@ class StructuredOutputs(_Strict):
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1)] | None = None
-    grammar: str | None = None
+    grammar: GrammarText | None = None
     json_object: bool | None = None
     # JSON is compact unless a whitespace pattern is given and disable_any_whitespace is not true;
     # objects that list their properties take no others (as xgrammar reads them), either way.
@@ -305,11 +307,11 @@ class SamplingRequest(_Strict):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
-    guided_grammar: str | None = None
+    guided_grammar: GrammarText | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # vivace's is llguidance: another is a warning, as in vLLM V1
     # llama.cpp server's names: a GBNF grammar, a JSON schema
-    grammar: str | None = None
+    grammar: GrammarText | None = None
     json_schema: dict[str, Any] | None = None
 
     @field_validator("stream_options")
